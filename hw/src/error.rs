@@ -1,0 +1,65 @@
+//! Error type of the hardware/OS layer.
+
+/// Everything that can go wrong in `kvnode-hw`.
+///
+/// Invariant: `Os` always carries the name of the failing system call (or
+/// step) and the `std::io::Error` it produced; `Invalid` is only produced for
+/// caller mistakes that were detected before any OS resource was touched
+/// (or after it was released again); `OutOfBounds` is only produced by
+/// bounds checks on a pool region and never leaves memory modified.
+#[derive(Debug, thiserror::Error)]
+pub enum HwError {
+    /// A system call failed.
+    #[error("{op}: {source}")]
+    Os {
+        /// Name of the failing operation, e.g. `"mmap"`.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The caller passed an argument that can never work.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// An access `[offset, offset + len)` does not fit in the pool.
+    #[error("out of bounds: offset {offset} + len {len} > pool {pool_len}")]
+    OutOfBounds {
+        /// Requested start offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Length of the pool region.
+        pool_len: u64,
+    },
+}
+
+/// Result alias for this crate.
+///
+/// Invariant: identical to `Result<T, HwError>`.
+pub type HwResult<T> = Result<T, HwError>;
+
+impl HwError {
+    /// Builds `HwError::Os` from `errno` as it is right now.
+    ///
+    /// Must be called immediately after the failing call, before anything
+    /// else can overwrite `errno`.
+    pub(crate) fn last_os(op: &'static str) -> HwError {
+        HwError::Os {
+            op,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    /// Builds `HwError::Os` from an existing `io::Error`.
+    pub(crate) fn os(op: &'static str, source: std::io::Error) -> HwError {
+        HwError::Os { op, source }
+    }
+
+    /// The raw OS error number, if this is an `Os` error carrying one.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            HwError::Os { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! OS and hardware access for kvnode: the shared (hugepage-backed) memory
+//! pool and fd passing over Unix sockets.
+//!
+//! This is the only kvnode crate allowed to contain `unsafe` code / FFI.
+//! Every `unsafe` block carries a `// SAFETY:` comment, and the public types
+//! wrap all raw pointers so that the rest of the node stays safe Rust:
+//!
+//! * [`SharedPool`] creates the node's pool (memfd or POSIX shm, `MAP_SHARED`)
+//!   with the page-size fallback chain 1G -> 2M hugetlb -> THP -> 4K.
+//! * [`PoolRegion`] is a bounds-checked view of a mapped pool.
+//! * [`PoolMapping`] maps a pool on the client side from a received fd.
+//! * [`send_with_fd`] / [`recv_with_fd`] move the pool fd over `SCM_RIGHTS`.
+
+#![cfg_attr(not(target_os = "linux"), allow(unused))]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(
+    missing_docs,
+    clippy::undocumented_unsafe_blocks,
+    clippy::missing_safety_doc
+)]
+
+#[cfg(not(target_os = "linux"))]
+compile_error!("kvnode-hw only supports Linux");
+
+mod error;
+mod fdpass;
+mod pool;
+mod region;
+mod shm;
+mod sys;
+
+pub use error::{HwError, HwResult};
+pub use fdpass::{recv_with_fd, send_with_fd};
+pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
+pub use region::{PoolMapping, PoolRegion};
+pub use sys::hugepages_free_2m;
+
+/// Serializes tests that create hugetlb-capable pools or change
+/// `nr_hugepages`, so that one test's reservation cannot skew another's
+/// expectations.
+#[cfg(test)]
+pub(crate) static HUGEPAGE_TEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Takes [`HUGEPAGE_TEST_LOCK`], ignoring poisoning from a failed test.
+#[cfg(test)]
+pub(crate) fn hugepage_test_lock() -> std::sync::MutexGuard<'static, ()> {
+    HUGEPAGE_TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}

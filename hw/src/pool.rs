@@ -1,0 +1,330 @@
+//! The node's shared memory pool: creation with the hugetlb -> THP -> 4K
+//! fallback chain.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::error::{HwError, HwResult};
+use crate::region::{round_up, PoolRegion, ALIGN_2M};
+use crate::shm::ShmSegment;
+use crate::sys;
+
+const GIB: u64 = 1 << 30;
+/// Largest pool we accept: far beyond any real machine, but small enough
+/// that every length/offset computation stays clear of overflow.
+const MAX_POOL_BYTES: u64 = 1 << 46;
+
+/// What physically backs the pool pages. `as_str()` gives exactly
+/// `"hugetlb-1g"`, `"hugetlb-2m"`, `"thp"`, `"4k"`.
+///
+/// Invariant: describes what the kernel was asked for and confirmed
+/// (hugetlb: the mapping succeeded with reserved pages; `Thp`: shmem THP is
+/// enabled for the backing filesystem and the mapping is huge-page eligible),
+/// not a guarantee that every page is huge at every instant (THP may fall
+/// back to 4K pages under fragmentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PoolBacking {
+    /// 1 GiB hugetlb pages.
+    Hugetlb1G,
+    /// 2 MiB hugetlb pages.
+    Hugetlb2M,
+    /// Transparent huge pages on shmem (2 MiB).
+    Thp,
+    /// Ordinary 4 KiB pages.
+    Pages4K,
+}
+
+impl PoolBacking {
+    /// Stable short name: `"hugetlb-1g"`, `"hugetlb-2m"`, `"thp"` or `"4k"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolBacking::Hugetlb1G => "hugetlb-1g",
+            PoolBacking::Hugetlb2M => "hugetlb-2m",
+            PoolBacking::Thp => "thp",
+            PoolBacking::Pages4K => "4k",
+        }
+    }
+
+    /// Page size in bytes: 1 GiB, 2 MiB, 2 MiB, 4096.
+    pub fn page_bytes(self) -> u64 {
+        match self {
+            PoolBacking::Hugetlb1G => GIB,
+            PoolBacking::Hugetlb2M | PoolBacking::Thp => 2 << 20,
+            PoolBacking::Pages4K => 4096,
+        }
+    }
+}
+
+impl std::fmt::Display for PoolBacking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Which page size to try first; the chain always falls back downwards:
+/// 1G -> 2M -> THP -> 4K.
+///
+/// Invariant: `Pages4K` additionally opts the mapping out of THP
+/// (`MADV_NOHUGEPAGE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PagePreference {
+    /// Try 1 GiB hugetlb pages first.
+    Huge1G,
+    /// Try 2 MiB hugetlb pages first (default).
+    #[default]
+    Huge2M,
+    /// Try shmem THP first.
+    Thp,
+    /// Plain 4 KiB pages.
+    Pages4K,
+}
+
+/// How to create a [`SharedPool`].
+///
+/// Invariant: plain data; validated by [`SharedPool::create`].
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Requested size; must be > 0. Rounded up to a multiple of 2 MiB
+    /// (1 GiB when the pool ends up on 1 GiB hugetlb pages).
+    pub bytes: u64,
+    /// Which page size to try first.
+    pub prefer: PagePreference,
+    /// Fault every page in at creation (default true).
+    pub prefault: bool,
+    /// memfd name (debug only, shows in `/proc/<pid>/maps`).
+    pub name: String,
+    /// If set, back the pool with the named POSIX shm segment
+    /// `/dev/shm/<name>` (created exclusively, mode 0600, a stale one is
+    /// unlinked first) instead of a memfd; unlinked when the pool drops.
+    /// Hugetlb is impossible there.
+    pub posix_shm_name: Option<String>,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            bytes: GIB,
+            prefer: PagePreference::Huge2M,
+            prefault: true,
+            name: "kvnode-pool".into(),
+            posix_shm_name: None,
+        }
+    }
+}
+
+/// The node's pool: one shared mapping (`MAP_SHARED`) of a memfd (or POSIX
+/// shm segment) that clients map too.
+///
+/// Invariants: the base pointer is aligned to `backing().page_bytes()` and
+/// at least 2 MiB; `len()` is a multiple of 2 MiB (of 1 GiB for
+/// `Hugetlb1G`); the fd's file is exactly `len()` bytes; the mapping lives
+/// as long as the `SharedPool`.
+#[derive(Debug)]
+pub struct SharedPool {
+    // Drop order: the mapping goes first, then the fd; the shm name is
+    // unlinked by `shm`'s own Drop last.
+    region: PoolRegion,
+    fd: OwnedFd,
+    backing: PoolBacking,
+    shm: Option<ShmSegment>,
+}
+
+impl SharedPool {
+    /// Creates the pool, trying the chain from `opts.prefer` downwards.
+    /// Logs the backing obtained at info and, at warn, why each better one
+    /// failed. Errors: `Invalid` for a zero/oversized size or a bad name,
+    /// `Os` if even the 4K fallback fails.
+    pub fn create(opts: &PoolOptions) -> HwResult<SharedPool> {
+        if opts.bytes == 0 {
+            return Err(HwError::Invalid("pool size is 0".into()));
+        }
+        if opts.bytes > MAX_POOL_BYTES {
+            return Err(HwError::Invalid(format!(
+                "pool size {} exceeds the maximum {MAX_POOL_BYTES}",
+                opts.bytes
+            )));
+        }
+        let pool = match &opts.posix_shm_name {
+            Some(shm_name) => create_posix_shm(opts, shm_name)?,
+            None => create_memfd_chain(opts)?,
+        };
+        tracing::info!(
+            backing = pool.backing.as_str(),
+            bytes = pool.len(),
+            requested = opts.bytes,
+            posix_shm = pool.posix_shm_name().unwrap_or(""),
+            "shared pool created"
+        );
+        Ok(pool)
+    }
+
+    /// What backs the pool pages.
+    pub fn backing(&self) -> PoolBacking {
+        self.backing
+    }
+
+    /// Pool length in bytes (after rounding).
+    pub fn len(&self) -> u64 {
+        self.region.len()
+    }
+
+    /// Always false: pools are never empty (present for API hygiene).
+    pub fn is_empty(&self) -> bool {
+        self.region.is_empty()
+    }
+
+    /// The pool's fd, to pass to clients (e.g. with
+    /// [`crate::send_with_fd`]); it stays open as long as the pool.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The POSIX shm name (without `/`) if the pool is a named segment.
+    pub fn posix_shm_name(&self) -> Option<&str> {
+        self.shm.as_ref().map(ShmSegment::name)
+    }
+
+    /// The node-side mapping of the whole pool.
+    pub fn region(&self) -> &PoolRegion {
+        &self.region
+    }
+}
+
+fn create_memfd_chain(opts: &PoolOptions) -> HwResult<SharedPool> {
+    // memfd_create accepts at most 249 bytes (NAME_MAX minus "memfd:").
+    if opts.name.len() > 249 {
+        return Err(HwError::Invalid(format!(
+            "memfd name is {} bytes, longer than 249",
+            opts.name.len()
+        )));
+    }
+    let name = CString::new(opts.name.as_str())
+        .map_err(|_| HwError::Invalid(format!("memfd name {:?} contains NUL", opts.name)))?;
+    let mut hugetlb: &[PoolBacking] = &[];
+    match opts.prefer {
+        PagePreference::Huge1G => hugetlb = &[PoolBacking::Hugetlb1G, PoolBacking::Hugetlb2M],
+        PagePreference::Huge2M => hugetlb = &[PoolBacking::Hugetlb2M],
+        PagePreference::Thp | PagePreference::Pages4K => {}
+    }
+    for &backing in hugetlb {
+        match try_hugetlb(opts, &name, backing) {
+            Ok(pool) => return Ok(pool),
+            Err(e) => {
+                let dir = match backing {
+                    PoolBacking::Hugetlb1G => sys::HUGE_1G_DIR,
+                    _ => sys::HUGE_2M_DIR,
+                };
+                tracing::warn!(
+                    backing = backing.as_str(),
+                    error = %e,
+                    available_pages = ?sys::hugepages_available(dir),
+                    "hugetlb pool unavailable, falling back"
+                );
+            }
+        }
+    }
+    let want_thp = opts.prefer != PagePreference::Pages4K;
+    let fd = memfd_create(&name, libc::MFD_CLOEXEC).map_err(|e| HwError::os("memfd_create", e))?;
+    let len = round_up(opts.bytes, ALIGN_2M as u64).expect("bounded by MAX_POOL_BYTES");
+    let file = File::from(fd);
+    file.set_len(len).map_err(|e| HwError::os("ftruncate", e))?;
+    let fd = OwnedFd::from(file);
+    let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
+    let backing = thp_or_4k(&region, want_thp, sys::memfd_thp_active(), "memfd");
+    finish(opts, region, fd, backing, None)
+}
+
+fn try_hugetlb(opts: &PoolOptions, name: &CString, backing: PoolBacking) -> HwResult<SharedPool> {
+    let size_flag = match backing {
+        PoolBacking::Hugetlb1G => libc::MFD_HUGE_1GB,
+        _ => libc::MFD_HUGE_2MB,
+    };
+    let page = backing.page_bytes();
+    let len = round_up(opts.bytes, page).expect("bounded by MAX_POOL_BYTES");
+    let fd = memfd_create(name, libc::MFD_CLOEXEC | libc::MFD_HUGETLB | size_flag)
+        .map_err(|e| HwError::os("memfd_create(MFD_HUGETLB)", e))?;
+    let file = File::from(fd);
+    file.set_len(len)
+        .map_err(|e| HwError::os("ftruncate (hugetlb)", e))?;
+    let fd = OwnedFd::from(file);
+    // Without free hugepages this mmap fails with ENOMEM (reservation).
+    let region = PoolRegion::map_shared(fd.as_fd(), len as usize, page as usize, len)?;
+    finish(opts, region, fd, backing, None)
+}
+
+fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> {
+    if matches!(opts.prefer, PagePreference::Huge1G | PagePreference::Huge2M) {
+        tracing::warn!(
+            name = shm_name,
+            "hugetlb is impossible on POSIX shm (/dev/shm is tmpfs); trying THP"
+        );
+    }
+    let (seg, fd) = ShmSegment::create(shm_name)?;
+    // From here on `seg` unlinks the name again if anything fails.
+    let len = round_up(opts.bytes, ALIGN_2M as u64).expect("bounded by MAX_POOL_BYTES");
+    let file = File::from(fd);
+    file.set_len(len)
+        .map_err(|e| HwError::os("ftruncate (posix shm)", e))?;
+    let fd = OwnedFd::from(file);
+    let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
+    let want_thp = opts.prefer != PagePreference::Pages4K;
+    let backing = thp_or_4k(&region, want_thp, sys::dev_shm_thp_active(), "/dev/shm");
+    finish(opts, region, fd, backing, Some(seg))
+}
+
+/// Applies the THP advice to a shmem mapping and decides Thp vs Pages4K.
+fn thp_or_4k(region: &PoolRegion, want_thp: bool, active: bool, what: &str) -> PoolBacking {
+    if !want_thp {
+        if let Err(e) = region.madvise(libc::MADV_NOHUGEPAGE) {
+            tracing::debug!(error = %e, "madvise(MADV_NOHUGEPAGE) failed");
+        }
+        return PoolBacking::Pages4K;
+    }
+    if let Err(e) = region.madvise(libc::MADV_HUGEPAGE) {
+        tracing::warn!(error = %e, "madvise(MADV_HUGEPAGE) failed; using 4K pages");
+        return PoolBacking::Pages4K;
+    }
+    if active {
+        PoolBacking::Thp
+    } else {
+        tracing::warn!(
+            backing = what,
+            "shmem THP is not enabled (shmem_enabled / tmpfs huge=); using 4K pages"
+        );
+        PoolBacking::Pages4K
+    }
+}
+
+fn finish(
+    opts: &PoolOptions,
+    region: PoolRegion,
+    fd: OwnedFd,
+    backing: PoolBacking,
+    shm: Option<ShmSegment>,
+) -> HwResult<SharedPool> {
+    if opts.prefault {
+        region.prefault_fresh()?;
+    }
+    Ok(SharedPool {
+        region,
+        fd,
+        backing,
+        shm,
+    })
+}
+
+fn memfd_create(name: &CString, flags: libc::c_uint) -> std::io::Result<OwnedFd> {
+    // SAFETY: name is a valid NUL-terminated string; flags are plain bits.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if fd < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        // SAFETY: fd was just returned by memfd_create and is owned by nobody.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+#[cfg(test)]
+#[path = "pool_tests.rs"]
+mod tests;

@@ -1,0 +1,121 @@
+//! POSIX shared memory segments (`shm_open` under `/dev/shm`).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+
+use crate::error::{HwError, HwResult};
+
+/// Validates a segment name (no leading slash) and returns `"/<name>"` as a
+/// C string, as `shm_open` wants it.
+pub(crate) fn c_name(name: &str) -> HwResult<CString> {
+    if name.is_empty()
+        || name.len() > 250
+        || name.contains('/')
+        || name.contains('\0')
+        || name == "."
+        || name == ".."
+    {
+        return Err(HwError::Invalid(format!(
+            "bad POSIX shm name {name:?}: must be 1..=250 bytes, without '/' or NUL"
+        )));
+    }
+    CString::new(format!("/{name}")).map_err(|e| HwError::Invalid(e.to_string()))
+}
+
+fn shm_open(name: &CString, oflag: libc::c_int, mode: libc::mode_t) -> std::io::Result<OwnedFd> {
+    // SAFETY: name is a valid NUL-terminated string; shm_open sets
+    // FD_CLOEXEC itself and we add O_CLOEXEC for clarity.
+    let fd = unsafe { libc::shm_open(name.as_ptr(), oflag | libc::O_CLOEXEC, mode) };
+    if fd < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        // SAFETY: fd is a freshly opened descriptor nobody else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+fn shm_unlink(name: &CString) -> std::io::Result<()> {
+    // SAFETY: name is a valid NUL-terminated string.
+    if unsafe { libc::shm_unlink(name.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Opens an existing segment read-write.
+pub(crate) fn open_existing(name: &str) -> HwResult<OwnedFd> {
+    let c = c_name(name)?;
+    shm_open(&c, libc::O_RDWR, 0).map_err(|e| HwError::os("shm_open", e))
+}
+
+/// A named segment this process created. Invariant: while it lives,
+/// `/dev/shm/<name>` was created by us (`O_EXCL`) with mode 0600; on drop the
+/// name is unlinked if it still refers to the same inode (`dev`, `ino`).
+#[derive(Debug)]
+pub(crate) struct ShmSegment {
+    name: String,
+    c_name: CString,
+    dev: u64,
+    ino: u64,
+}
+
+impl ShmSegment {
+    /// Creates `/dev/shm/<name>` exclusively with mode 0600, after unlinking
+    /// a stale segment of that name. Returns the guard and the fd.
+    pub(crate) fn create(name: &str) -> HwResult<(ShmSegment, OwnedFd)> {
+        let c = c_name(name)?;
+        match shm_unlink(&c) {
+            Ok(()) => tracing::warn!(name, "unlinked stale POSIX shm segment"),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(HwError::os("shm_unlink (stale segment)", e)),
+        }
+        let fd = shm_open(&c, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600)
+            .map_err(|e| HwError::os("shm_open(O_CREAT|O_EXCL)", e))?;
+        let file = File::from(fd);
+        let md = match file.metadata() {
+            Ok(md) => md,
+            Err(e) => {
+                let _ = shm_unlink(&c);
+                return Err(HwError::os("fstat", e));
+            }
+        };
+        let seg = ShmSegment {
+            name: name.to_owned(),
+            c_name: c,
+            dev: md.dev(),
+            ino: md.ino(),
+        };
+        // The umask may have removed bits from 0600; force exactly 0600.
+        // SAFETY: fchmod on a descriptor we own.
+        if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
+            return Err(HwError::last_os("fchmod"));
+        }
+        Ok((seg, OwnedFd::from(file)))
+    }
+
+    /// Name without the leading slash.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        let path = format!("{}/{}", crate::sys::DEV_SHM, self.name);
+        match std::fs::metadata(&path) {
+            Ok(md) if md.dev() == self.dev && md.ino() == self.ino => {
+                if let Err(e) = shm_unlink(&self.c_name) {
+                    tracing::warn!(name = %self.name, error = %e, "shm_unlink failed");
+                }
+            }
+            Ok(_) => tracing::warn!(
+                name = %self.name,
+                "POSIX shm name now belongs to another segment; not unlinking"
+            ),
+            Err(_) => {} // already gone
+        }
+    }
+}

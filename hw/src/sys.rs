@@ -1,0 +1,150 @@
+//! Read-only probes of kernel memory settings (sysfs / procfs).
+//!
+//! Nothing here changes system state; every probe returns `None`/`false`
+//! when the file is missing or unreadable, so callers degrade gracefully.
+
+use std::fs;
+
+/// sysfs directory of the 2 MiB hugetlb pool.
+pub(crate) const HUGE_2M_DIR: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+/// sysfs directory of the 1 GiB hugetlb pool.
+pub(crate) const HUGE_1G_DIR: &str = "/sys/kernel/mm/hugepages/hugepages-1048576kB";
+const SHMEM_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+const SHMEM_ENABLED_2M: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled";
+/// Where glibc's `shm_open` puts POSIX shared memory segments.
+pub(crate) const DEV_SHM: &str = "/dev/shm";
+
+/// Number of free 2 MiB hugetlb pages
+/// (`/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages`).
+///
+/// Invariant: `None` iff the counter could not be read or parsed (no hugetlb
+/// support); the value is a snapshot and may be stale immediately. Note that
+/// free pages may already be reserved by existing mappings (`resv_hugepages`).
+pub fn hugepages_free_2m() -> Option<u64> {
+    read_u64(&format!("{HUGE_2M_DIR}/free_hugepages"))
+}
+
+/// Free-and-unreserved hugetlb pages in the pool at `dir`, i.e. how many
+/// pages a new mapping could still reserve (`free_hugepages - resv_hugepages`).
+pub(crate) fn hugepages_available(dir: &str) -> Option<u64> {
+    let free = read_u64(&format!("{dir}/free_hugepages"))?;
+    let resv = read_u64(&format!("{dir}/resv_hugepages")).unwrap_or(0);
+    Some(free.saturating_sub(resv))
+}
+
+/// Reads a file holding one decimal integer.
+pub(crate) fn read_u64(path: &str) -> Option<u64> {
+    fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Extracts the `[selected]` word of a sysfs multiple-choice file.
+pub(crate) fn selected_value(text: &str) -> Option<&str> {
+    let start = text.find('[')? + 1;
+    let end = start + text[start..].find(']')?;
+    Some(&text[start..end])
+}
+
+fn selected_in(path: &str) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    selected_value(&text).map(str::to_owned)
+}
+
+fn is_huge_mode(mode: &str) -> bool {
+    matches!(mode, "always" | "within_size" | "advise" | "force")
+}
+
+/// Whether PMD-sized THP can back a memfd (the kernel-internal shmem mount)
+/// once the mapping is `madvise(MADV_HUGEPAGE)`d.
+///
+/// Invariant: `false` whenever the global shmem setting is `never`/`deny` and
+/// no per-size override enables it, or when the settings cannot be read.
+pub(crate) fn memfd_thp_active() -> bool {
+    let global = selected_in(SHMEM_ENABLED);
+    match selected_in(SHMEM_ENABLED_2M).as_deref() {
+        // Per-size knob exists and overrides the global one (Linux >= 6.11),
+        // except that the global `deny`/`force` testing modes always win.
+        Some(per_size) if per_size != "inherit" => match global.as_deref() {
+            Some("deny") => false,
+            Some("force") => true,
+            _ => is_huge_mode(per_size),
+        },
+        _ => global.as_deref().is_some_and(is_huge_mode),
+    }
+}
+
+/// Whether THP can back files of the tmpfs mounted at `/dev/shm` (POSIX shm).
+///
+/// Invariant: `true` only if the global shmem setting is `force`, or it is
+/// not `deny` and `/dev/shm` is a tmpfs mounted with
+/// `huge=always|within_size|advise`.
+pub(crate) fn dev_shm_thp_active() -> bool {
+    match selected_in(SHMEM_ENABLED).as_deref() {
+        Some("deny") => return false,
+        Some("force") => return true,
+        _ => {}
+    }
+    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
+        return false;
+    };
+    dev_shm_huge_option(&mounts).is_some_and(|m| is_huge_mode(m) && m != "force")
+}
+
+/// The `huge=` option of the last (i.e. visible) tmpfs mount on `/dev/shm`
+/// in a `/proc/self/mounts` text; `Some("never")` if mounted without one.
+pub(crate) fn dev_shm_huge_option(mounts: &str) -> Option<&str> {
+    let mut found = None;
+    for line in mounts.lines() {
+        let mut fields = line.split_whitespace();
+        let (_src, Some(dir), Some(fstype), Some(opts)) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        if dir != DEV_SHM {
+            continue;
+        }
+        found = if fstype == "tmpfs" {
+            Some(
+                opts.split(',')
+                    .find_map(|o| o.strip_prefix("huge="))
+                    .unwrap_or("never"),
+            )
+        } else {
+            None
+        };
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selected_value_parses_brackets() {
+        assert_eq!(
+            selected_value("always within_size advise [never] deny force\n"),
+            Some("never")
+        );
+        assert_eq!(selected_value("[always] madvise never"), Some("always"));
+        assert_eq!(selected_value("always madvise never"), None);
+    }
+
+    #[test]
+    fn dev_shm_option_parsing() {
+        let m = "proc /proc proc rw 0 0\n\
+                 tmpfs /dev/shm tmpfs rw,relatime,size=100k 0 0\n";
+        assert_eq!(dev_shm_huge_option(m), Some("never"));
+        let m2 = format!("{m}tmpfs /dev/shm tmpfs rw,huge=within_size 0 0\n");
+        assert_eq!(dev_shm_huge_option(&m2), Some("within_size"));
+        assert_eq!(dev_shm_huge_option("proc /proc proc rw 0 0\n"), None);
+    }
+
+    #[test]
+    fn probes_do_not_panic() {
+        let _ = hugepages_free_2m();
+        let _ = hugepages_available(HUGE_1G_DIR);
+        let _ = memfd_thp_active();
+        let _ = dev_shm_thp_active();
+    }
+}

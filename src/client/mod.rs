@@ -1,0 +1,496 @@
+//! The blocking native client: connect, register (receiving and mapping the pool), and store or
+//! retrieve chunks by copying straight into or out of the shared pool.
+//!
+//! ```no_run
+//! use kvnode::client::{Client, ChunkRangeBuilder};
+//! let mut c = Client::connect("/tmp/kvnode.sock")?;
+//! c.register(&kvnode::protocol::RegisterRequest {
+//!     instance_id: 1, model: "m".into(), world_size: 1, block_size: 16,
+//!     num_layers: 2, hidden_dim: 128, dtype: "bfloat16".into(), use_mla: false,
+//! })?;
+//! let tokens: Vec<u32> = (0..512).collect();
+//! let range = ChunkRangeBuilder::worker("m", 1, 0).tokens(&tokens, c.chunk_tokens()?);
+//! let chunk = vec![7u8; c.object_bytes()? as usize];
+//! c.store(1, &range, &[&chunk, &chunk])?;
+//! assert!(c.retrieve(1, &range)?.is_some());
+//! # Ok::<(), kvnode::error::Error>(())
+//! ```
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use kvnode_hw::{PoolMapping, PoolRegion};
+use rkyv::util::AlignedVec;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::hashing::{chunk_hashes, ChunkHash};
+use crate::protocol::frame::{
+    decode_response, encode_request, read_frame, FrameError, FrameSource,
+};
+use crate::protocol::{
+    ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireLayout, WireSlot,
+};
+
+/// Builds [`ChunkRange`]s from token lists (hashing on the client, once).
+pub struct ChunkRangeBuilder {
+    model: String,
+    world_size: u32,
+    worker_id: Option<u32>,
+    cache_salt: String,
+}
+
+impl ChunkRangeBuilder {
+    /// A range for one worker shard (store / retrieve).
+    pub fn worker(model: &str, world_size: u32, worker_id: u32) -> Self {
+        ChunkRangeBuilder {
+            model: model.to_owned(),
+            world_size,
+            worker_id: Some(worker_id),
+            cache_salt: String::new(),
+        }
+    }
+
+    /// A range for all ranks (scheduler lookups).
+    pub fn all_ranks(model: &str, world_size: u32) -> Self {
+        ChunkRangeBuilder {
+            model: model.to_owned(),
+            world_size,
+            worker_id: None,
+            cache_salt: String::new(),
+        }
+    }
+
+    /// Sets the per-tenant salt.
+    pub fn salt(mut self, salt: &str) -> Self {
+        self.cache_salt = salt.to_owned();
+        self
+    }
+
+    /// The range of every full chunk of `tokens`.
+    pub fn tokens(&self, tokens: &[u32], chunk_tokens: u32) -> ChunkRange {
+        self.hashes(0, chunk_hashes(tokens, chunk_tokens))
+    }
+
+    /// A range from precomputed hashes, starting at chunk `first_chunk` of the request.
+    pub fn hashes(&self, first_chunk: u32, chunk_hashes: Vec<ChunkHash>) -> ChunkRange {
+        ChunkRange {
+            model: self.model.clone(),
+            world_size: self.world_size,
+            worker_id: self.worker_id,
+            cache_salt: self.cache_salt.clone(),
+            first_chunk,
+            chunk_hashes,
+        }
+    }
+}
+
+/// A prepared store as the client sees it.
+#[derive(Debug, Clone)]
+pub struct StorePrepared {
+    /// Id to commit or abort (0 when nothing was reserved).
+    pub transfer_id: u64,
+    /// Reserved slots.
+    pub slots: Vec<WireSlot>,
+    /// Chunk position of each slot.
+    pub chunk_indices: Vec<u32>,
+    /// Layout of each slot.
+    pub layout: WireLayout,
+}
+
+/// A prepared retrieve (`None` from `prepare_retrieve` means a miss).
+#[derive(Debug, Clone)]
+pub struct RetrievePrepared {
+    /// Id to commit.
+    pub transfer_id: u64,
+    /// One slot per chunk.
+    pub slots: Vec<WireSlot>,
+    /// Layout of each slot.
+    pub layout: WireLayout,
+}
+
+struct FdSource<'a>(&'a UnixStream);
+
+impl FrameSource for FdSource<'_> {
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+        kvnode_hw::recv_with_fd(self.0.as_fd(), buf)
+    }
+}
+
+/// A blocking connection to a node. Invariant: responses are matched to requests by id; a
+/// mismatch is an error, never silently accepted.
+pub struct Client {
+    stream: UnixStream,
+    next_id: u64,
+    payload: AlignedVec<16>,
+    pool: Option<PoolMapping>,
+    registration: Option<RegisterReply>,
+}
+
+fn frame_err(e: FrameError) -> Error {
+    match e {
+        FrameError::Io(m) => Error::new(ErrorKind::Io, m),
+        FrameError::Truncated => Error::new(ErrorKind::Io, "node closed the connection"),
+        other => Error::invalid(format!("bad frame from node: {other}")),
+    }
+}
+
+impl Client {
+    /// Connects to the node's Unix socket.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        let p = path.as_ref();
+        let stream = UnixStream::connect(p)
+            .map_err(|e| Error::from(e).context(format!("connecting to {}", p.display())))?;
+        Ok(Client {
+            stream,
+            next_id: 1,
+            payload: AlignedVec::new(),
+            pool: None,
+            registration: None,
+        })
+    }
+
+    /// Sends a request without waiting (pipelining); returns its request id.
+    pub fn send(&mut self, req: &Request) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = encode_request(id, req).map_err(frame_err)?;
+        kvnode_hw::send_with_fd(self.stream.as_fd(), &frame, None)?;
+        Ok(id)
+    }
+
+    /// Receives the next response: (request id, response, fd if one was attached).
+    pub fn recv(&mut self) -> Result<(u64, Response, Option<OwnedFd>)> {
+        let (h, fd) = read_frame(&mut FdSource(&self.stream), &mut self.payload)
+            .map_err(frame_err)?
+            .ok_or_else(|| Error::new(ErrorKind::Io, "node closed the connection"))?;
+        let resp = decode_response(&self.payload).map_err(frame_err)?;
+        Ok((h.request_id, resp, fd))
+    }
+
+    fn call_with_fd(&mut self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
+        let id = self.send(req)?;
+        let (got, resp, fd) = self.recv()?;
+        if got != id {
+            return Err(Error::internal(format!(
+                "response id {got} for request {id}"
+            )));
+        }
+        match resp {
+            Response::Error { kind, message } => {
+                Err(Error::new(ErrorKind::from_code(kind), message))
+            }
+            r => Ok((r, fd)),
+        }
+    }
+
+    /// Sends a request and waits for its response; typed errors come back as `Err`.
+    pub fn call(&mut self, req: &Request) -> Result<Response> {
+        self.call_with_fd(req).map(|(r, _)| r)
+    }
+
+    fn unexpected(r: Response) -> Error {
+        Error::internal(format!("unexpected response {r:?}"))
+    }
+
+    /// Registers an engine-driven context and maps the pool received with the reply.
+    pub fn register(&mut self, req: &RegisterRequest) -> Result<RegisterReply> {
+        let (resp, fd) = self.call_with_fd(&Request::Register(req.clone()))?;
+        let Response::Registered(reply) = resp else {
+            return Err(Self::unexpected(resp));
+        };
+        if self.pool.is_none() {
+            let mapping = match (fd, reply.shm_name.as_str()) {
+                (Some(fd), _) => PoolMapping::from_fd(fd, reply.pool_bytes)?,
+                (None, name) if !name.is_empty() => {
+                    PoolMapping::open_posix_shm(name, reply.pool_bytes)?
+                }
+                (None, _) => {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        "registration reply carried no pool fd and no shm name",
+                    ))
+                }
+            };
+            self.pool = Some(mapping);
+        }
+        self.registration = Some(reply.clone());
+        Ok(reply)
+    }
+
+    /// The mapped pool (after `register`).
+    pub fn pool(&self) -> Option<&PoolRegion> {
+        self.pool.as_ref().map(PoolMapping::region)
+    }
+
+    fn registration(&self) -> Result<&RegisterReply> {
+        self.registration
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::NotRegistered, "register before transferring"))
+    }
+
+    /// Bytes per object of the registered layout.
+    pub fn object_bytes(&self) -> Result<u64> {
+        Ok(self.registration()?.object_bytes)
+    }
+
+    /// Tokens per chunk (from the registration, else asked from the node).
+    pub fn chunk_tokens(&mut self) -> Result<u32> {
+        if let Some(r) = &self.registration {
+            return Ok(r.chunk_tokens);
+        }
+        match self.call(&Request::GetChunkSize)? {
+            Response::Number(n) => {
+                u32::try_from(n).map_err(|_| Error::internal("chunk size out of range"))
+            }
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// Heartbeat.
+    pub fn ping(&mut self, instance_id: Option<u64>) -> Result<()> {
+        self.call(&Request::Ping { instance_id }).map(drop)
+    }
+
+    /// Connectivity probe: the node answers "OK".
+    pub fn noop(&mut self) -> Result<String> {
+        match self.call(&Request::Noop)? {
+            Response::Text(t) => Ok(t),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// The status report as a JSON string.
+    pub fn status_json(&mut self) -> Result<String> {
+        match self.call(&Request::Status)? {
+            Response::Text(t) => Ok(t),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// The status report, parsed.
+    pub fn status(&mut self) -> Result<serde_json::Value> {
+        let t = self.status_json()?;
+        serde_json::from_str(&t).map_err(|e| Error::internal(format!("status JSON: {e}")))
+    }
+
+    /// Drops every object; returns (deleted now, deferred until their transfer ends).
+    pub fn clear(&mut self) -> Result<(u64, u64)> {
+        match self.call(&Request::Clear)? {
+            Response::Cleared { deleted, deferred } => Ok((deleted, deferred)),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// Runs the node's invariant check.
+    pub fn memcheck(&mut self) -> Result<(bool, Vec<String>)> {
+        match self.call(&Request::Memcheck)? {
+            Response::Memcheck { ok, problems } => Ok((ok, problems)),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// Unregisters an instance; returns (pending writes freed, pending reads released).
+    pub fn unregister(&mut self, instance_id: u64) -> Result<(u32, u32)> {
+        match self.call(&Request::Unregister { instance_id })? {
+            Response::Unregistered {
+                released_writes,
+                released_reads,
+            } => Ok((released_writes, released_reads)),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// PREPARE_STORE: slots for the chunks the node does not have yet.
+    pub fn prepare_store(&mut self, instance_id: u64, range: &ChunkRange) -> Result<StorePrepared> {
+        match self.call(&Request::PrepareStore {
+            instance_id,
+            range: range.clone(),
+        })? {
+            Response::StorePrepared {
+                transfer_id,
+                slots,
+                chunk_indices,
+                layout,
+            } => Ok(StorePrepared {
+                transfer_id,
+                slots,
+                chunk_indices,
+                layout,
+            }),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// COMMIT_STORE: publishes a prepared store; returns objects published.
+    pub fn commit_store(&mut self, instance_id: u64, transfer_id: u64) -> Result<u32> {
+        match self.call(&Request::CommitStore {
+            instance_id,
+            transfer_id,
+        })? {
+            Response::StoreCommitted { published } => Ok(published),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// ABORT_STORE: frees a prepared store; returns objects freed.
+    pub fn abort_store(&mut self, instance_id: u64, transfer_id: u64) -> Result<u32> {
+        match self.call(&Request::AbortStore {
+            instance_id,
+            transfer_id,
+        })? {
+            Response::StoreAborted { freed } => Ok(freed),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// PREPARE_RETRIEVE: slots for every chunk, or `None` on a (whole-request) miss.
+    pub fn prepare_retrieve(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        use_lookup_locks: bool,
+    ) -> Result<Option<RetrievePrepared>> {
+        match self.call(&Request::PrepareRetrieve {
+            instance_id,
+            range: range.clone(),
+            use_lookup_locks,
+        })? {
+            Response::RetrievePrepared {
+                hit,
+                transfer_id,
+                slots,
+                layout,
+            } => Ok(hit.then_some(RetrievePrepared {
+                transfer_id,
+                slots,
+                layout,
+            })),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// COMMIT_RETRIEVE: releases the read locks of a prepared retrieve.
+    pub fn commit_retrieve(&mut self, instance_id: u64, transfer_id: u64) -> Result<()> {
+        self.call(&Request::CommitRetrieve {
+            instance_id,
+            transfer_id,
+        })
+        .map(drop)
+    }
+
+    /// LOOKUP: prefix hit count (chunks) over all ranks, locking the hit prefix.
+    pub fn lookup(&mut self, request_id: &str, range: &ChunkRange, tp_size: u32) -> Result<u32> {
+        match self.call(&Request::Lookup {
+            request_id: request_id.to_owned(),
+            range: range.clone(),
+            tp_size,
+        })? {
+            Response::LookupHits { chunks } => Ok(chunks),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// FREE_LOOKUP_LOCKS for chunks `[start, end)`.
+    pub fn free_lookup_locks(&mut self, request_id: &str, start: u32, end: u32) -> Result<()> {
+        self.call(&Request::FreeLookupLocks {
+            request_id: request_id.to_owned(),
+            start_chunk: start,
+            end_chunk: end,
+        })
+        .map(drop)
+    }
+
+    /// END_SESSION.
+    pub fn end_session(&mut self, request_id: &str) -> Result<()> {
+        self.call(&Request::EndSession {
+            request_id: request_id.to_owned(),
+        })
+        .map(drop)
+    }
+
+    fn check_slot(&self, slot: &WireSlot, len: usize) -> Result<&PoolRegion> {
+        let pool = self
+            .pool()
+            .ok_or_else(|| Error::new(ErrorKind::NotRegistered, "no pool mapped"))?;
+        if slot.length != len as u64 {
+            return Err(Error::invalid(format!(
+                "chunk of {len} bytes for a slot of {} bytes",
+                slot.length
+            )));
+        }
+        Ok(pool)
+    }
+
+    /// Stores `chunks` (one per hash of `range`, each exactly `object_bytes`): prepare, copy the
+    /// chunks the node lacks into the pool, commit. Returns how many chunks were written (the rest
+    /// were cached already). On a copy failure the reservation is aborted.
+    pub fn store(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        chunks: &[&[u8]],
+    ) -> Result<usize> {
+        if chunks.len() != range.chunk_hashes.len() {
+            return Err(Error::invalid(format!(
+                "{} chunks for {} hashes",
+                chunks.len(),
+                range.chunk_hashes.len()
+            )));
+        }
+        let want = self.object_bytes()?;
+        if let Some(bad) = chunks.iter().find(|c| c.len() as u64 != want) {
+            return Err(Error::invalid(format!(
+                "chunk of {} bytes; the layout needs {want}",
+                bad.len()
+            )));
+        }
+        let p = self.prepare_store(instance_id, range)?;
+        if p.slots.is_empty() {
+            return Ok(0);
+        }
+        let copied: Result<()> = p
+            .slots
+            .iter()
+            .zip(&p.chunk_indices)
+            .try_for_each(|(slot, &i)| {
+                let data = chunks
+                    .get(i as usize)
+                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
+                self.check_slot(slot, data.len())?
+                    .write_at(slot.offset, data)?;
+                Ok(())
+            });
+        if let Err(e) = copied {
+            let _ = self.abort_store(instance_id, p.transfer_id);
+            return Err(e);
+        }
+        self.commit_store(instance_id, p.transfer_id)?;
+        Ok(p.slots.len())
+    }
+
+    /// Retrieves every chunk of `range` (fresh read locks, released on commit); `None` if any
+    /// chunk is missing.
+    pub fn retrieve(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+    ) -> Result<Option<Vec<Vec<u8>>>> {
+        let Some(p) = self.prepare_retrieve(instance_id, range, false)? else {
+            return Ok(None);
+        };
+        let out: Result<Vec<Vec<u8>>> = p
+            .slots
+            .iter()
+            .map(|slot| {
+                let mut buf = vec![0u8; slot.length as usize];
+                self.check_slot(slot, buf.len())?
+                    .read_at(slot.offset, &mut buf)?;
+                Ok(buf)
+            })
+            .collect();
+        self.commit_retrieve(instance_id, p.transfer_id)?;
+        out.map(Some)
+    }
+}

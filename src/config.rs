@@ -1,0 +1,285 @@
+//! Node configuration: embedded defaults, an optional TOML file, command-line overrides.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// Hard limits the node enforces. Invariant: every field is > 0.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Registered instances at once.
+    pub max_instances: usize,
+    /// Open client connections at once.
+    pub max_connections: usize,
+    /// Queued (not yet executed) requests per instance.
+    pub max_queued_per_instance: usize,
+    /// Prepared, uncommitted transfers per instance.
+    pub max_pending_transfers: usize,
+    /// Chunks in one request.
+    pub max_chunks_per_request: usize,
+    /// Lookup sessions kept at once.
+    pub max_sessions: usize,
+    /// Objects in the index.
+    pub max_objects: usize,
+    /// Event-bus queue length (events beyond it are dropped and counted).
+    pub event_bus_capacity: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_instances: 1024,
+            max_connections: 1024,
+            max_queued_per_instance: 256,
+            max_pending_transfers: 1024,
+            max_chunks_per_request: 65_536,
+            max_sessions: 65_536,
+            max_objects: 16 << 20,
+            event_bus_capacity: 10_000,
+        }
+    }
+}
+
+/// Everything `kvnode serve` needs. Invariant after [`NodeConfig::validate`]: sizes non-zero,
+/// `registration_grace >= reap_timeout` when reaping is on.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Unix socket path of the native protocol.
+    pub socket: PathBuf,
+    /// Permission bits of the socket file.
+    pub socket_mode: u32,
+    /// Requested pool size in bytes (rounded up to 2 MiB).
+    pub pool_bytes: u64,
+    /// Preferred page size: "1g", "2m", "thp" or "4k" (falls back downwards).
+    pub pages: String,
+    /// Tokens per chunk.
+    pub chunk_tokens: u32,
+    /// Reap instances that pinged and then went silent this long (seconds; 0 disables reaping).
+    pub reap_timeout_secs: f64,
+    /// Reap instances that never pinged after this long (seconds).
+    pub registration_grace_secs: f64,
+    /// Liveness timer-wheel tick in milliseconds.
+    pub liveness_tick_ms: u64,
+    /// Worker (instance shard) threads; 0 = one per core.
+    pub workers: usize,
+    /// Write-reservation TTL safety net (seconds).
+    pub write_ttl_secs: u64,
+    /// Read-lock TTL safety net (seconds).
+    pub read_ttl_secs: u64,
+    /// Lookup sessions idle this long are dropped (seconds).
+    pub session_ttl_secs: u64,
+    /// Background eviction trigger (fraction of the pool).
+    pub high_watermark: f64,
+    /// Background eviction target (fraction of the pool).
+    pub low_watermark: f64,
+    /// Limits.
+    pub limits: Limits,
+}
+
+/// The default socket path: `$XDG_RUNTIME_DIR/kvnode.sock`, else `/tmp/kvnode.sock`.
+pub fn default_socket_path() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() && Path::new(&d).is_dir() => Path::new(&d).join("kvnode.sock"),
+        _ => PathBuf::from("/tmp/kvnode.sock"),
+    }
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            socket: default_socket_path(),
+            socket_mode: 0o600,
+            pool_bytes: 1 << 30,
+            pages: "2m".into(),
+            chunk_tokens: 256,
+            reap_timeout_secs: 120.0,
+            registration_grace_secs: 3600.0,
+            liveness_tick_ms: 100,
+            workers: 0,
+            write_ttl_secs: 600,
+            read_ttl_secs: 300,
+            session_ttl_secs: 600,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Reads a TOML file; missing keys keep their defaults, unknown keys are an error.
+    pub fn from_toml_file(path: &Path) -> Result<NodeConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::invalid(format!("reading config {}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| Error::invalid(format!("config {}: {e}", path.display())))
+    }
+
+    /// Checks the invariants listed on the type.
+    pub fn validate(&self) -> Result<()> {
+        if self.pool_bytes == 0 {
+            return Err(Error::invalid("pool size must be > 0"));
+        }
+        if self.chunk_tokens == 0 {
+            return Err(Error::invalid("chunk size must be > 0 tokens"));
+        }
+        if !(self.reap_timeout_secs >= 0.0 && self.reap_timeout_secs.is_finite()) {
+            return Err(Error::invalid("reap timeout must be a finite number >= 0"));
+        }
+        if self.reap_timeout_secs > 0.0 && self.registration_grace_secs < self.reap_timeout_secs {
+            return Err(Error::invalid(format!(
+                "registration grace ({} s) must be >= reap timeout ({} s)",
+                self.registration_grace_secs, self.reap_timeout_secs
+            )));
+        }
+        if self.liveness_tick_ms == 0 {
+            return Err(Error::invalid("liveness tick must be > 0 ms"));
+        }
+        if !(0.0 < self.low_watermark
+            && self.low_watermark <= self.high_watermark
+            && self.high_watermark <= 1.0)
+        {
+            return Err(Error::invalid(
+                "watermarks must satisfy 0 < low <= high <= 1",
+            ));
+        }
+        self.page_preference()?;
+        let l = &self.limits;
+        for (name, v) in [
+            ("max_instances", l.max_instances),
+            ("max_connections", l.max_connections),
+            ("max_queued_per_instance", l.max_queued_per_instance),
+            ("max_pending_transfers", l.max_pending_transfers),
+            ("max_chunks_per_request", l.max_chunks_per_request),
+            ("max_sessions", l.max_sessions),
+            ("max_objects", l.max_objects),
+            ("event_bus_capacity", l.event_bus_capacity),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(format!("limit {name} must be > 0")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The page preference named by `pages`.
+    pub fn page_preference(&self) -> Result<kvnode_hw::PagePreference> {
+        use kvnode_hw::PagePreference as P;
+        Ok(match self.pages.to_ascii_lowercase().as_str() {
+            "1g" | "hugetlb-1g" => P::Huge1G,
+            "2m" | "hugetlb-2m" => P::Huge2M,
+            "thp" => P::Thp,
+            "4k" => P::Pages4K,
+            other => {
+                return Err(Error::invalid(format!(
+                    "pages must be one of 1g, 2m, thp, 4k (got {other:?})"
+                )))
+            }
+        })
+    }
+
+    /// Number of worker threads to start.
+    pub fn worker_threads(&self) -> usize {
+        if self.workers > 0 {
+            return self.workers.min(64);
+        }
+        std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 16))
+    }
+
+    /// The reap timeout as a duration (zero = disabled).
+    pub fn reap_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.reap_timeout_secs)
+    }
+
+    /// The registration grace as a duration.
+    pub fn registration_grace(&self) -> Duration {
+        Duration::from_secs_f64(self.registration_grace_secs.max(0.0))
+    }
+}
+
+/// Parses sizes like `256MiB`, `4GiB`, `1G`, `512k`, or plain bytes.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| {
+        Error::invalid(format!(
+            "size {s:?}: expected a number with an optional unit"
+        ))
+    })?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => {
+            return Err(Error::invalid(format!(
+                "size {s:?}: unknown unit {other:?}"
+            )))
+        }
+    };
+    let bytes = value * mult as f64;
+    if !(0.0..1.8e19).contains(&bytes) {
+        return Err(Error::invalid(format!("size {s:?} out of range")));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_size("1g").unwrap(), 1 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("5 parsecs").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn validation() {
+        assert!(NodeConfig::default().validate().is_ok());
+        let c = NodeConfig {
+            reap_timeout_secs: 100.0,
+            registration_grace_secs: 50.0,
+            ..NodeConfig::default()
+        };
+        assert!(c.validate().is_err());
+        let c = NodeConfig {
+            pages: "huge".into(),
+            ..NodeConfig::default()
+        };
+        assert!(c.validate().is_err());
+        let mut c = NodeConfig::default();
+        c.limits.max_instances = 0;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn toml_overrides_defaults_and_rejects_unknown_keys() {
+        let dir = std::env::temp_dir().join(format!("kvnode-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.toml");
+        std::fs::write(&p, "pool_bytes = 1048576\n[limits]\nmax_instances = 3\n").unwrap();
+        let c = NodeConfig::from_toml_file(&p).unwrap();
+        assert_eq!(
+            (c.pool_bytes, c.limits.max_instances, c.chunk_tokens),
+            (1 << 20, 3, 256)
+        );
+        std::fs::write(&p, "pool_size = 1\n").unwrap();
+        assert!(NodeConfig::from_toml_file(&p).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

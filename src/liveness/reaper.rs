@@ -1,0 +1,164 @@
+//! The reaper thread: drives the timer wheel in ticks of `liveness_tick_ms`.
+//!
+//! Windows (LMCache semantics): an instance that has pinged is reaped after `reap_timeout` of
+//! silence; one that never pinged gets `registration_grace`. Any request refreshes last-seen,
+//! only PING latches. Reaping releases the instance exactly like UNREGISTER (pending writes
+//! deleted and freed, reads unlocked, layout reference dropped).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::Duration;
+
+use crossbeam_queue::SegQueue;
+
+use super::timer_wheel::{TimerId, TimerWheel};
+use crate::config::NodeConfig;
+use crate::modules::NodeContext;
+
+/// Most timers the wheel holds (one per instance, plus slack for re-registrations).
+const WHEEL_CAPACITY_SLACK: usize = 64;
+
+/// Handle to the reaper. Invariant: `arm` never blocks and never touches the wheel directly.
+pub struct Liveness {
+    enabled: bool,
+    tick_ms: u64,
+    reap_timeout_ms: u64,
+    grace_ms: u64,
+    arm_requests: SegQueue<u64>,
+    tracked: AtomicUsize,
+    thread: OnceLock<Thread>,
+    stop: AtomicBool,
+}
+
+impl Liveness {
+    /// Builds the handle from the configuration (reaping disabled when the timeout is 0).
+    pub fn new(cfg: &NodeConfig) -> Liveness {
+        Liveness {
+            enabled: cfg.reap_timeout_secs > 0.0,
+            tick_ms: cfg.liveness_tick_ms.max(1),
+            reap_timeout_ms: cfg.reap_timeout().as_millis() as u64,
+            grace_ms: cfg.registration_grace().as_millis() as u64,
+            arm_requests: SegQueue::new(),
+            tracked: AtomicUsize::new(0),
+            thread: OnceLock::new(),
+            stop: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether reaping is on.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Instances with an armed timer.
+    pub fn tracked(&self) -> usize {
+        self.tracked.load(Ordering::Relaxed)
+    }
+
+    /// Asks the reaper to start watching an instance (idempotent).
+    pub fn arm(&self, instance_id: u64) {
+        if !self.enabled {
+            return;
+        }
+        self.arm_requests.push(instance_id);
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// The deadline (node-clock ms) of an instance given its stamps.
+    pub fn deadline_ms(&self, last_seen_ms: u64, pinged: bool) -> u64 {
+        last_seen_ms.saturating_add(if pinged {
+            self.reap_timeout_ms
+        } else {
+            self.grace_ms
+        })
+    }
+
+    fn to_tick(&self, ms: u64) -> u64 {
+        ms.div_ceil(self.tick_ms)
+    }
+
+    /// Stops the reaper thread.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Starts the reaper thread (none when reaping is disabled).
+    pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<Option<JoinHandle<()>>> {
+        if !ctx.liveness.enabled {
+            return Ok(None);
+        }
+        let ctx = ctx.clone();
+        thread::Builder::new()
+            .name("kvnode-reaper".into())
+            .spawn(move || run(&ctx))
+            .map(Some)
+    }
+}
+
+fn run(ctx: &NodeContext) {
+    let lv = &ctx.liveness;
+    let _ = lv.thread.set(thread::current());
+    let capacity = ctx.config.limits.max_instances + WHEEL_CAPACITY_SLACK;
+    let mut wheel: TimerWheel<u64> = TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity);
+    let mut timers: HashMap<u64, TimerId> = HashMap::new();
+    let mut fired = Vec::new();
+    while !lv.stop.load(Ordering::Acquire) {
+        while let Some(id) = lv.arm_requests.pop() {
+            if timers.contains_key(&id) {
+                continue;
+            }
+            let Some(inst) = ctx.instances.get(id) else {
+                continue;
+            };
+            let d = lv.deadline_ms(
+                inst.last_seen_ms.load(Ordering::Relaxed),
+                inst.pinged.load(Ordering::Relaxed),
+            );
+            match wheel.insert(lv.to_tick(d), id) {
+                Ok(t) => {
+                    timers.insert(id, t);
+                }
+                Err(_) => {
+                    tracing::error!(instance = id, "liveness wheel full: instance not watched")
+                }
+            }
+        }
+        let now = ctx.now_ms();
+        fired.clear();
+        wheel.advance(now / lv.tick_ms, &mut fired);
+        for (_, _, id) in fired.drain(..) {
+            timers.remove(&id);
+            let Some(inst) = ctx.instances.get(id) else {
+                continue;
+            };
+            let d = lv.deadline_ms(
+                inst.last_seen_ms.load(Ordering::Relaxed),
+                inst.pinged.load(Ordering::Relaxed),
+            );
+            if now >= d {
+                tracing::warn!(
+                    instance = id,
+                    silent_ms = now.saturating_sub(inst.last_seen_ms.load(Ordering::Relaxed)),
+                    pinged = inst.pinged.load(Ordering::Relaxed),
+                    "reaping silent instance"
+                );
+                ctx.release(&inst, "reaped");
+                ctx.counters.reaped.fetch_add(1, Ordering::Relaxed);
+            } else if let Ok(t) = wheel.insert(lv.to_tick(d), id) {
+                timers.insert(id, t);
+            }
+        }
+        lv.tracked.store(timers.len(), Ordering::Relaxed);
+        let sleep_ms = wheel.next_deadline().map_or(1000, |t| {
+            (t * lv.tick_ms).saturating_sub(now).clamp(1, 1000)
+        });
+        thread::park_timeout(Duration::from_millis(sleep_ms));
+    }
+}

@@ -1,0 +1,1290 @@
+//! Hierarchical hashed timer wheel in abstract ticks.
+//!
+//! The liveness reaper keeps one timer per registered engine instance here.
+//! The wheel knows nothing about clocks: the caller decides what a tick is
+//! (the reaper uses 100 ms since node start) and moves time forward with
+//! [`TimerWheel::advance`].
+//!
+//! # Layout
+//!
+//! * A slab (`Vec` of entries plus a free list) owns every live timer. Each
+//!   slab entry carries a generation counter, so a [`TimerId`] names exactly
+//!   one scheduling for the life of the wheel.
+//! * [`LEVELS`] levels of [`SLOTS`] slots each. A slot at level `k` spans
+//!   `64^k` ticks. Every slot is the head of an intrusive doubly linked list
+//!   threaded through the slab, so insert and cancel are O(1).
+//! * A timer with deadline `d` lives on level `k`, where `6k..6k+6` is the bit
+//!   group holding the most significant bit in which `d` and `now` differ, in
+//!   slot `(d >> 6k) & 63`. Deadlines differing from `now` above bit 35 (in a
+//!   later `2^36`-tick block than `now`, i.e. at least decades away at the
+//!   reaper's 100 ms tick) sit in an ordered overflow set (`BTreeSet`, O(log n))
+//!   and are moved into the wheel when `now` reaches their block.
+//! * A timer whose deadline is already `<= now` sits on a ready list and fires
+//!   on the next [`TimerWheel::advance`].
+//! * One `u64` occupancy bitmap per level lets `advance` jump straight to the
+//!   next non-empty slot, so a jump of any size costs
+//!   O(levels × slots visited + expired + cascaded) and never loops per tick.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+/// Number of wheel levels. Invariant: the wheel proper covers deadlines that
+/// share all bits above bit `LEVELS * SLOT_BITS - 1` (that is, `2^36`) with `now`;
+/// anything further out lives on the overflow list.
+pub const LEVELS: usize = 6;
+
+/// log2 of the number of slots per level. Invariant: `SLOTS == 1 << SLOT_BITS`.
+pub const SLOT_BITS: u32 = 6;
+
+/// Slots per level. Invariant: equals 64 so that one `u64` bitmap tracks a level's occupancy.
+pub const SLOTS: usize = 1 << SLOT_BITS;
+
+const SLOT_MASK: u64 = (SLOTS as u64) - 1;
+/// Bits of tick space covered by the wheel levels (36).
+const WHEEL_BITS: u32 = SLOT_BITS * LEVELS as u32;
+/// Sentinel for "no slab index" in intrusive links and list heads.
+const NIL: usize = usize::MAX;
+
+/// Opaque handle for cancelling, rescheduling or inspecting one timer.
+///
+/// Invariant: unique for the wheel's life. It is a slab index tagged with that
+/// slab entry's generation; the generation changes every time the entry is
+/// freed (fired or cancelled), and an entry whose generation would wrap is
+/// retired forever instead of reused. A stale id therefore never refers to a
+/// later timer, even after its slab entry has been reused. Ids from one wheel
+/// are meaningless for another wheel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TimerId {
+    index: usize,
+    generation: u64,
+}
+
+/// Error returned by [`TimerWheel::insert`] when the wheel already holds
+/// `capacity` live timers.
+///
+/// Invariant: `item` is the exact value that was passed to `insert`, handed back
+/// untouched; `capacity` is the limit given to [`TimerWheel::new`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WheelFull<T> {
+    /// The wheel's hard limit on live timers (as given to [`TimerWheel::new`]).
+    pub capacity: usize,
+    /// The rejected item, returned to the caller.
+    pub item: T,
+}
+
+impl<T> WheelFull<T> {
+    /// Gives back the rejected item. Invariant: it is the value passed to `insert`.
+    pub fn into_inner(self) -> T {
+        self.item
+    }
+}
+
+impl<T> fmt::Display for WheelFull<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "timer wheel full ({} live timers)", self.capacity)
+    }
+}
+
+impl<T: fmt::Debug> std::error::Error for WheelFull<T> {}
+
+/// Which intrusive list a live timer is linked into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ListId {
+    /// Wheel level `level`, slot `slot`.
+    Wheel { level: u8, slot: u8 },
+    /// Deadline in a later `2^36`-tick block than `now`: kept in the overflow set.
+    Overflow,
+    /// Deadline `<= now`: fires on the next advance.
+    Ready,
+}
+
+struct Node<T> {
+    deadline: u64,
+    /// Insertion sequence number: tie-break for equal deadlines.
+    seq: u64,
+    item: T,
+    list: ListId,
+    prev: usize,
+    next: usize,
+}
+
+enum State<T> {
+    Vacant { next_free: usize },
+    Occupied(Node<T>),
+}
+
+struct Entry<T> {
+    generation: u64,
+    state: State<T>,
+}
+
+/// Hierarchical timer wheel: [`LEVELS`] levels of 64 slots each (level `k`
+/// slot width is `64^k` ticks), plus an overflow set for deadlines beyond the
+/// top level's range and a ready list for deadlines already due.
+///
+/// Invariants (verified by [`TimerWheel::check_invariants`]):
+/// * every live timer is in exactly one place, the one its deadline maps to
+///   given the current `now`: the ready list if `deadline <= now`, else the
+///   level/slot of the highest bit group in which `deadline` and `now` differ,
+///   else (a later `2^36`-tick block) the overflow set;
+/// * a level's occupancy bit is set iff that slot's list is non-empty;
+/// * `len() <= capacity()` and `len()` equals the number of live slab entries.
+///
+/// Costs: insert, cancel, reschedule and deadline are O(1) for deadlines less
+/// than `2^36` ticks ahead (O(log n) for overflow deadlines); advance is
+/// O(LEVELS × non-empty slots visited + cascaded·log + expired·log(expired)).
+/// No operation scans all timers, and none loops per elapsed tick.
+pub struct TimerWheel<T> {
+    now: u64,
+    capacity: usize,
+    len: usize,
+    next_seq: u64,
+    slab: Vec<Entry<T>>,
+    free_head: usize,
+    heads: [[usize; SLOTS]; LEVELS],
+    occupied: [u64; LEVELS],
+    /// `(deadline, seq, slab index)` of every overflow timer.
+    overflow: BTreeSet<(u64, u64, usize)>,
+    ready_head: usize,
+    /// Reused buffer for slab indices during advance.
+    scratch: Vec<usize>,
+}
+
+impl<T> fmt::Debug for TimerWheel<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TimerWheel")
+            .field("now", &self.now)
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The list a deadline belongs to when the current tick is `now`.
+fn list_for(now: u64, deadline: u64) -> ListId {
+    if deadline <= now {
+        return ListId::Ready;
+    }
+    let masked = (deadline ^ now) | SLOT_MASK;
+    let significant = 63 - masked.leading_zeros();
+    let level = significant / SLOT_BITS;
+    if level as usize >= LEVELS {
+        ListId::Overflow
+    } else {
+        let slot = (deadline >> (level * SLOT_BITS)) & SLOT_MASK;
+        ListId::Wheel {
+            level: level as u8,
+            slot: slot as u8,
+        }
+    }
+}
+
+/// First tick of the `2^36`-tick block containing `t`.
+fn block_start(t: u64) -> u64 {
+    t & !((1u64 << WHEEL_BITS) - 1)
+}
+
+impl<T> TimerWheel<T> {
+    /// Creates an empty wheel whose current tick is `now`.
+    ///
+    /// `capacity` is a hard limit on live timers: an insert that would exceed it
+    /// fails with [`WheelFull`]. Nothing is preallocated, so any capacity
+    /// (including 0 and `usize::MAX`) is accepted.
+    pub fn new(now: u64, capacity: usize) -> Self {
+        TimerWheel {
+            now,
+            capacity,
+            len: 0,
+            next_seq: 0,
+            slab: Vec::new(),
+            free_head: NIL,
+            heads: [[NIL; SLOTS]; LEVELS],
+            occupied: [0; LEVELS],
+            overflow: BTreeSet::new(),
+            ready_head: NIL,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The current tick. Invariant: never decreases over the wheel's life.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
+    /// Number of pending (not yet fired, not cancelled) timers.
+    /// Invariant: `len() <= capacity()`.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True iff no timer is pending. Invariant: `is_empty() == (len() == 0)`.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The hard limit on live timers given to [`TimerWheel::new`]. Invariant: constant.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Schedules `item` to fire at tick `deadline`; a deadline `<= now()` fires
+    /// on the next [`advance`](Self::advance).
+    ///
+    /// Returns a fresh [`TimerId`] never issued before by this wheel. If
+    /// `len() == capacity()` the wheel is unchanged and the item comes back
+    /// inside `Err(WheelFull { capacity, item })`. O(1) (O(log n) for a
+    /// deadline `2^36` or more ticks ahead, which goes to the overflow set).
+    pub fn insert(&mut self, deadline: u64, item: T) -> Result<TimerId, WheelFull<T>> {
+        if self.len >= self.capacity {
+            return Err(WheelFull {
+                capacity: self.capacity,
+                item,
+            });
+        }
+        let seq = self.next_seq;
+        // 2^64 inserts cannot happen in practice; wrapping only weakens tie order.
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let node = Node {
+            deadline,
+            seq,
+            item,
+            list: ListId::Ready,
+            prev: NIL,
+            next: NIL,
+        };
+        let index = self.free_head;
+        let index = match self.slab.get_mut(index) {
+            Some(entry) => match entry.state {
+                State::Vacant { next_free } => {
+                    self.free_head = next_free;
+                    entry.state = State::Occupied(node);
+                    index
+                }
+                State::Occupied(_) => {
+                    // Corrupted free list; cannot happen. Fall back to a new entry.
+                    debug_assert!(false, "free list points at an occupied entry");
+                    self.free_head = NIL;
+                    self.push_new_entry(node)
+                }
+            },
+            None => {
+                debug_assert_eq!(index, NIL, "free list index out of bounds");
+                self.free_head = NIL;
+                self.push_new_entry(node)
+            }
+        };
+        Ok(self.finish_insert(index))
+    }
+
+    fn push_new_entry(&mut self, node: Node<T>) -> usize {
+        let index = self.slab.len();
+        self.slab.push(Entry {
+            generation: 0,
+            state: State::Occupied(node),
+        });
+        index
+    }
+
+    fn finish_insert(&mut self, index: usize) -> TimerId {
+        self.len += 1;
+        self.place(index);
+        TimerId {
+            index,
+            generation: self.slab.get(index).map_or(u64::MAX, |e| e.generation),
+        }
+    }
+
+    /// Removes a pending timer and returns its item; `None` if the id is stale
+    /// (the timer already fired or was cancelled) or foreign. O(1) (O(log n)
+    /// for a timer in the overflow set).
+    pub fn cancel(&mut self, id: TimerId) -> Option<T> {
+        self.node(id)?;
+        self.unlink(id.index);
+        self.release(id.index)
+    }
+
+    /// Moves a pending timer to `deadline`, keeping its id valid and its
+    /// insertion order for tie-breaking. Returns false (and changes nothing) if
+    /// the id is stale. A deadline `<= now()` fires on the next advance. O(1)
+    /// (O(log n) if the old or new deadline is in the overflow set).
+    pub fn reschedule(&mut self, id: TimerId, deadline: u64) -> bool {
+        if self.node(id).is_none() {
+            return false;
+        }
+        self.unlink(id.index);
+        if let Some(State::Occupied(node)) = self.slab.get_mut(id.index).map(|e| &mut e.state) {
+            node.deadline = deadline;
+        }
+        self.place(id.index);
+        true
+    }
+
+    /// The deadline of a pending timer; `None` if the id is stale. O(1).
+    pub fn deadline(&self, id: TimerId) -> Option<u64> {
+        self.node(id).map(|n| n.deadline)
+    }
+
+    /// Advances the wheel to tick `now` and appends every timer with
+    /// `deadline <= now` to `expired` as `(id, deadline, item)`.
+    ///
+    /// The appended batch is sorted by deadline, ties in insertion order (the
+    /// order of the `insert` calls; `reschedule` keeps a timer's place).
+    /// Entries already in `expired` are left alone. Fired timers are removed,
+    /// so their ids become stale. A `now` smaller than [`now()`](Self::now)
+    /// is a no-op (nothing fires, time does not move back). The cost is bounded
+    /// by the non-empty slots passed and the timers cascaded or expired, never
+    /// by the number of ticks jumped.
+    pub fn advance(&mut self, now: u64, expired: &mut Vec<(TimerId, u64, T)>) {
+        if now < self.now {
+            return;
+        }
+        loop {
+            if let Some((level, slot, start)) = self.next_expiration() {
+                if start > now {
+                    break;
+                }
+                self.now = self.now.max(start);
+                let head = std::mem::replace(&mut self.heads[level][slot], NIL);
+                self.occupied[level] &= !(1u64 << slot);
+                self.replace_chain(head);
+                continue;
+            }
+            // The wheel levels are empty: only the overflow set may hold timers.
+            // Jump to the block of the earliest one and pull that whole block in.
+            let Some(&(min, _, _)) = self.overflow.first() else {
+                break;
+            };
+            let start = block_start(min);
+            if start > now {
+                break;
+            }
+            self.now = self.now.max(start);
+            while let Some(&(deadline, _, index)) = self.overflow.first() {
+                if block_start(deadline) != start {
+                    break;
+                }
+                self.overflow.pop_first();
+                self.place(index);
+            }
+        }
+        self.now = now;
+        self.drain_ready(expired);
+    }
+
+    /// Earliest pending deadline, or `None` when empty. Exact; computed on
+    /// demand in O(LEVELS + size of the slot or ready list holding the
+    /// earliest timer), or O(log n) when only overflow timers remain.
+    pub fn next_deadline(&self) -> Option<u64> {
+        if self.ready_head != NIL {
+            return self.list_min(self.ready_head);
+        }
+        if let Some((level, slot, start)) = self.next_expiration() {
+            if level == 0 {
+                return Some(start);
+            }
+            return self.list_min(self.heads[level][slot]);
+        }
+        self.overflow.first().map(|&(deadline, _, _)| deadline)
+    }
+
+    /// Verifies every structural invariant (list membership and placement,
+    /// link symmetry, occupancy bitmaps, counts, free list, capacity).
+    /// Returns a description of the first violation found. O(slab size).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let n = self.slab.len();
+        let mut seen = vec![false; n];
+        let mut linked = 0usize;
+        for level in 0..LEVELS {
+            for slot in 0..SLOTS {
+                let head = self.heads[level][slot];
+                let bit = self.occupied[level] & (1u64 << slot) != 0;
+                if bit != (head != NIL) {
+                    return Err(format!(
+                        "level {level} slot {slot}: occupancy bit {bit} but head {head}"
+                    ));
+                }
+                let list = ListId::Wheel {
+                    level: level as u8,
+                    slot: slot as u8,
+                };
+                linked += self.check_list(head, list, &mut seen)?;
+            }
+        }
+        for &(deadline, seq, index) in &self.overflow {
+            let Some(Entry {
+                state: State::Occupied(node),
+                ..
+            }) = self.slab.get(index)
+            else {
+                return Err(format!("overflow: index {index} not a live entry"));
+            };
+            if seen[index] {
+                return Err(format!("overflow: entry {index} present twice"));
+            }
+            seen[index] = true;
+            if node.list != ListId::Overflow || node.deadline != deadline || node.seq != seq {
+                return Err(format!(
+                    "overflow key ({deadline}, {seq}, {index}) disagrees with entry {:?}/{}/{}",
+                    node.list, node.deadline, node.seq
+                ));
+            }
+            let want = list_for(self.now, deadline);
+            if want != ListId::Overflow {
+                return Err(format!(
+                    "entry {index} deadline {deadline} in overflow, belongs on {want:?} (now {})",
+                    self.now
+                ));
+            }
+            linked += 1;
+        }
+        linked += self.check_list(self.ready_head, ListId::Ready, &mut seen)?;
+
+        let mut live = 0usize;
+        let mut retired = 0usize;
+        for (i, entry) in self.slab.iter().enumerate() {
+            match &entry.state {
+                State::Occupied(node) => {
+                    live += 1;
+                    if !seen[i] {
+                        return Err(format!("live entry {i} is on no list"));
+                    }
+                    if node.seq >= self.next_seq && self.next_seq != 0 {
+                        return Err(format!("entry {i} seq {} >= next_seq", node.seq));
+                    }
+                }
+                State::Vacant { .. } => {
+                    if entry.generation == u64::MAX {
+                        retired += 1;
+                    }
+                }
+            }
+        }
+        if live != self.len || linked != self.len {
+            return Err(format!(
+                "len {} but {live} live entries and {linked} linked",
+                self.len
+            ));
+        }
+        if self.len > self.capacity {
+            return Err(format!("len {} > capacity {}", self.len, self.capacity));
+        }
+
+        let mut free = 0usize;
+        let mut cur = self.free_head;
+        let mut free_seen = vec![false; n];
+        while cur != NIL {
+            let Some(entry) = self.slab.get(cur) else {
+                return Err(format!("free list index {cur} out of bounds"));
+            };
+            if free_seen[cur] {
+                return Err(format!("free list cycle at {cur}"));
+            }
+            free_seen[cur] = true;
+            if entry.generation == u64::MAX {
+                return Err(format!("retired entry {cur} on free list"));
+            }
+            match entry.state {
+                State::Vacant { next_free } => cur = next_free,
+                State::Occupied(_) => return Err(format!("occupied entry {cur} on free list")),
+            }
+            free += 1;
+        }
+        if live + free + retired != n {
+            return Err(format!(
+                "slab {n} != live {live} + free {free} + retired {retired}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_list(&self, head: usize, list: ListId, seen: &mut [bool]) -> Result<usize, String> {
+        let mut count = 0usize;
+        let mut prev = NIL;
+        let mut cur = head;
+        while cur != NIL {
+            let Some(entry) = self.slab.get(cur) else {
+                return Err(format!("{list:?}: index {cur} out of bounds"));
+            };
+            let State::Occupied(node) = &entry.state else {
+                return Err(format!("{list:?}: vacant entry {cur} linked"));
+            };
+            if seen[cur] {
+                return Err(format!("{list:?}: entry {cur} linked twice"));
+            }
+            seen[cur] = true;
+            if node.list != list {
+                return Err(format!(
+                    "entry {cur} on {list:?} but tagged {:?}",
+                    node.list
+                ));
+            }
+            if node.prev != prev {
+                return Err(format!("entry {cur}: prev {} expected {prev}", node.prev));
+            }
+            let want = list_for(self.now, node.deadline);
+            if want != list {
+                return Err(format!(
+                    "entry {cur} deadline {} on {list:?}, belongs on {want:?} (now {})",
+                    node.deadline, self.now
+                ));
+            }
+            count += 1;
+            prev = cur;
+            cur = node.next;
+        }
+        Ok(count)
+    }
+
+    // ----- internals -----
+
+    /// The live node named by `id`, if the id is current.
+    fn node(&self, id: TimerId) -> Option<&Node<T>> {
+        let entry = self.slab.get(id.index)?;
+        if entry.generation != id.generation {
+            return None;
+        }
+        match &entry.state {
+            State::Occupied(node) => Some(node),
+            State::Vacant { .. } => None,
+        }
+    }
+
+    fn node_mut(&mut self, index: usize) -> Option<&mut Node<T>> {
+        match self.slab.get_mut(index).map(|e| &mut e.state) {
+            Some(State::Occupied(node)) => Some(node),
+            _ => None,
+        }
+    }
+
+    fn head_mut(&mut self, list: ListId) -> &mut usize {
+        match list {
+            ListId::Wheel { level, slot } => &mut self.heads[level as usize][slot as usize],
+            ListId::Ready => &mut self.ready_head,
+            // Overflow timers live in the ordered set, never in a list; callers
+            // handle that case before asking for a head.
+            ListId::Overflow => {
+                debug_assert!(false, "overflow has no list head");
+                &mut self.ready_head
+            }
+        }
+    }
+
+    /// Links the (unlinked) live entry `index` into the list its deadline maps to.
+    fn place(&mut self, index: usize) {
+        let now = self.now;
+        let Some(node) = self.node_mut(index) else {
+            debug_assert!(false, "place on vacant entry {index}");
+            return;
+        };
+        let list = list_for(now, node.deadline);
+        node.list = list;
+        node.prev = NIL;
+        node.next = NIL;
+        if list == ListId::Overflow {
+            let key = (node.deadline, node.seq, index);
+            self.overflow.insert(key);
+            return;
+        }
+        let head_slot = self.head_mut(list);
+        let old_head = std::mem::replace(head_slot, index);
+        if let Some(node) = self.node_mut(index) {
+            node.next = old_head;
+        }
+        if let Some(old) = self.node_mut(old_head) {
+            old.prev = index;
+        }
+        if let ListId::Wheel { level, slot } = list {
+            self.occupied[level as usize] |= 1u64 << slot;
+        }
+    }
+
+    /// Unlinks the live entry `index` from its list, keeping bitmaps exact.
+    fn unlink(&mut self, index: usize) {
+        let Some(node) = self.node_mut(index) else {
+            debug_assert!(false, "unlink on vacant entry {index}");
+            return;
+        };
+        let (prev, next, list) = (node.prev, node.next, node.list);
+        node.prev = NIL;
+        node.next = NIL;
+        if list == ListId::Overflow {
+            let key = (node.deadline, node.seq, index);
+            let removed = self.overflow.remove(&key);
+            debug_assert!(removed, "overflow entry {index} missing from set");
+            return;
+        }
+        if let Some(p) = self.node_mut(prev) {
+            p.next = next;
+        } else {
+            debug_assert_eq!(*self.head_mut(list), index);
+            *self.head_mut(list) = next;
+            if next == NIL {
+                if let ListId::Wheel { level, slot } = list {
+                    self.occupied[level as usize] &= !(1u64 << slot);
+                }
+            }
+        }
+        if let Some(n) = self.node_mut(next) {
+            n.prev = prev;
+        }
+    }
+
+    /// Frees the (unlinked) live entry `index` and returns its item.
+    fn release(&mut self, index: usize) -> Option<T> {
+        let entry = self.slab.get_mut(index)?;
+        if let State::Vacant { .. } = entry.state {
+            return None;
+        }
+        let retire = entry.generation == u64::MAX - 1;
+        entry.generation = entry.generation.saturating_add(1);
+        let next_free = if retire { NIL } else { self.free_head };
+        let old = std::mem::replace(&mut entry.state, State::Vacant { next_free });
+        if !retire {
+            self.free_head = index;
+        }
+        self.len = self.len.saturating_sub(1);
+        match old {
+            State::Occupied(node) => Some(node.item),
+            State::Vacant { .. } => None,
+        }
+    }
+
+    /// Re-places every entry of a detached chain relative to the current `now`.
+    fn replace_chain(&mut self, mut cur: usize) {
+        while cur != NIL {
+            let next = match self.node_mut(cur) {
+                Some(node) => node.next,
+                None => {
+                    debug_assert!(false, "vacant entry {cur} in chain");
+                    return;
+                }
+            };
+            self.place(cur);
+            cur = next;
+        }
+    }
+
+    /// Earliest non-empty wheel slot as `(level, slot, first tick of slot)`.
+    /// Lower levels always precede higher ones, so the first hit is the earliest.
+    fn next_expiration(&self) -> Option<(usize, usize, u64)> {
+        for level in 0..LEVELS {
+            let shift = level as u32 * SLOT_BITS;
+            let now_slot = ((self.now >> shift) & SLOT_MASK) as u32;
+            let bits = self.occupied[level] & (u64::MAX << now_slot);
+            debug_assert_eq!(
+                bits, self.occupied[level],
+                "level {level} has slots at or behind now"
+            );
+            if bits != 0 {
+                let slot = bits.trailing_zeros();
+                let range_mask = (1u64 << (shift + SLOT_BITS)) - 1;
+                let start = (self.now & !range_mask) | (u64::from(slot) << shift);
+                return Some((level, slot as usize, start));
+            }
+        }
+        None
+    }
+
+    /// Minimum deadline on the list starting at `head`.
+    fn list_min(&self, head: usize) -> Option<u64> {
+        let mut min: Option<u64> = None;
+        let mut cur = head;
+        while let Some(Entry {
+            state: State::Occupied(node),
+            ..
+        }) = self.slab.get(cur)
+        {
+            min = Some(min.map_or(node.deadline, |m| m.min(node.deadline)));
+            cur = node.next;
+        }
+        min
+    }
+
+    /// Removes every ready timer and appends them sorted by (deadline, seq).
+    fn drain_ready(&mut self, expired: &mut Vec<(TimerId, u64, T)>) {
+        let mut batch = std::mem::take(&mut self.scratch);
+        batch.clear();
+        let mut cur = std::mem::replace(&mut self.ready_head, NIL);
+        while let Some(node) = self.node_mut(cur) {
+            let next = node.next;
+            node.prev = NIL;
+            node.next = NIL;
+            batch.push(cur);
+            cur = next;
+        }
+        let slab = &self.slab;
+        batch.sort_unstable_by_key(|&i| match slab.get(i).map(|e| &e.state) {
+            Some(State::Occupied(node)) => (node.deadline, node.seq),
+            _ => (u64::MAX, u64::MAX),
+        });
+        expired.reserve(batch.len());
+        for &index in &batch {
+            let (generation, deadline) = match self.slab.get(index) {
+                Some(Entry {
+                    generation,
+                    state: State::Occupied(node),
+                }) => (*generation, node.deadline),
+                _ => continue,
+            };
+            if let Some(item) = self.release(index) {
+                expired.push((TimerId { index, generation }, deadline, item));
+            }
+        }
+        batch.clear();
+        self.scratch = batch;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, HashSet};
+
+    /// Small deterministic PRNG (xorshift64*), so tests need no extra crates.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+    }
+
+    fn check(w: &TimerWheel<u32>) {
+        if let Err(e) = w.check_invariants() {
+            panic!("invariant violated: {e}");
+        }
+    }
+
+    fn advance(w: &mut TimerWheel<u32>, now: u64) -> Vec<(TimerId, u64, u32)> {
+        let mut out = Vec::new();
+        w.advance(now, &mut out);
+        check(w);
+        out
+    }
+
+    #[test]
+    fn ordering_random_deadlines_random_steps() {
+        for seed in 1..=20u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let start = rng.below(1 << 40);
+            let mut w = TimerWheel::new(start, 10_000);
+            // item = insertion order; deadline per item.
+            let mut deadlines = Vec::new();
+            for i in 0..2_000u32 {
+                let d = match rng.below(4) {
+                    0 => start + rng.below(64),
+                    1 => start + rng.below(5_000),
+                    2 => start + rng.below(1 << 20),
+                    _ => start.saturating_sub(rng.below(10)),
+                };
+                w.insert(d, i).unwrap();
+                deadlines.push(d);
+            }
+            check(&w);
+            let mut fired = vec![false; deadlines.len()];
+            let mut now = start;
+            while !w.is_empty() {
+                let step = match rng.below(3) {
+                    0 => rng.below(3),
+                    1 => rng.below(200),
+                    _ => rng.below(1 << 16),
+                };
+                let prev = now;
+                now += step;
+                assert_eq!(
+                    w.next_deadline(),
+                    deadlines
+                        .iter()
+                        .zip(&fired)
+                        .filter(|(_, f)| !**f)
+                        .map(|(d, _)| *d)
+                        .min()
+                );
+                let batch = advance(&mut w, now);
+                for pair in batch.windows(2) {
+                    assert!(
+                        (pair[0].1, pair[0].2) < (pair[1].1, pair[1].2),
+                        "batch not sorted: {pair:?}"
+                    );
+                }
+                for (id, d, item) in &batch {
+                    let i = *item as usize;
+                    assert!(!fired[i], "fired twice");
+                    fired[i] = true;
+                    assert_eq!(*d, deadlines[i]);
+                    assert!(*d <= now);
+                    // First advance with now >= deadline: previous now was earlier,
+                    // unless it was already due at insert time (fires on first advance).
+                    assert!(*d > prev || *d <= start, "fired late: d={d} prev={prev}");
+                    assert_eq!(w.deadline(*id), None);
+                }
+                // Nothing left that should have fired.
+                for (i, d) in deadlines.iter().enumerate() {
+                    assert_eq!(fired[i], *d <= now, "timer {i} d={d} now={now}");
+                }
+            }
+            assert!(fired.iter().all(|f| *f));
+        }
+    }
+
+    #[test]
+    fn ties_fire_in_insertion_order() {
+        let mut w = TimerWheel::new(0, 100);
+        let a = w.insert(500, 1).unwrap();
+        let _b = w.insert(500, 2).unwrap();
+        let _c = w.insert(100, 3).unwrap();
+        let _d = w.insert(500, 4).unwrap();
+        // Rescheduling keeps a's place in insertion order.
+        assert!(w.reschedule(a, 700));
+        assert!(w.reschedule(a, 500));
+        let out = advance(&mut w, 1_000);
+        let items: Vec<u32> = out.iter().map(|e| e.2).collect();
+        assert_eq!(items, vec![3, 1, 2, 4]);
+    }
+
+    #[test]
+    fn cancel_and_reschedule_before_firing() {
+        let mut w = TimerWheel::new(10, 100);
+        let a = w.insert(20, 1).unwrap();
+        let b = w.insert(5_000, 2).unwrap();
+        let c = w.insert(30, 3).unwrap();
+        check(&w);
+        assert_eq!(w.cancel(a), Some(1));
+        assert_eq!(w.cancel(a), None);
+        assert!(!w.reschedule(a, 40));
+        assert_eq!(w.deadline(a), None);
+        assert!(w.reschedule(b, 25));
+        assert_eq!(w.deadline(b), Some(25));
+        assert!(w.reschedule(c, 9)); // already due
+        assert_eq!(w.next_deadline(), Some(9));
+        check(&w);
+        let out = advance(&mut w, 10);
+        assert_eq!(out, vec![(c, 9, 3)]);
+        assert_eq!(advance(&mut w, 24), vec![]);
+        assert_eq!(advance(&mut w, 25), vec![(b, 25, 2)]);
+        assert!(w.is_empty());
+        assert_eq!(w.next_deadline(), None);
+    }
+
+    #[test]
+    fn stale_ids_rejected_after_fire_cancel_and_slot_reuse() {
+        let mut w = TimerWheel::new(0, 4);
+        let a = w.insert(5, 1).unwrap();
+        assert_eq!(advance(&mut w, 5).len(), 1);
+        // a fired; its slab entry is reused by b.
+        let b = w.insert(7, 2).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(w.cancel(a), None);
+        assert!(!w.reschedule(a, 100));
+        assert_eq!(w.deadline(a), None);
+        assert_eq!(w.deadline(b), Some(7));
+        // b cancelled, its entry reused by c; b must not touch c.
+        assert_eq!(w.cancel(b), Some(2));
+        let c = w.insert(9, 3).unwrap();
+        assert_eq!(w.cancel(b), None);
+        assert!(!w.reschedule(b, 1));
+        assert_eq!(w.deadline(c), Some(9));
+        // Foreign / garbage id.
+        let bogus = TimerId {
+            index: usize::MAX,
+            generation: 0,
+        };
+        assert_eq!(w.cancel(bogus), None);
+        assert!(!w.reschedule(bogus, 3));
+        check(&w);
+        // Ids are unique across many reuses.
+        let mut ids = HashSet::new();
+        ids.insert(a);
+        ids.insert(b);
+        ids.insert(c);
+        for i in 0..1_000 {
+            let id = w.insert(w.now() + 1 + (i % 3), i as u32).unwrap();
+            assert!(ids.insert(id), "id reused");
+            if i % 2 == 0 {
+                w.cancel(id);
+            } else {
+                let now = w.now() + 5;
+                advance(&mut w, now);
+            }
+        }
+    }
+
+    #[test]
+    fn retired_generation_never_reused() {
+        let mut w: TimerWheel<u32> = TimerWheel::new(0, 4);
+        let a = w.insert(5, 1).unwrap();
+        w.slab[a.index].generation = u64::MAX - 1;
+        let a = TimerId {
+            index: a.index,
+            generation: u64::MAX - 1,
+        };
+        assert_eq!(w.cancel(a), Some(1));
+        check(&w);
+        let b = w.insert(5, 2).unwrap();
+        assert_ne!(b.index, a.index, "retired entry was reused");
+        check(&w);
+    }
+
+    #[test]
+    fn refresh_pattern_fires_once_at_last_deadline() {
+        let mut w = TimerWheel::new(0, 10);
+        let id = w.insert(50, 7).unwrap();
+        let mut deadline = 50;
+        for now in (0..10_000).step_by(10) {
+            assert!(advance(&mut w, now).is_empty(), "fired early at {now}");
+            deadline = now + 50;
+            assert!(w.reschedule(id, deadline));
+            assert_eq!(w.deadline(id), Some(deadline));
+        }
+        assert!(advance(&mut w, deadline - 1).is_empty());
+        assert_eq!(advance(&mut w, deadline + 1_000), vec![(id, deadline, 7)]);
+        assert!(advance(&mut w, u64::MAX).is_empty());
+        assert!(!w.reschedule(id, 1));
+    }
+
+    #[test]
+    fn far_deadlines_overflow_and_huge_jumps() {
+        let mut w = TimerWheel::new(0, 100);
+        let ds = [
+            u64::MAX,
+            u64::MAX - 1,
+            u64::MAX - 64,
+            1u64 << 36,
+            (1u64 << 36) - 1,
+            (1u64 << 40) + 5,
+            1_000_000_000_000,
+            1_000_000_000_001,
+            3,
+            1u64 << 63,
+        ];
+        let ids: Vec<TimerId> = ds
+            .iter()
+            .enumerate()
+            .map(|(i, d)| w.insert(*d, i as u32).unwrap())
+            .collect();
+        check(&w);
+        assert_eq!(w.next_deadline(), Some(3));
+        let out = advance(&mut w, 1_000_000_000_000);
+        let got: Vec<u64> = out.iter().map(|e| e.1).collect();
+        assert_eq!(got, vec![3, (1 << 36) - 1, 1 << 36, 1_000_000_000_000]);
+        assert_eq!(w.now(), 1_000_000_000_000);
+        assert_eq!(w.next_deadline(), Some(1_000_000_000_001));
+        assert_eq!(w.deadline(ids[9]), Some(1 << 63));
+        let out = advance(&mut w, u64::MAX - 2);
+        let got: Vec<u64> = out.iter().map(|e| e.1).collect();
+        assert_eq!(
+            got,
+            vec![1_000_000_000_001, (1 << 40) + 5, 1 << 63, u64::MAX - 64]
+        );
+        assert_eq!(w.next_deadline(), Some(u64::MAX - 1));
+        let out = advance(&mut w, u64::MAX);
+        let got: Vec<u64> = out.iter().map(|e| e.1).collect();
+        assert_eq!(got, vec![u64::MAX - 1, u64::MAX]);
+        assert!(w.is_empty());
+        // At the end of time, everything is due immediately.
+        let id = w.insert(u64::MAX, 1).unwrap();
+        assert_eq!(advance(&mut w, u64::MAX), vec![(id, u64::MAX, 1)]);
+        // Rescheduling into and out of the overflow list.
+        let mut w = TimerWheel::new(5, 10);
+        let id = w.insert(6, 1).unwrap();
+        assert!(w.reschedule(id, u64::MAX));
+        check(&w);
+        assert!(w.reschedule(id, 1 << 37));
+        assert!(w.reschedule(id, 70));
+        check(&w);
+        assert_eq!(advance(&mut w, 70), vec![(id, 70, 1)]);
+    }
+
+    #[test]
+    fn huge_jump_with_many_timers_is_fast() {
+        let mut w = TimerWheel::new(0, 1 << 16);
+        let mut rng = Rng(42);
+        for i in 0..10_000u32 {
+            w.insert(rng.next(), i).unwrap();
+        }
+        let t = std::time::Instant::now();
+        let mut now = 0u64;
+        let mut fired = 0;
+        for _ in 0..64 {
+            now = now.saturating_add(u64::MAX / 64);
+            fired += advance(&mut w, now).len();
+        }
+        fired += advance(&mut w, u64::MAX).len();
+        assert_eq!(fired, 10_000);
+        assert!(t.elapsed() < std::time::Duration::from_secs(20));
+    }
+
+    #[test]
+    fn starts_near_end_of_time() {
+        let mut w = TimerWheel::new(u64::MAX - 10, 10);
+        let a = w.insert(u64::MAX, 1).unwrap();
+        let b = w.insert(u64::MAX - 5, 2).unwrap();
+        let c = w.insert(0, 3).unwrap();
+        check(&w);
+        assert_eq!(w.next_deadline(), Some(0));
+        assert_eq!(advance(&mut w, u64::MAX - 10), vec![(c, 0, 3)]);
+        assert_eq!(advance(&mut w, u64::MAX - 5), vec![(b, u64::MAX - 5, 2)]);
+        assert_eq!(advance(&mut w, u64::MAX), vec![(a, u64::MAX, 1)]);
+    }
+
+    #[test]
+    fn advance_backwards_is_noop() {
+        let mut w = TimerWheel::new(100, 10);
+        let a = w.insert(50, 1).unwrap();
+        assert!(advance(&mut w, 10).is_empty());
+        assert_eq!(w.now(), 100);
+        assert_eq!(w.deadline(a), Some(50));
+        assert_eq!(advance(&mut w, 100), vec![(a, 50, 1)]);
+    }
+
+    #[test]
+    fn capacity_limit_enforced() {
+        let mut w = TimerWheel::new(0, 3);
+        let a = w.insert(1, 1).unwrap();
+        w.insert(2, 2).unwrap();
+        w.insert(3, 3).unwrap();
+        let err = w.insert(4, 4).unwrap_err();
+        assert_eq!(
+            err,
+            WheelFull {
+                capacity: 3,
+                item: 4
+            }
+        );
+        assert_eq!(err.to_string(), "timer wheel full (3 live timers)");
+        assert_eq!(err.into_inner(), 4);
+        assert_eq!(w.len(), 3);
+        check(&w);
+        w.cancel(a);
+        let d = w.insert(4, 4).unwrap();
+        assert_eq!(w.insert(5, 5).unwrap_err().item, 5);
+        assert_eq!(advance(&mut w, 2).len(), 1);
+        w.insert(5, 5).unwrap();
+        assert_eq!(w.len(), 3);
+        assert_eq!(w.deadline(d), Some(4));
+
+        let mut z: TimerWheel<u32> = TimerWheel::new(0, 0);
+        assert_eq!(z.insert(1, 9).unwrap_err().item, 9);
+        assert!(z.is_empty());
+        let big: TimerWheel<u32> = TimerWheel::new(0, usize::MAX);
+        assert_eq!(big.capacity(), usize::MAX);
+    }
+
+    #[test]
+    fn liveness_reaper_pattern() {
+        // tick = 100 ms; instances heartbeat at various periods; TTL 30 ticks.
+        const TTL: u64 = 30;
+        let mut w = TimerWheel::new(0, 64);
+        let mut last_seen = [0u64; 16];
+        let period: Vec<u64> = (0..16).map(|i| if i < 12 { 10 } else { 1_000 }).collect();
+        for i in 0..16u32 {
+            w.insert(TTL, i).unwrap();
+        }
+        let mut reaped = Vec::new();
+        let mut out = Vec::new();
+        for now in 1..=200u64 {
+            for (i, seen) in last_seen.iter_mut().enumerate() {
+                if now % period[i] == 0 && !reaped.contains(&i) {
+                    *seen = now;
+                }
+            }
+            out.clear();
+            w.advance(now, &mut out);
+            for (_, _, inst) in out.drain(..) {
+                let i = inst as usize;
+                let due = last_seen[i] + TTL;
+                if due <= now {
+                    reaped.push(i);
+                } else {
+                    w.insert(due, inst).unwrap();
+                }
+            }
+            check(&w);
+        }
+        reaped.sort_unstable();
+        assert_eq!(reaped, vec![12, 13, 14, 15]);
+        assert_eq!(w.len(), 12);
+    }
+
+    // ----- model-based property test -----
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert {
+            kind: u8,
+            raw: u64,
+        },
+        Cancel {
+            pick: usize,
+            stale: bool,
+        },
+        Reschedule {
+            pick: usize,
+            stale: bool,
+            kind: u8,
+            raw: u64,
+        },
+        Advance {
+            kind: u8,
+            raw: u64,
+        },
+        Backwards {
+            raw: u64,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (any::<u8>(), any::<u64>()).prop_map(|(kind, raw)| Op::Insert { kind, raw }),
+            2 => (any::<usize>(), any::<bool>()).prop_map(|(pick, stale)| Op::Cancel { pick, stale }),
+            2 => (any::<usize>(), any::<bool>(), any::<u8>(), any::<u64>())
+                .prop_map(|(pick, stale, kind, raw)| Op::Reschedule { pick, stale, kind, raw }),
+            3 => (any::<u8>(), any::<u64>()).prop_map(|(kind, raw)| Op::Advance { kind, raw }),
+            1 => any::<u64>().prop_map(|raw| Op::Backwards { raw }),
+        ]
+    }
+
+    fn pick_deadline(now: u64, kind: u8, raw: u64) -> u64 {
+        match kind % 7 {
+            0 => now.saturating_add(raw % 70),
+            1 => now.saturating_add(raw % 5_000),
+            2 => now.saturating_sub(raw % 10),
+            3 => now.saturating_add(raw % (1 << 38)),
+            4 => u64::MAX - raw % 100,
+            5 => raw,
+            _ => block_start(now)
+                .saturating_add(1 << 36)
+                .saturating_add(raw % 200),
+        }
+    }
+
+    fn pick_advance(now: u64, kind: u8, raw: u64) -> u64 {
+        match kind % 6 {
+            0 => now,
+            1 => now.saturating_add(raw % 70),
+            2 => now.saturating_add(raw % 10_000),
+            3 => now.saturating_add(raw % (1 << 40)),
+            4 => now.saturating_add(raw),
+            _ => u64::MAX - raw % 50,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn matches_btreemap_model(
+            start_kind in 0u8..3,
+            start_raw in any::<u64>(),
+            capacity in 0usize..40,
+            ops in proptest::collection::vec(op(), 1..120),
+        ) {
+            let start = match start_kind {
+                0 => start_raw % 1_000,
+                1 => start_raw,
+                _ => u64::MAX - start_raw % 1_000,
+            };
+            let mut w: TimerWheel<u32> = TimerWheel::new(start, capacity);
+            // model: id -> (deadline, insertion seq, item)
+            let mut model: BTreeMap<TimerId, (u64, u64, u32)> = BTreeMap::new();
+            let mut now = start;
+            let mut seq = 0u64;
+            let mut dead: Vec<TimerId> = Vec::new();
+            let mut all_ids: HashSet<TimerId> = HashSet::new();
+            let mut next_item = 0u32;
+            for op in ops {
+                match op {
+                    Op::Insert { kind, raw } => {
+                        let d = pick_deadline(now, kind, raw);
+                        let item = next_item;
+                        next_item += 1;
+                        match w.insert(d, item) {
+                            Ok(id) => {
+                                prop_assert!(model.len() < capacity);
+                                prop_assert!(all_ids.insert(id), "duplicate id");
+                                model.insert(id, (d, seq, item));
+                                seq += 1;
+                            }
+                            Err(e) => {
+                                prop_assert_eq!(model.len(), capacity);
+                                prop_assert_eq!(e, WheelFull { capacity, item });
+                            }
+                        }
+                    }
+                    Op::Cancel { pick, stale } => {
+                        if stale || model.is_empty() {
+                            if !dead.is_empty() {
+                                let id = dead[pick % dead.len()];
+                                prop_assert_eq!(w.cancel(id), None);
+                            }
+                        } else {
+                            let id = *model.keys().nth(pick % model.len()).unwrap();
+                            let (_, _, item) = model.remove(&id).unwrap();
+                            prop_assert_eq!(w.cancel(id), Some(item));
+                            dead.push(id);
+                        }
+                    }
+                    Op::Reschedule { pick, stale, kind, raw } => {
+                        let d = pick_deadline(now, kind, raw);
+                        if stale || model.is_empty() {
+                            if !dead.is_empty() {
+                                let id = dead[pick % dead.len()];
+                                prop_assert!(!w.reschedule(id, d));
+                                prop_assert_eq!(w.deadline(id), None);
+                            }
+                        } else {
+                            let id = *model.keys().nth(pick % model.len()).unwrap();
+                            prop_assert!(w.reschedule(id, d));
+                            model.get_mut(&id).unwrap().0 = d;
+                        }
+                    }
+                    Op::Advance { kind, raw } => {
+                        let target = pick_advance(now, kind, raw);
+                        let mut out = vec![(TimerId { index: 0, generation: 0 }, 0, u32::MAX)];
+                        w.advance(target, &mut out);
+                        // A target behind `now` is a no-op: nothing fires.
+                        let mut want: Vec<(u64, u64, TimerId, u32)> = model
+                            .iter()
+                            .filter(|(_, v)| target >= now && v.0 <= target)
+                            .map(|(id, v)| (v.0, v.1, *id, v.2))
+                            .collect();
+                        want.sort();
+                        let want: Vec<(TimerId, u64, u32)> =
+                            want.into_iter().map(|(d, _, id, item)| (id, d, item)).collect();
+                        prop_assert_eq!(out[0].2, u32::MAX, "existing entries disturbed");
+                        prop_assert_eq!(&out[1..], &want[..]);
+                        for (id, _, _) in &want {
+                            model.remove(id);
+                            dead.push(*id);
+                        }
+                        now = now.max(target);
+                    }
+                    Op::Backwards { raw } => {
+                        let target = now.saturating_sub(1 + raw % 1_000);
+                        if target < now {
+                            let mut out = Vec::new();
+                            w.advance(target, &mut out);
+                            prop_assert!(out.is_empty());
+                        }
+                    }
+                }
+                if let Err(e) = w.check_invariants() {
+                    prop_assert!(false, "invariant: {}", e);
+                }
+                prop_assert_eq!(w.now(), now);
+                prop_assert_eq!(w.len(), model.len());
+                prop_assert_eq!(w.is_empty(), model.is_empty());
+                prop_assert_eq!(w.next_deadline(), model.values().map(|v| v.0).min());
+                for (id, v) in &model {
+                    prop_assert_eq!(w.deadline(*id), Some(v.0));
+                }
+            }
+        }
+    }
+}

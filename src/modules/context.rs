@@ -1,0 +1,291 @@
+//! The node's shared context: everything the transports, shards, reaper and maintenance thread
+//! reach through one `Arc`. Also registration and release of instances, which touch several parts.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_queue::ArrayQueue;
+use kvnode_hw::SharedPool;
+use parking_lot::Mutex;
+
+use super::events::{Event, EventBus};
+use super::instances::{Instance, InstanceTable, PendingTransfers};
+use super::lookup::SessionTable;
+use super::shards::ShardPool;
+use crate::config::NodeConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::liveness::Liveness;
+use crate::protocol::{RegisterRequest, WireLayout};
+use crate::storage::key::{validate_model_name, validate_rank};
+use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore};
+
+/// Reference-counted layouts per `(model, world_size)`, as LMCache's `LayoutDescRegistry`.
+/// Invariant: an entry exists iff at least one live instance of that pair holds a reference.
+#[derive(Default)]
+pub struct LayoutRegistry {
+    inner: Mutex<HashMap<(String, u32), (Layout, usize)>>,
+}
+
+impl LayoutRegistry {
+    fn acquire(&self, model: &str, world_size: u32, layout: &Layout) {
+        let mut m = self.inner.lock();
+        m.entry((model.to_owned(), world_size))
+            .and_modify(|e| e.1 += 1)
+            .or_insert_with(|| (layout.clone(), 1));
+    }
+
+    fn release(&self, model: &str, world_size: u32) {
+        let mut m = self.inner.lock();
+        let key = (model.to_owned(), world_size);
+        if let Some(e) = m.get_mut(&key) {
+            e.1 -= 1;
+            if e.1 == 0 {
+                m.remove(&key);
+            }
+        }
+    }
+
+    /// The layout registered for `(model, world_size)`, if any instance holds it.
+    pub fn get(&self, model: &str, world_size: u32) -> Option<Layout> {
+        self.inner
+            .lock()
+            .get(&(model.to_owned(), world_size))
+            .map(|e| e.0.clone())
+    }
+
+    /// Number of distinct registered layouts.
+    pub fn len(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    /// Whether no layout is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What releasing an instance handed back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Pending writes deleted and freed.
+    pub writes: u32,
+    /// Pending reads unlocked.
+    pub reads: u32,
+}
+
+/// Process-wide counters for the status report.
+#[derive(Default)]
+pub struct NodeCounters {
+    /// Connections currently open.
+    pub connections: AtomicUsize,
+    /// Requests answered.
+    pub requests: AtomicU64,
+    /// Error responses sent.
+    pub errors: AtomicU64,
+    /// Instances reaped by the liveness wheel.
+    pub reaped: AtomicU64,
+    /// Instances released because their connection closed.
+    pub disconnected: AtomicU64,
+}
+
+/// Shared node state. Invariant: built once by `server::Node::start`; lives until every thread
+/// that holds it has exited.
+pub struct NodeContext {
+    /// Configuration in force.
+    pub config: NodeConfig,
+    /// The shared memory pool.
+    pub pool: SharedPool,
+    /// Index, allocator and state machine.
+    pub storage: StorageCore,
+    /// `(model, salt)` interning.
+    pub namespaces: Namespaces,
+    /// Registered instances.
+    pub instances: InstanceTable,
+    /// Layout references per `(model, world_size)`.
+    pub layouts: LayoutRegistry,
+    /// Lookup sessions.
+    pub sessions: SessionTable,
+    /// Observability events.
+    pub events: EventBus,
+    /// Instance-shard workers.
+    pub shards: ShardPool,
+    /// Timer-wheel reaper.
+    pub liveness: Liveness,
+    /// Counters.
+    pub counters: NodeCounters,
+    /// Set once shutdown starts.
+    pub shutting_down: AtomicBool,
+    next_transfer: AtomicU64,
+    epoch: Instant,
+}
+
+impl NodeContext {
+    /// Builds the context around an already created pool.
+    pub fn new(config: NodeConfig, pool: SharedPool) -> NodeContext {
+        let storage = StorageCore::new(
+            pool.len(),
+            StorageConfig {
+                write_ttl: std::time::Duration::from_secs(config.write_ttl_secs),
+                read_ttl: std::time::Duration::from_secs(config.read_ttl_secs),
+                high_watermark: config.high_watermark,
+                low_watermark: config.low_watermark,
+                max_objects: config.limits.max_objects,
+            },
+        );
+        NodeContext {
+            storage,
+            namespaces: Namespaces::default(),
+            instances: InstanceTable::new(config.limits.max_instances),
+            layouts: LayoutRegistry::default(),
+            sessions: SessionTable::new(config.limits.max_sessions),
+            events: EventBus::new(config.limits.event_bus_capacity),
+            shards: ShardPool::new(config.worker_threads()),
+            liveness: Liveness::new(&config),
+            counters: NodeCounters::default(),
+            shutting_down: AtomicBool::new(false),
+            next_transfer: AtomicU64::new(1),
+            epoch: Instant::now(),
+            pool,
+            config,
+        }
+    }
+
+    /// Milliseconds since the node started (liveness clock).
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// A fresh, never-reused transfer id (never 0).
+    pub fn next_transfer_id(&self) -> u64 {
+        self.next_transfer.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The wire form of a layout.
+    pub fn wire_layout(layout: &Layout) -> WireLayout {
+        WireLayout {
+            shape: layout.shape.clone(),
+            dtype: layout.dtype.name().to_owned(),
+        }
+    }
+
+    /// Registers (or refreshes) an engine-driven context. A duplicate registration with the same
+    /// parameters refreshes liveness and returns the same instance; different parameters replace
+    /// the old registration (releasing its pending transfers).
+    pub fn register(&self, req: &RegisterRequest, connection: u64) -> Result<Arc<Instance>> {
+        validate_model_name(&req.model)?;
+        validate_rank(req.world_size, 0)?;
+        let dtype = Dtype::parse(&req.dtype)?;
+        if req.num_layers == 0 || req.hidden_dim == 0 {
+            return Err(Error::invalid("num_layers and hidden_dim must be > 0"));
+        }
+        let layout = Layout::engine_driven(
+            req.num_layers,
+            self.config.chunk_tokens,
+            req.hidden_dim,
+            dtype,
+            req.use_mla,
+        )?;
+        if layout.object_bytes() > self.storage.capacity() {
+            return Err(Error::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "one object of this layout ({} bytes) exceeds the pool ({} bytes)",
+                    layout.object_bytes(),
+                    self.storage.capacity()
+                ),
+            ));
+        }
+        let now = self.now_ms();
+        if let Some(existing) = self.instances.get(req.instance_id) {
+            let same = existing.model == req.model
+                && existing.world_size == req.world_size
+                && existing.use_mla == req.use_mla
+                && existing.layout == layout;
+            if same && !existing.is_released() {
+                existing.touch(now);
+                existing.connection.store(connection, Ordering::Relaxed);
+                return Ok(existing);
+            }
+            tracing::info!(
+                instance = req.instance_id,
+                "re-registration with a new layout replaces the old context"
+            );
+            self.release(&existing, "re-registered");
+        }
+        let namespace = self.namespaces.intern(&req.model, "")?;
+        let inst = Arc::new(Instance {
+            id: req.instance_id,
+            model: req.model.clone(),
+            world_size: req.world_size,
+            block_size: req.block_size,
+            use_mla: req.use_mla,
+            layout: layout.clone(),
+            namespace,
+            shard: self.shards.shard_for(req.instance_id),
+            connection: AtomicU64::new(connection),
+            last_seen_ms: AtomicU64::new(now),
+            pinged: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            mailbox: ArrayQueue::new(self.config.limits.max_queued_per_instance),
+            scheduled: AtomicBool::new(false),
+            pending: parking_lot::Mutex::new(PendingTransfers::default()),
+        });
+        match self.instances.insert(inst.clone()) {
+            Ok(None) => {}
+            Ok(Some(raced)) => return Ok(raced), // a concurrent identical registration won
+            Err(_) => {
+                return Err(Error::limit(format!(
+                    "instance limit reached ({} registered)",
+                    self.config.limits.max_instances
+                )))
+            }
+        }
+        self.layouts.acquire(&inst.model, inst.world_size, &layout);
+        self.liveness.arm(inst.id);
+        tracing::info!(
+            instance = inst.id,
+            model = %inst.model,
+            world_size = inst.world_size,
+            shape = ?layout.shape,
+            dtype = dtype.name(),
+            "instance registered"
+        );
+        Ok(inst)
+    }
+
+    /// Releases an instance (unregister, reaping, disconnect): marks it released, removes it from
+    /// the table, **deletes and frees** its pending writes (never publishes them), unlocks its
+    /// pending reads and drops its layout reference. Idempotent.
+    pub fn release(&self, inst: &Arc<Instance>, reason: &'static str) -> Released {
+        if inst.released.swap(true, Ordering::AcqRel) {
+            return Released::default();
+        }
+        self.instances.remove_exact(inst);
+        let pending = std::mem::take(&mut *inst.pending.lock());
+        let mut out = Released::default();
+        for (_, w) in pending.writes {
+            self.storage.abort_write(&w.items);
+            out.writes += 1;
+        }
+        for (_, r) in pending.reads {
+            self.storage.finish_read(&r.keys, 0);
+            out.reads += 1;
+        }
+        self.layouts.release(&inst.model, inst.world_size);
+        self.events.publish(Event::InstanceReleased {
+            instance_id: inst.id,
+            reason,
+        });
+        tracing::info!(
+            instance = inst.id,
+            reason,
+            freed_writes = out.writes,
+            released_reads = out.reads,
+            "instance released"
+        );
+        self.storage.assert_consistent();
+        out
+    }
+}

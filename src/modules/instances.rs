@@ -1,0 +1,182 @@
+//! Registered engine instances: identity, layout, liveness stamps, the per-instance lock-free
+//! mailbox of queued requests, and the pending (prepared, uncommitted) transfers.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crossbeam_queue::ArrayQueue;
+use parking_lot::{Mutex, RwLock};
+
+use crate::protocol::Request;
+use crate::storage::{Layout, NamespaceId, Slot, StorageKey};
+use crate::transport::ReplySink;
+
+/// A request waiting in an instance's mailbox.
+pub struct Job {
+    /// Caller's request id (echoed in the response).
+    pub request_id: u64,
+    /// The request (always one with instance affinity).
+    pub request: Request,
+    /// Where to answer.
+    pub reply: Arc<dyn ReplySink>,
+}
+
+/// A prepared store: the exact `(key, slot)` pairs reserved for it.
+#[derive(Debug, Clone)]
+pub struct PendingWrite {
+    /// Reserved objects, in chunk order.
+    pub items: Vec<(StorageKey, Slot)>,
+}
+
+/// A prepared retrieve: the keys whose read locks COMMIT_RETRIEVE releases.
+#[derive(Debug, Clone)]
+pub struct PendingRead {
+    /// Read-locked keys, in chunk order.
+    pub keys: Vec<StorageKey>,
+}
+
+/// Pending transfers of one instance. Invariant: every reservation listed here is
+/// `WriteReserved` in storage (or doomed/expired), and every read listed holds one lock per key.
+#[derive(Default)]
+pub struct PendingTransfers {
+    /// transfer id -> prepared store.
+    pub writes: HashMap<u64, PendingWrite>,
+    /// transfer id -> prepared retrieve.
+    pub reads: HashMap<u64, PendingRead>,
+}
+
+/// One registered engine instance (a worker process of an engine).
+/// Invariant: once `released` is set it never clears, and no new pending transfer is added after it.
+pub struct Instance {
+    /// Engine-chosen id.
+    pub id: u64,
+    /// Model name.
+    pub model: String,
+    /// KV world size.
+    pub world_size: u32,
+    /// Engine block size (metadata).
+    pub block_size: u32,
+    /// One KV plane.
+    pub use_mla: bool,
+    /// Object layout.
+    pub layout: Layout,
+    /// Interned `(model, "")` namespace (salted keys intern their own).
+    pub namespace: NamespaceId,
+    /// Index of the worker shard that runs this instance's requests.
+    pub shard: usize,
+    /// Connection that registered (or last re-registered) it.
+    pub connection: AtomicU64,
+    /// Node-clock millisecond of the last request.
+    pub last_seen_ms: AtomicU64,
+    /// Whether it has ever sent PING (decides reap timeout vs registration grace).
+    pub pinged: AtomicBool,
+    /// Set when reaped, unregistered or disconnected.
+    pub released: AtomicBool,
+    /// Queued requests, executed in order by the instance's shard.
+    pub mailbox: ArrayQueue<Job>,
+    /// Whether the instance sits in its shard's run queue (or is being run).
+    pub scheduled: AtomicBool,
+    /// Prepared, uncommitted transfers.
+    pub pending: Mutex<PendingTransfers>,
+}
+
+impl Instance {
+    /// Records activity at `now_ms` (any request).
+    pub fn touch(&self, now_ms: u64) {
+        self.last_seen_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    /// Records a PING at `now_ms`: refresh and latch.
+    pub fn ping(&self, now_ms: u64) {
+        self.touch(now_ms);
+        self.pinged.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the instance is gone.
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+}
+
+const TABLE_SHARDS: usize = 16;
+
+/// The instance table is at its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableFull;
+
+/// All registered instances, sharded by id. Invariant: at most `limit` entries.
+pub struct InstanceTable {
+    shards: Vec<RwLock<HashMap<u64, Arc<Instance>>>>,
+    count: AtomicUsize,
+    limit: usize,
+}
+
+impl InstanceTable {
+    /// An empty table holding at most `limit` instances.
+    pub fn new(limit: usize) -> InstanceTable {
+        InstanceTable {
+            shards: (0..TABLE_SHARDS).map(|_| RwLock::default()).collect(),
+            count: AtomicUsize::new(0),
+            limit,
+        }
+    }
+
+    fn shard(&self, id: u64) -> &RwLock<HashMap<u64, Arc<Instance>>> {
+        &self.shards[(id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % TABLE_SHARDS]
+    }
+
+    /// The instance registered under `id`.
+    pub fn get(&self, id: u64) -> Option<Arc<Instance>> {
+        self.shard(id).read().get(&id).cloned()
+    }
+
+    /// Inserts a new instance unless `id` is taken or the table is full.
+    /// Returns the existing instance on conflict, or `Err(TableFull)` when full.
+    pub fn insert(&self, inst: Arc<Instance>) -> Result<Option<Arc<Instance>>, TableFull> {
+        let mut s = self.shard(inst.id).write();
+        if let Some(existing) = s.get(&inst.id) {
+            return Ok(Some(existing.clone()));
+        }
+        if self.count.load(Ordering::Relaxed) >= self.limit {
+            return Err(TableFull);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        s.insert(inst.id, inst);
+        Ok(None)
+    }
+
+    /// Removes `inst` if it is still the registered instance for its id.
+    pub fn remove_exact(&self, inst: &Arc<Instance>) -> bool {
+        let mut s = self.shard(inst.id).write();
+        match s.get(&inst.id) {
+            Some(cur) if Arc::ptr_eq(cur, inst) => {
+                s.remove(&inst.id);
+                self.count.fetch_sub(1, Ordering::Relaxed);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Number of registered instances.
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Whether no instance is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A snapshot of every instance (status reports, shutdown).
+    pub fn all(&self) -> Vec<Arc<Instance>> {
+        let mut v: Vec<_> = self
+            .shards
+            .iter()
+            .flat_map(|s| s.read().values().cloned().collect::<Vec<_>>())
+            .collect();
+        v.sort_by_key(|i| i.id);
+        v
+    }
+}

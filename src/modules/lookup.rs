@@ -1,0 +1,225 @@
+//! LOOKUP, FREE_LOOKUP_LOCKS and END_SESSION (LMCache section 4.5), with sessions kept per
+//! request id. Lookups lock the hit prefix for every rank so the retrieve that follows is
+//! guaranteed to find it; sessions expire after an idle time (not after creation, fixing W5).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use super::context::NodeContext;
+use super::transfer::check_chunk_count;
+use crate::error::{Error, Result};
+use crate::hashing::ChunkHash;
+use crate::protocol::{ChunkRange, Response};
+use crate::storage::{pack_kv_rank, NamespaceId, StorageKey};
+
+/// LMCache's multi-reader rule: `tp = tp_size if tp_size > 1 else world_size`;
+/// `extra = tp - 1 if tp > world_size else 0` (MLA: every TP rank reads the same object).
+pub fn extra_readers(tp_size: u32, world_size: u32) -> u32 {
+    let tp = if tp_size > 1 { tp_size } else { world_size };
+    if tp > world_size {
+        (tp - 1).min(127)
+    } else {
+        0
+    }
+}
+
+/// What a lookup remembers for its request. Invariant: chunks `< hit_chunks` whose `freed` bit
+/// is false hold `1 + extra` read locks per rank taken by this session.
+#[derive(Debug, Clone)]
+pub struct Session {
+    namespace: NamespaceId,
+    world_size: u32,
+    hashes: Vec<ChunkHash>,
+    hit_chunks: u32,
+    extra: u32,
+    freed: Vec<bool>,
+    last_used_ms: u64,
+}
+
+impl Session {
+    fn chunk_keys(&self, chunk: usize) -> Vec<StorageKey> {
+        chunk_keys(self.namespace, self.world_size, &self.hashes[chunk])
+    }
+}
+
+fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<StorageKey> {
+    (0..world_size)
+        .map(|rank| StorageKey {
+            chunk_hash: *hash,
+            kv_rank: pack_kv_rank(world_size, rank),
+            object_group: 0,
+            namespace,
+        })
+        .collect()
+}
+
+const SESSION_SHARDS: usize = 16;
+
+/// Sessions by request id. Invariant: at most `limit` sessions.
+pub struct SessionTable {
+    shards: Vec<Mutex<HashMap<String, Session>>>,
+    count: AtomicUsize,
+    limit: usize,
+}
+
+impl SessionTable {
+    /// An empty table holding at most `limit` sessions.
+    pub fn new(limit: usize) -> SessionTable {
+        SessionTable {
+            shards: (0..SESSION_SHARDS).map(|_| Mutex::default()).collect(),
+            count: AtomicUsize::new(0),
+            limit,
+        }
+    }
+
+    fn shard(&self, id: &str) -> &Mutex<HashMap<String, Session>> {
+        let h = blake3::hash(id.as_bytes());
+        &self.shards[h.as_bytes()[0] as usize % SESSION_SHARDS]
+    }
+
+    /// Number of live sessions.
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Whether there are no sessions.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn insert(&self, id: &str, s: Session) -> Option<Session> {
+        let old = self.shard(id).lock().insert(id.to_owned(), s);
+        if old.is_none() {
+            self.count.fetch_add(1, Ordering::Relaxed);
+        }
+        old
+    }
+
+    fn remove(&self, id: &str) -> Option<Session> {
+        let old = self.shard(id).lock().remove(id);
+        if old.is_some() {
+            self.count.fetch_sub(1, Ordering::Relaxed);
+        }
+        old
+    }
+
+    /// Removes sessions idle since before `cutoff_ms`; returns them (their locks are left to the
+    /// read TTL, as a retrieve may still be using them).
+    pub fn expire(&self, cutoff_ms: u64) -> usize {
+        let mut n = 0;
+        for s in &self.shards {
+            let mut m = s.lock();
+            let before = m.len();
+            m.retain(|_, v| v.last_used_ms >= cutoff_ms);
+            n += before - m.len();
+        }
+        self.count.fetch_sub(n, Ordering::Relaxed);
+        n
+    }
+}
+
+/// LOOKUP: prefix hit count over all ranks, locking the hit prefix with `1 + extra` locks per key.
+/// A repeated lookup with the same request id replaces the session (its chunks stay locked until
+/// retrieved, freed or expired, as in LMCache).
+pub fn lookup(
+    ctx: &NodeContext,
+    request_id: &str,
+    range: &ChunkRange,
+    tp_size: u32,
+) -> Result<Response> {
+    if range.worker_id.is_some() {
+        return Err(Error::invalid(
+            "LOOKUP covers all ranks: worker_id must be absent",
+        ));
+    }
+    crate::storage::key::validate_rank(range.world_size, 0)?;
+    check_chunk_count(ctx, range.chunk_hashes.len())?;
+    if ctx.sessions.len() >= ctx.sessions.limit
+        && ctx
+            .sessions
+            .shard(request_id)
+            .lock()
+            .get(request_id)
+            .is_none()
+    {
+        return Err(Error::limit(format!(
+            "{} lookup sessions open (limit)",
+            ctx.sessions.limit
+        )));
+    }
+    let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
+    let extra = extra_readers(tp_size, range.world_size);
+    let chunks: Vec<Vec<StorageKey>> = range
+        .chunk_hashes
+        .iter()
+        .map(|h| chunk_keys(namespace, range.world_size, h))
+        .collect();
+    let refs: Vec<&[StorageKey]> = chunks.iter().map(Vec::as_slice).collect();
+    let hit = ctx.storage.lock_prefix(&refs, extra) as u32;
+    ctx.sessions.insert(
+        request_id,
+        Session {
+            namespace,
+            world_size: range.world_size,
+            hashes: range.chunk_hashes.clone(),
+            hit_chunks: hit,
+            extra,
+            freed: vec![false; hit as usize],
+            last_used_ms: ctx.now_ms(),
+        },
+    );
+    Ok(Response::LookupHits { chunks: hit })
+}
+
+/// FREE_LOOKUP_LOCKS: releases the session's locks on chunks `[start, end)` clipped to the hit
+/// length; each chunk at most once. Unknown sessions and empty ranges are no-ops.
+pub fn free_lookup_locks(
+    ctx: &NodeContext,
+    request_id: &str,
+    start: u32,
+    end: u32,
+) -> Result<Response> {
+    let mut shard = ctx.sessions.shard(request_id).lock();
+    let Some(s) = shard.get_mut(request_id) else {
+        return Ok(Response::Ok);
+    };
+    s.last_used_ms = ctx.now_ms();
+    let end = end.min(s.hit_chunks);
+    for c in start..end {
+        let c = c as usize;
+        if !s.freed[c] {
+            s.freed[c] = true;
+            ctx.storage.finish_read(&s.chunk_keys(c), s.extra);
+        }
+    }
+    Ok(Response::Ok)
+}
+
+/// END_SESSION: forgets the session and refreshes recency of all its chunks (every rank).
+pub fn end_session(ctx: &NodeContext, request_id: &str) -> Result<Response> {
+    if let Some(s) = ctx.sessions.remove(request_id) {
+        let keys: Vec<StorageKey> = (0..s.hashes.len()).flat_map(|c| s.chunk_keys(c)).collect();
+        ctx.storage.touch(&keys);
+    }
+    Ok(Response::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mla_extra_readers() {
+        assert_eq!(extra_readers(1, 1), 0);
+        assert_eq!(
+            extra_readers(4, 1),
+            3,
+            "MLA: world 1, tp 4 -> 4 locks per key"
+        );
+        assert_eq!(extra_readers(4, 4), 0);
+        assert_eq!(extra_readers(0, 2), 0);
+        assert_eq!(extra_readers(1000, 1), 127, "clamped like LMCache");
+    }
+}

@@ -1,0 +1,14 @@
+//! Request handlers grouped by job, as LMCache's server modules: engine-driven transfers (run on
+//! instance shards), lookup sessions and management (run inline), plus the shared context, the
+//! instance registry, the shard worker pool, the event bus and the status report.
+
+pub mod context;
+pub mod events;
+pub mod instances;
+pub mod lookup;
+pub mod management;
+pub mod shards;
+pub mod status;
+pub mod transfer;
+
+pub use self::context::NodeContext;

@@ -1,0 +1,277 @@
+//! Engine-driven transfers (PREPARE/COMMIT/ABORT STORE, PREPARE/COMMIT RETRIEVE, UNREGISTER),
+//! executed on the instance's shard in arrival order. The node hands out slot offsets; the client
+//! copies the bytes itself.
+
+use std::sync::Arc;
+
+use super::context::NodeContext;
+use super::instances::{Instance, Job, PendingRead, PendingWrite};
+use crate::error::{Error, ErrorKind, Result};
+use crate::protocol::{ChunkRange, Request, Response, WireSlot};
+use crate::storage::{pack_kv_rank, KeyError, Slot, StorageKey};
+
+/// Runs one queued job and sends its response.
+pub fn execute(ctx: &NodeContext, inst: &Arc<Instance>, job: Job) {
+    let opcode = job.request.opcode();
+    let resp = match run(ctx, inst, job.request) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(instance = inst.id, error = %e, "transfer request failed");
+            Response::error(&e)
+        }
+    };
+    if matches!(resp, Response::Error { .. }) {
+        ctx.counters
+            .errors
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    job.reply.send(job.request_id, opcode, &resp, None);
+    ctx.counters
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn run(ctx: &NodeContext, inst: &Arc<Instance>, req: Request) -> Result<Response> {
+    if inst.is_released() {
+        return Err(not_registered(inst.id));
+    }
+    match req {
+        Request::PrepareStore { range, .. } => prepare_store(ctx, inst, &range),
+        Request::CommitStore { transfer_id, .. } => commit_store(ctx, inst, transfer_id),
+        Request::AbortStore { transfer_id, .. } => abort_store(ctx, inst, transfer_id),
+        Request::PrepareRetrieve {
+            range,
+            use_lookup_locks,
+            ..
+        } => prepare_retrieve(ctx, inst, &range, use_lookup_locks),
+        Request::CommitRetrieve { transfer_id, .. } => commit_retrieve(ctx, inst, transfer_id),
+        Request::Unregister { .. } => {
+            let r = ctx.release(inst, "unregistered");
+            Ok(Response::Unregistered {
+                released_writes: r.writes,
+                released_reads: r.reads,
+            })
+        }
+        other => Err(Error::internal(format!(
+            "opcode {} routed to a transfer shard",
+            other.opcode()
+        ))),
+    }
+}
+
+fn not_registered(id: u64) -> Error {
+    Error::new(
+        ErrorKind::NotRegistered,
+        format!("instance {id} is not registered"),
+    )
+}
+
+/// Checks a worker-side range against its instance and builds its keys (one per chunk).
+fn worker_keys(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Result<Vec<StorageKey>> {
+    let worker = range
+        .worker_id
+        .ok_or_else(|| Error::invalid("transfer ranges need a worker_id"))?;
+    if range.model != inst.model || range.world_size != inst.world_size {
+        return Err(Error::invalid(format!(
+            "range is for ({}, world {}) but instance {} registered ({}, world {})",
+            range.model, range.world_size, inst.id, inst.model, inst.world_size
+        )));
+    }
+    crate::storage::key::validate_rank(range.world_size, worker)?;
+    check_chunk_count(ctx, range.chunk_hashes.len())?;
+    let namespace = if range.cache_salt.is_empty() {
+        inst.namespace
+    } else {
+        ctx.namespaces.intern(&range.model, &range.cache_salt)?
+    };
+    let kv_rank = pack_kv_rank(range.world_size, worker);
+    Ok(range
+        .chunk_hashes
+        .iter()
+        .map(|h| StorageKey {
+            chunk_hash: *h,
+            kv_rank,
+            object_group: 0,
+            namespace,
+        })
+        .collect())
+}
+
+/// Enforces the per-request chunk limit (and rejects empty ranges).
+pub fn check_chunk_count(ctx: &NodeContext, n: usize) -> Result<()> {
+    let max = ctx.config.limits.max_chunks_per_request;
+    if n == 0 {
+        return Err(Error::invalid("range has no chunks"));
+    }
+    if n > max {
+        return Err(Error::limit(format!(
+            "{n} chunks in one request (limit {max})"
+        )));
+    }
+    Ok(())
+}
+
+fn check_pending_room(ctx: &NodeContext, pending: usize) -> Result<()> {
+    let max = ctx.config.limits.max_pending_transfers;
+    if pending >= max {
+        return Err(Error::limit(format!(
+            "{pending} prepared transfers not yet committed (limit {max})"
+        )));
+    }
+    Ok(())
+}
+
+fn wire(slot: &Slot) -> WireSlot {
+    WireSlot {
+        offset: slot.offset,
+        length: slot.len,
+    }
+}
+
+fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Result<Response> {
+    let keys = worker_keys(ctx, inst, range)?;
+    let mut pending = inst.pending.lock();
+    if inst.is_released() {
+        return Err(not_registered(inst.id));
+    }
+    check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
+    let results = ctx
+        .storage
+        .reserve_write(&keys, inst.layout.object_bytes(), false);
+    let mut items = Vec::new();
+    let mut chunk_indices = Vec::new();
+    let mut oom = 0;
+    for (i, (k, r)) in keys.iter().zip(results).enumerate() {
+        match r {
+            Ok(slot) => {
+                debug_assert_eq!(slot.len, inst.layout.object_bytes());
+                items.push((*k, slot));
+                chunk_indices.push(i as u32);
+            }
+            Err(KeyError::OutOfMemory) => oom += 1,
+            Err(_) => {} // already cached or being written by someone else: skip ("new" mode)
+        }
+    }
+    if oom > 0 {
+        tracing::warn!(
+            instance = inst.id,
+            oom,
+            "pool full of locked or in-flight objects: chunks not reserved"
+        );
+    }
+    let slots = items.iter().map(|(_, s)| wire(s)).collect();
+    let transfer_id = if items.is_empty() {
+        0
+    } else {
+        let id = ctx.next_transfer_id();
+        pending.writes.insert(id, PendingWrite { items });
+        id
+    };
+    drop(pending);
+    ctx.storage.assert_consistent();
+    Ok(Response::StorePrepared {
+        transfer_id,
+        slots,
+        chunk_indices,
+        layout: NodeContext::wire_layout(&inst.layout),
+    })
+}
+
+fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
+    let w = inst
+        .pending
+        .lock()
+        .writes
+        .remove(&transfer_id)
+        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
+    let published = ctx
+        .storage
+        .finish_write(&w.items)
+        .iter()
+        .filter(|r| r.is_ok())
+        .count() as u32;
+    ctx.storage.assert_consistent();
+    Ok(Response::StoreCommitted { published })
+}
+
+fn abort_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
+    let w = inst
+        .pending
+        .lock()
+        .writes
+        .remove(&transfer_id)
+        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
+    let freed = ctx
+        .storage
+        .abort_write(&w.items)
+        .iter()
+        .filter(|r| r.is_ok())
+        .count() as u32;
+    ctx.storage.assert_consistent();
+    Ok(Response::StoreAborted { freed })
+}
+
+fn prepare_retrieve(
+    ctx: &NodeContext,
+    inst: &Instance,
+    range: &ChunkRange,
+    use_lookup_locks: bool,
+) -> Result<Response> {
+    let keys = worker_keys(ctx, inst, range)?;
+    let mut pending = inst.pending.lock();
+    if inst.is_released() {
+        return Err(not_registered(inst.id));
+    }
+    check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
+    let results = if use_lookup_locks {
+        ctx.storage.read_locked_slots(&keys)
+    } else {
+        ctx.storage.reserve_read(&keys, 0)
+    };
+    let layout = NodeContext::wire_layout(&inst.layout);
+    if results.iter().any(Result::is_err) {
+        // All-or-nothing: release the locks of the chunks that were found (LMCache releases the
+        // LOOKUP locks of the found subset too), then report a miss.
+        let found: Vec<StorageKey> = keys
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| *k)
+            .collect();
+        ctx.storage.finish_read(&found, 0);
+        return Ok(Response::RetrievePrepared {
+            hit: false,
+            transfer_id: 0,
+            slots: Vec::new(),
+            layout,
+        });
+    }
+    let slots = results.iter().flatten().map(wire).collect();
+    let transfer_id = ctx.next_transfer_id();
+    pending.reads.insert(transfer_id, PendingRead { keys });
+    Ok(Response::RetrievePrepared {
+        hit: true,
+        transfer_id,
+        slots,
+        layout,
+    })
+}
+
+fn commit_retrieve(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
+    let r = inst
+        .pending
+        .lock()
+        .reads
+        .remove(&transfer_id)
+        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
+    ctx.storage.finish_read(&r.keys, 0);
+    ctx.storage.assert_consistent();
+    Ok(Response::Ok)
+}
+
+fn unknown_transfer(instance: u64, transfer_id: u64) -> Error {
+    Error::new(
+        ErrorKind::UnknownTransfer,
+        format!("instance {instance} has no pending transfer {transfer_id}"),
+    )
+}

@@ -1,0 +1,405 @@
+//! Native frame codec: a fixed 32-byte little-endian header followed by an rkyv payload.
+//!
+//! ```text
+//! 0  magic u32 "KVN1"   4 version u16   6 opcode u16   8 flags u32   12 payload_len u32
+//! 16 request_id u64     24 reserved u64 (zero)         32 payload (16-byte aligned in memory)
+//! ```
+//! Payloads are validated with bytecheck (`rkyv::from_bytes`) before use; anything corrupt,
+//! truncated, misaligned or oversized is a typed [`FrameError`], never a panic.
+
+use std::io::{self, Read};
+use std::os::fd::OwnedFd;
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+
+use super::messages::{Request, Response};
+
+/// `b"KVN1"` read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"KVN1");
+/// Protocol version spoken by this build.
+pub const VERSION: u16 = 1;
+/// Header size in bytes.
+pub const HEADER_BYTES: usize = 32;
+/// Largest payload accepted in either direction.
+pub const MAX_PAYLOAD_BYTES: u32 = 16 << 20;
+/// Header flag: this frame is a response.
+pub const FLAG_RESPONSE: u32 = 1;
+/// Header flag: a file descriptor (the pool) travels with this frame.
+pub const FLAG_FD: u32 = 2;
+/// Flags this version understands; others are rejected.
+const KNOWN_FLAGS: u32 = FLAG_RESPONSE | FLAG_FD;
+
+/// Why a frame was rejected.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FrameError {
+    /// The first four bytes are not `KVN1`.
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    /// A protocol version this build does not speak.
+    #[error("unsupported protocol version {0}")]
+    BadVersion(u16),
+    /// Payload length above the limit.
+    #[error("payload of {len} bytes exceeds the {max}-byte limit")]
+    Oversized {
+        /// Declared length.
+        len: u32,
+        /// Limit.
+        max: u32,
+    },
+    /// Reserved header bits are set.
+    #[error("reserved header field or flags set ({0:#x})")]
+    Reserved(u64),
+    /// The payload failed validation.
+    #[error("invalid payload: {0}")]
+    Payload(String),
+    /// The header opcode disagrees with the payload.
+    #[error("header opcode {header} does not match payload opcode {payload}")]
+    OpcodeMismatch {
+        /// Opcode in the header.
+        header: u16,
+        /// Opcode of the decoded payload.
+        payload: u16,
+    },
+    /// The stream ended inside a frame.
+    #[error("connection closed mid-frame")]
+    Truncated,
+    /// The transport failed.
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+/// A decoded header. Invariant: produced only by [`FrameHeader::decode`] (validated) or by this
+/// module's encoders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Request type (see `Request::opcode`); echoed in responses.
+    pub opcode: u16,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// Caller's id, echoed in the response (pipelining).
+    pub request_id: u64,
+    /// Bytes of payload that follow.
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// Serialises the header.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.opcode.to_le_bytes());
+        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[12..16].copy_from_slice(&self.payload_len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.request_id.to_le_bytes());
+        b
+    }
+
+    /// Parses and validates a header.
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<FrameHeader, FrameError> {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(FrameError::BadVersion(version));
+        }
+        let flags = u32_at(8);
+        let reserved = u64_at(24);
+        if reserved != 0 || flags & !KNOWN_FLAGS != 0 {
+            return Err(FrameError::Reserved(
+                reserved | u64::from(flags & !KNOWN_FLAGS),
+            ));
+        }
+        let payload_len = u32_at(12);
+        if payload_len > MAX_PAYLOAD_BYTES {
+            return Err(FrameError::Oversized {
+                len: payload_len,
+                max: MAX_PAYLOAD_BYTES,
+            });
+        }
+        Ok(FrameHeader {
+            opcode: u16::from_le_bytes([b[6], b[7]]),
+            flags,
+            request_id: u64_at(16),
+            payload_len,
+        })
+    }
+}
+
+fn encode_frame(
+    opcode: u16,
+    flags: u32,
+    request_id: u64,
+    payload: &[u8],
+) -> Result<Vec<u8>, FrameError> {
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|&l| l <= MAX_PAYLOAD_BYTES)
+        .ok_or(FrameError::Oversized {
+            len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
+            max: MAX_PAYLOAD_BYTES,
+        })?;
+    let h = FrameHeader {
+        opcode,
+        flags,
+        request_id,
+        payload_len: len,
+    };
+    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(payload);
+    Ok(out)
+}
+
+/// Encodes a request frame.
+pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<u8>, FrameError> {
+    let payload =
+        rkyv::to_bytes::<rancor::Error>(req).map_err(|e| FrameError::Payload(e.to_string()))?;
+    encode_frame(req.opcode(), 0, request_id, &payload)
+}
+
+/// Encodes a response frame answering `request_id` of type `opcode`.
+pub fn encode_response(
+    request_id: u64,
+    opcode: u16,
+    fd: bool,
+    resp: &Response,
+) -> Result<Vec<u8>, FrameError> {
+    let payload =
+        rkyv::to_bytes::<rancor::Error>(resp).map_err(|e| FrameError::Payload(e.to_string()))?;
+    let flags = FLAG_RESPONSE | if fd { FLAG_FD } else { 0 };
+    encode_frame(opcode, flags, request_id, &payload)
+}
+
+/// Validates and decodes a request payload; the header opcode must match the payload.
+/// `payload` must be 16-byte aligned (an [`AlignedVec`]); misaligned input is rejected.
+pub fn decode_request(h: &FrameHeader, payload: &[u8]) -> Result<Request, FrameError> {
+    if h.flags & FLAG_RESPONSE != 0 {
+        return Err(FrameError::Payload("response flag set on a request".into()));
+    }
+    let req = rkyv::from_bytes::<Request, rancor::BoxedError>(payload)
+        .map_err(|e| FrameError::Payload(e.to_string()))?;
+    if req.opcode() != h.opcode {
+        return Err(FrameError::OpcodeMismatch {
+            header: h.opcode,
+            payload: req.opcode(),
+        });
+    }
+    Ok(req)
+}
+
+/// Validates and decodes a response payload.
+pub fn decode_response(payload: &[u8]) -> Result<Response, FrameError> {
+    rkyv::from_bytes::<Response, rancor::BoxedError>(payload)
+        .map_err(|e| FrameError::Payload(e.to_string()))
+}
+
+/// A byte source that may also deliver a file descriptor (SCM_RIGHTS) with its bytes.
+pub trait FrameSource {
+    /// Reads some bytes (0 = end of stream) and any fd that arrived with them.
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)>;
+}
+
+/// Adapts any `Read` (no fd passing) into a [`FrameSource`].
+pub struct PlainSource<R>(pub R);
+
+impl<R: Read> FrameSource for PlainSource<R> {
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+        Ok((self.0.read(buf)?, None))
+    }
+}
+
+fn recv_exact<S: FrameSource>(
+    src: &mut S,
+    buf: &mut [u8],
+    fd: &mut Option<OwnedFd>,
+    at_start: bool,
+) -> Result<bool, FrameError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match src.recv(&mut buf[got..]) {
+            Ok((0, _)) if got == 0 && at_start => return Ok(false),
+            Ok((0, _)) => return Err(FrameError::Truncated),
+            Ok((n, f)) => {
+                got += n;
+                if f.is_some() {
+                    *fd = f;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(FrameError::Io(e.to_string())),
+        }
+    }
+    Ok(true)
+}
+
+/// Reads one frame: validates the header, reads the payload into `payload` (reused, aligned).
+/// Returns `Ok(None)` on a clean end of stream between frames.
+pub fn read_frame<S: FrameSource>(
+    src: &mut S,
+    payload: &mut AlignedVec<16>,
+) -> Result<Option<(FrameHeader, Option<OwnedFd>)>, FrameError> {
+    let mut hb = [0u8; HEADER_BYTES];
+    let mut fd = None;
+    if !recv_exact(src, &mut hb, &mut fd, true)? {
+        return Ok(None);
+    }
+    let h = FrameHeader::decode(&hb)?;
+    payload.clear();
+    payload.resize(h.payload_len as usize, 0);
+    recv_exact(src, payload.as_mut_slice(), &mut fd, false)?;
+    Ok(Some((h, fd)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::messages::ChunkRange;
+
+    fn sample() -> Request {
+        Request::PrepareStore {
+            instance_id: 7,
+            range: ChunkRange {
+                model: "m".into(),
+                world_size: 1,
+                worker_id: Some(0),
+                cache_salt: String::new(),
+                first_chunk: 0,
+                chunk_hashes: vec![[1; 32], [2; 32]],
+            },
+        }
+    }
+
+    fn read_all(bytes: &[u8]) -> Result<Option<Request>, FrameError> {
+        let mut src = PlainSource(bytes);
+        let mut buf = AlignedVec::new();
+        match read_frame(&mut src, &mut buf)? {
+            None => Ok(None),
+            Some((h, _)) => decode_request(&h, &buf).map(Some),
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let f = encode_request(42, &sample()).unwrap();
+        assert_eq!(read_all(&f).unwrap(), Some(sample()));
+        let r = Response::LookupHits { chunks: 3 };
+        let f = encode_response(42, 11, false, &r).unwrap();
+        let h = FrameHeader::decode(f[..32].try_into().unwrap()).unwrap();
+        assert_eq!((h.request_id, h.opcode, h.flags), (42, 11, FLAG_RESPONSE));
+        let mut p = AlignedVec::<16>::new();
+        p.extend_from_slice(&f[32..]);
+        assert_eq!(decode_response(&p).unwrap(), r);
+    }
+
+    #[test]
+    fn empty_stream_is_clean_eof() {
+        assert_eq!(read_all(&[]).unwrap(), None);
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        let f = encode_request(1, &Request::Noop).unwrap();
+        let mut bad = f.clone();
+        bad[0] = b'X';
+        assert!(matches!(read_all(&bad), Err(FrameError::BadMagic(_))));
+        let mut bad = f.clone();
+        bad[4] = 9;
+        assert_eq!(read_all(&bad), Err(FrameError::BadVersion(9)));
+        let mut bad = f.clone();
+        bad[12..16].copy_from_slice(&(MAX_PAYLOAD_BYTES + 1).to_le_bytes());
+        assert!(matches!(read_all(&bad), Err(FrameError::Oversized { .. })));
+        let mut bad = f.clone();
+        bad[30] = 1;
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+        let mut bad = f.clone();
+        bad[8] = 0x80;
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+    }
+
+    #[test]
+    fn rejects_truncated_frames() {
+        let f = encode_request(1, &sample()).unwrap();
+        for cut in [1, 16, 31, 33, f.len() - 1] {
+            assert_eq!(
+                read_all(&f[..cut]),
+                Err(FrameError::Truncated),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn rejects_opcode_mismatch_and_response_flag() {
+        let mut f = encode_request(1, &sample()).unwrap();
+        f[6] = 2;
+        assert_eq!(
+            read_all(&f),
+            Err(FrameError::OpcodeMismatch {
+                header: 2,
+                payload: 6
+            })
+        );
+        let mut f = encode_request(1, &sample()).unwrap();
+        f[8] = FLAG_RESPONSE as u8;
+        assert!(matches!(read_all(&f), Err(FrameError::Payload(_))));
+    }
+
+    #[test]
+    fn rejects_corrupt_payloads_without_panicking() {
+        let f = encode_request(1, &sample()).unwrap();
+        let mut rng = 0x1234_5678_u64;
+        for _ in 0..2000 {
+            let mut bad = f.clone();
+            for _ in 0..4 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let i = 32 + (rng as usize) % (bad.len() - 32);
+                bad[i] ^= (rng >> 32) as u8 | 1;
+            }
+            // Either a valid (different) request or a typed error: never a panic.
+            let _ = read_all(&bad);
+        }
+        // Garbage payload of the right length is rejected.
+        let mut garbage = f[..32].to_vec();
+        garbage.extend(std::iter::repeat_n(0xFFu8, f.len() - 32));
+        assert!(read_all(&garbage).is_err());
+    }
+
+    #[test]
+    fn rejects_misaligned_payloads() {
+        let f = encode_request(1, &sample()).unwrap();
+        let h = FrameHeader::decode(f[..32].try_into().unwrap()).unwrap();
+        let mut storage = AlignedVec::<16>::new();
+        storage.push(0);
+        storage.extend_from_slice(&f[32..]);
+        let err = decode_request(&h, &storage[1..]).unwrap_err();
+        assert!(matches!(err, FrameError::Payload(_)), "{err:?}");
+    }
+
+    #[test]
+    fn oversized_payloads_cannot_be_encoded() {
+        let big = Request::Lookup {
+            request_id: "r".into(),
+            range: ChunkRange {
+                model: "m".into(),
+                world_size: 1,
+                worker_id: None,
+                cache_salt: String::new(),
+                first_chunk: 0,
+                chunk_hashes: vec![[0; 32]; (MAX_PAYLOAD_BYTES as usize / 32) + 1],
+            },
+            tp_size: 1,
+        };
+        assert!(matches!(
+            encode_request(1, &big),
+            Err(FrameError::Oversized { .. })
+        ));
+    }
+}

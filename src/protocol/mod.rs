@@ -1,0 +1,9 @@
+//! The native wire protocol: a fixed header plus rkyv-archived payloads.
+
+pub mod frame;
+pub mod messages;
+
+pub use self::frame::{FrameError, FrameHeader, MAX_PAYLOAD_BYTES};
+pub use self::messages::{
+    ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireLayout, WireSlot,
+};

@@ -1,0 +1,90 @@
+//! One client connection: read frames, validate, dispatch; on close, release the instances this
+//! connection registered at once (a dead local engine leaks nothing and waits for no timeout).
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rkyv::util::AlignedVec;
+
+use super::dispatch;
+use crate::error::ErrorKind;
+use crate::modules::NodeContext;
+use crate::protocol::frame::{
+    decode_request, encode_response, read_frame, FrameError, PlainSource,
+};
+use crate::protocol::Response;
+use crate::transport::uds::UdsReplySink;
+use crate::transport::ReplySink;
+
+/// Answers a connection beyond the limit with a typed error and closes it.
+pub fn refuse(mut stream: UnixStream, limit: usize) {
+    tracing::warn!(limit, "connection refused: too many open connections");
+    let resp = Response::Error {
+        kind: ErrorKind::LimitExceeded.code(),
+        message: format!("too many connections (limit {limit})"),
+    };
+    if let Ok(f) = encode_response(0, 0, false, &resp) {
+        let _ = stream.write_all(&f);
+    }
+}
+
+/// Serves one connection until it closes or sends bytes that cannot be framed.
+pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
+    let write_half = match stream.try_clone() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not clone connection");
+            return;
+        }
+    };
+    let sink: Arc<dyn ReplySink> = Arc::new(UdsReplySink::new(write_half, id));
+    let mut src = PlainSource(&stream);
+    let mut payload = AlignedVec::<16>::new();
+    let mut registered: Vec<u64> = Vec::new();
+    tracing::debug!(connection = id, "client connected");
+    loop {
+        if ctx.shutting_down.load(Ordering::Acquire) {
+            break;
+        }
+        match read_frame(&mut src, &mut payload) {
+            Ok(None) => break,
+            Ok(Some((header, _))) => match decode_request(&header, &payload) {
+                Ok(req) => dispatch::dispatch(ctx, &sink, header.request_id, req, &mut registered),
+                Err(e) => {
+                    // Framing is intact (the header was valid), so answer and keep going.
+                    tracing::warn!(connection = id, error = %e, "rejected request payload");
+                    ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    let resp = Response::Error {
+                        kind: ErrorKind::InvalidRequest.code(),
+                        message: e.to_string(),
+                    };
+                    sink.send(header.request_id, header.opcode, &resp, None);
+                }
+            },
+            Err(FrameError::Truncated) | Err(FrameError::Io(_)) => break,
+            Err(e) => {
+                // A bad header: the stream cannot be resynchronised. Say why, then close.
+                tracing::warn!(connection = id, error = %e, "closing connection after an unframeable header");
+                ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+                let resp = Response::Error {
+                    kind: ErrorKind::InvalidRequest.code(),
+                    message: format!("{e}; closing connection"),
+                };
+                sink.send(0, 0, &resp, None);
+                break;
+            }
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    for iid in registered {
+        if let Some(inst) = ctx.instances.get(iid) {
+            if inst.connection.load(Ordering::Relaxed) == id {
+                ctx.release(&inst, "disconnected");
+                ctx.counters.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    tracing::debug!(connection = id, "client disconnected");
+}

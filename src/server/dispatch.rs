@@ -1,0 +1,94 @@
+//! Routing: requests with instance affinity go to the instance's mailbox (run in order on its
+//! shard); everything else is answered inline on the connection thread.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind};
+use crate::modules::instances::Job;
+use crate::modules::{management, NodeContext};
+use crate::protocol::{RegisterReply, Request, Response};
+use crate::transport::ReplySink;
+
+/// Routes one decoded request. `registered` collects instance ids registered over this
+/// connection (released when it closes).
+pub fn dispatch(
+    ctx: &NodeContext,
+    sink: &Arc<dyn ReplySink>,
+    request_id: u64,
+    req: Request,
+    registered: &mut Vec<u64>,
+) {
+    let opcode = req.opcode();
+    if ctx.shutting_down.load(Ordering::Acquire) {
+        let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
+        return reply(ctx, sink, request_id, opcode, Response::error(&e));
+    }
+    if let Request::Register(r) = &req {
+        return match ctx.register(r, sink.connection_id()) {
+            Ok(inst) => {
+                if !registered.contains(&inst.id) {
+                    registered.push(inst.id);
+                }
+                let fd = sink.can_pass_fd();
+                let resp = Response::Registered(RegisterReply {
+                    pool_bytes: ctx.pool.len(),
+                    pool_backing: ctx.pool.backing().as_str().to_owned(),
+                    shm_name: ctx.pool.posix_shm_name().unwrap_or_default().to_owned(),
+                    chunk_tokens: ctx.config.chunk_tokens,
+                    layout: NodeContext::wire_layout(&inst.layout),
+                    object_bytes: inst.layout.object_bytes(),
+                    fd_attached: fd,
+                });
+                ctx.counters.requests.fetch_add(1, Ordering::Relaxed);
+                sink.send(request_id, opcode, &resp, fd.then(|| ctx.pool.fd()));
+            }
+            Err(e) => {
+                tracing::warn!(instance = r.instance_id, error = %e, "registration refused");
+                reply(ctx, sink, request_id, opcode, Response::error(&e))
+            }
+        };
+    }
+    match req.instance_affinity() {
+        Some(id) => {
+            let Some(inst) = ctx.instances.get(id) else {
+                let e = Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("instance {id} is not registered"),
+                );
+                return reply(ctx, sink, request_id, opcode, Response::error(&e));
+            };
+            inst.touch(ctx.now_ms());
+            let job = Job {
+                request_id,
+                request: req,
+                reply: sink.clone(),
+            };
+            if ctx.shards.submit(&inst, job).is_err() {
+                let e = Error::limit(format!(
+                    "instance {id} has {} requests queued (limit)",
+                    ctx.config.limits.max_queued_per_instance
+                ));
+                reply(ctx, sink, request_id, opcode, Response::error(&e));
+            }
+        }
+        None => {
+            let resp = management::handle_inline(ctx, req).unwrap_or_else(|e| Response::error(&e));
+            reply(ctx, sink, request_id, opcode, resp);
+        }
+    }
+}
+
+fn reply(
+    ctx: &NodeContext,
+    sink: &Arc<dyn ReplySink>,
+    request_id: u64,
+    opcode: u16,
+    resp: Response,
+) {
+    ctx.counters.requests.fetch_add(1, Ordering::Relaxed);
+    if matches!(resp, Response::Error { .. }) {
+        ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+    }
+    sink.send(request_id, opcode, &resp, None);
+}

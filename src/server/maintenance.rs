@@ -1,0 +1,79 @@
+//! The maintenance thread: drains the event bus, runs the watermark eviction pass, and the TTL
+//! safety nets (lock expiry, idle lookup sessions). None of this is on the request path.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crate::modules::events::Event;
+use crate::modules::NodeContext;
+
+const TICK: Duration = Duration::from_millis(100);
+const EVICTION_EVERY: Duration = Duration::from_secs(1);
+const EVENTS_PER_TICK: usize = 4096;
+
+/// Starts the thread; it exits when the node shuts down.
+pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<JoinHandle<()>> {
+    let ctx = ctx.clone();
+    thread::Builder::new()
+        .name("kvnode-maintenance".into())
+        .spawn(move || run(&ctx))
+}
+
+fn ttl_sweep_interval(ctx: &NodeContext) -> Duration {
+    let shortest = ctx
+        .config
+        .read_ttl_secs
+        .min(ctx.config.write_ttl_secs)
+        .min(ctx.config.session_ttl_secs);
+    Duration::from_secs((shortest / 8).clamp(1, 60))
+}
+
+fn run(ctx: &NodeContext) {
+    let mut last_evict = Instant::now();
+    let mut last_ttl = Instant::now();
+    let ttl_every = ttl_sweep_interval(ctx);
+    while !ctx.shutting_down.load(Ordering::Acquire) {
+        thread::sleep(TICK);
+        ctx.events.drain(EVENTS_PER_TICK, |e| match e {
+            Event::BlockAllocation {
+                instance_id,
+                model,
+                records,
+                new_blocks,
+            } => tracing::debug!(instance_id, %model, records, new_blocks, "block allocation"),
+            Event::InstanceReleased {
+                instance_id,
+                reason,
+            } => {
+                tracing::debug!(instance_id, reason, "instance released")
+            }
+        });
+        if last_evict.elapsed() >= EVICTION_EVERY {
+            last_evict = Instant::now();
+            let n = ctx.storage.evict_to_watermark();
+            if n > 0 {
+                tracing::debug!(evicted = n, "watermark eviction");
+            }
+        }
+        if last_ttl.elapsed() >= ttl_every {
+            last_ttl = Instant::now();
+            let (w, r) = ctx.storage.expire_locks(ctx.storage.now_ms());
+            if w + r > 0 {
+                tracing::warn!(
+                    expired_writes = w,
+                    expired_reads = r,
+                    "lock TTL expired (a client forgot to commit)"
+                );
+            }
+            let cutoff = ctx
+                .now_ms()
+                .saturating_sub(ctx.config.session_ttl_secs.saturating_mul(1000));
+            let n = ctx.sessions.expire(cutoff);
+            if n > 0 {
+                tracing::debug!(sessions = n, "idle lookup sessions dropped");
+            }
+        }
+    }
+}

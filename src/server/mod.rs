@@ -1,0 +1,131 @@
+//! The node process: builds the pool and context, starts the worker shards, the reaper, the
+//! maintenance thread and the transports, and shuts them down.
+
+pub mod connection;
+pub mod dispatch;
+pub mod maintenance;
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+
+use kvnode_hw::{PoolOptions, SharedPool};
+
+use crate::config::NodeConfig;
+use crate::error::{Error, Result};
+use crate::liveness::Liveness;
+use crate::modules::shards::ShardPool;
+use crate::modules::NodeContext;
+use crate::transport::uds;
+
+/// A running node. Dropping it without [`Node::shutdown`] leaves threads running (the process
+/// exit reaps them); `shutdown` is the clean path.
+pub struct Node {
+    ctx: Arc<NodeContext>,
+    threads: Vec<JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl Node {
+    /// Validates the configuration, creates and pre-faults the pool, and starts every thread.
+    pub fn start(config: NodeConfig) -> Result<Node> {
+        config.validate()?;
+        let pool = SharedPool::create(&PoolOptions {
+            bytes: config.pool_bytes,
+            prefer: config.page_preference()?,
+            prefault: true,
+            name: "kvnode-pool".into(),
+            posix_shm_name: None,
+        })
+        .map_err(|e| Error::from(e).context("creating the pool"))?;
+        tracing::info!(
+            backing = pool.backing().as_str(),
+            bytes = pool.len(),
+            "pool ready"
+        );
+        let listener = uds::bind(&config.socket, config.socket_mode)?;
+        let socket = config.socket.clone();
+        let ctx = Arc::new(NodeContext::new(config, pool));
+        let mut threads = ShardPool::spawn(&ctx)?;
+        threads.extend(Liveness::spawn(&ctx)?);
+        threads.push(maintenance::spawn(&ctx)?);
+        let actx = ctx.clone();
+        threads.push(
+            thread::Builder::new()
+                .name("kvnode-accept".into())
+                .spawn(move || accept_loop(&actx, listener))?,
+        );
+        tracing::info!(
+            socket = %socket.display(),
+            workers = ctx.shards.len(),
+            chunk_tokens = ctx.config.chunk_tokens,
+            reap_timeout_secs = ctx.config.reap_timeout_secs,
+            "kvnode serving"
+        );
+        Ok(Node {
+            ctx,
+            threads,
+            socket,
+        })
+    }
+
+    /// The shared context (tests and embedding).
+    pub fn context(&self) -> &Arc<NodeContext> {
+        &self.ctx
+    }
+
+    /// The socket path being served.
+    pub fn socket_path(&self) -> &PathBuf {
+        &self.socket
+    }
+
+    /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket.
+    pub fn shutdown(self) {
+        self.ctx.shutting_down.store(true, Ordering::Release);
+        // Wake the accept loop so it sees the flag.
+        let _ = UnixStream::connect(&self.socket);
+        self.ctx.shards.stop();
+        self.ctx.liveness.stop();
+        uds::unlink(&self.socket);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        tracing::info!("kvnode stopped");
+    }
+}
+
+fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
+    static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+    for stream in listener.incoming() {
+        if ctx.shutting_down.load(Ordering::Acquire) {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                continue;
+            }
+        };
+        let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+        let open = ctx.counters.connections.fetch_add(1, Ordering::AcqRel);
+        if open >= ctx.config.limits.max_connections {
+            ctx.counters.connections.fetch_sub(1, Ordering::AcqRel);
+            connection::refuse(stream, ctx.config.limits.max_connections);
+            continue;
+        }
+        let cctx = ctx.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("kvnode-conn-{id}"))
+            .spawn(move || {
+                connection::serve(&cctx, stream, id);
+                cctx.counters.connections.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            ctx.counters.connections.fetch_sub(1, Ordering::AcqRel);
+            tracing::error!(error = %e, "could not start a connection thread");
+        }
+    }
+}

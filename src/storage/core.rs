@@ -1,0 +1,676 @@
+//! The storage core: sharded index + slab allocator + the L1 object state machine + eviction.
+//!
+//! State machine per key (LMCache `l1_manager` semantics, section 8.1 of the reference):
+//! `absent -> WriteReserved -> Ready <-> Ready(readers > 0)`, plus temporary and doomed flags.
+//! Fixes over LMCache: an aborted or expired write reservation is deleted and its memory freed
+//! (never published, W3); CLEAR dooms in-flight objects instead of freeing memory a client may
+//! still be copying (W4); allocation evicts synchronously before failing (P6).
+//!
+//! Concurrency: each key operation locks one index shard; the allocator has its own short mutex.
+//! Lock order is always shard -> allocator. Batch operations hold `gate` in shared mode so that
+//! `memcheck` (exclusive) sees a consistent snapshot; no exclusive lock is held across a batch.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+
+use super::allocator::{AllocError, SlabAllocator, Slot};
+use super::index::{Entry, ObjectState, Shard};
+use super::key::StorageKey;
+
+/// Number of index shards (a power of two).
+pub const INDEX_SHARDS: usize = 64;
+/// Most recency entries inspected per shard when looking for an eviction victim.
+const EVICTION_SCAN_LIMIT: usize = 64;
+
+/// Per-key error codes of the L1 state machine (LMCache `distributed/error.py`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum KeyError {
+    /// The key has no object (or its object is doomed).
+    KeyNotExist,
+    /// The object exists but cannot be read (write-reserved).
+    KeyNotReadable,
+    /// The object cannot be (re)written: it exists already.
+    KeyNotWritable,
+    /// The object is not in the state the operation needs.
+    KeyInWrongState,
+    /// The object holds locks that forbid the operation.
+    KeyIsLocked,
+    /// No memory, even after evicting every evictable object.
+    OutOfMemory,
+}
+
+impl std::fmt::Display for KeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Tunables of the storage core. Invariant: `0 < low_watermark <= high_watermark <= 1`.
+#[derive(Debug, Clone)]
+pub struct StorageConfig {
+    /// Write reservations older than this are deleted and freed (last-resort safety net).
+    pub write_ttl: Duration,
+    /// Read locks older than this are dropped (last-resort safety net).
+    pub read_ttl: Duration,
+    /// Background eviction starts when used/capacity reaches this ratio...
+    pub high_watermark: f64,
+    /// ...and evicts until used/capacity is at most this ratio.
+    pub low_watermark: f64,
+    /// Hard limit on objects in the index.
+    pub max_objects: usize,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig {
+            write_ttl: Duration::from_secs(600),
+            read_ttl: Duration::from_secs(300),
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            max_objects: 16 << 20,
+        }
+    }
+}
+
+/// Object counts by state and the byte accounting, as reported in STATUS.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ObjectCounts {
+    /// Committed, unlocked objects.
+    pub ready: u64,
+    /// Reserved, uncommitted objects.
+    pub write_reserved: u64,
+    /// Committed objects holding read locks.
+    pub read_locked: u64,
+    /// Temporary objects (freed when their last reader finishes).
+    pub temporary: u64,
+    /// Objects waiting for their transfer to end before deletion.
+    pub doomed: u64,
+}
+
+/// Eviction and expiry counters.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EvictionCounters {
+    /// Objects evicted synchronously because an allocation needed room.
+    pub sync_evictions: u64,
+    /// Objects evicted by the watermark pass.
+    pub background_evictions: u64,
+    /// Write reservations deleted by TTL expiry.
+    pub expired_writes: u64,
+    /// Read locks dropped by TTL expiry (objects affected).
+    pub expired_reads: u64,
+    /// Keys that could not be reserved for lack of memory.
+    pub oom_keys: u64,
+}
+
+/// Result of a consistency check. Invariant: `ok` iff `problems` is empty.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemcheckReport {
+    /// Whether every invariant holds.
+    pub ok: bool,
+    /// Live objects seen in the index.
+    pub objects: u64,
+    /// Sum of slot bytes of live objects.
+    pub index_bytes: u64,
+    /// What the allocator believes is allocated.
+    pub allocated_bytes: u64,
+    /// Descriptions of violated invariants.
+    pub problems: Vec<String>,
+}
+
+/// The shared storage core. See the module docs for the locking rules.
+pub struct StorageCore {
+    shards: Box<[Mutex<Shard>]>,
+    alloc: Mutex<SlabAllocator>,
+    gate: RwLock<()>,
+    stamp: AtomicU64,
+    epoch: Instant,
+    config: StorageConfig,
+    object_count: AtomicU64,
+    sync_evictions: AtomicU64,
+    background_evictions: AtomicU64,
+    expired_writes: AtomicU64,
+    expired_reads: AtomicU64,
+    oom_keys: AtomicU64,
+}
+
+impl StorageCore {
+    /// A core managing `pool_bytes` of pool address space (offsets from 0).
+    pub fn new(pool_bytes: u64, config: StorageConfig) -> StorageCore {
+        assert!(
+            0.0 < config.low_watermark
+                && config.low_watermark <= config.high_watermark
+                && config.high_watermark <= 1.0,
+            "watermarks must satisfy 0 < low <= high <= 1"
+        );
+        StorageCore {
+            shards: (0..INDEX_SHARDS).map(|_| Mutex::default()).collect(),
+            alloc: Mutex::new(SlabAllocator::new(pool_bytes)),
+            gate: RwLock::new(()),
+            stamp: AtomicU64::new(1),
+            epoch: Instant::now(),
+            config,
+            object_count: AtomicU64::new(0),
+            sync_evictions: AtomicU64::new(0),
+            background_evictions: AtomicU64::new(0),
+            expired_writes: AtomicU64::new(0),
+            expired_reads: AtomicU64::new(0),
+            oom_keys: AtomicU64::new(0),
+        }
+    }
+
+    /// Milliseconds since this core was created (the TTL clock).
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &StorageConfig {
+        &self.config
+    }
+
+    fn shard(&self, key: &StorageKey) -> &Mutex<Shard> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&key.chunk_hash[8..16]);
+        let h = u64::from_le_bytes(b) ^ u64::from(key.kv_rank) ^ u64::from(key.namespace.0);
+        &self.shards[(h as usize) & (INDEX_SHARDS - 1)]
+    }
+
+    fn next_stamps(&self, n: u64) -> u64 {
+        self.stamp.fetch_add(n, Ordering::Relaxed)
+    }
+
+    /// Pool capacity usable for objects.
+    pub fn capacity(&self) -> u64 {
+        self.alloc.lock().capacity()
+    }
+
+    /// Bytes currently in slots (reserved or committed).
+    pub fn used_bytes(&self) -> u64 {
+        self.alloc.lock().allocated_bytes()
+    }
+
+    /// Reserves write slots for every **absent** key ("new" mode): existing keys are skipped with
+    /// an error code. When memory is short it evicts ready, unlocked objects (oldest first) until
+    /// the reservation fits; if it still does not, it reserves the longest prefix of the absent keys
+    /// that fits and marks the rest `OutOfMemory` (earlier chunks are worth more than later ones).
+    /// Results are per key, in order. Reserved objects start `WriteReserved`.
+    pub fn reserve_write(
+        &self,
+        keys: &[StorageKey],
+        object_bytes: u64,
+        temporary: bool,
+    ) -> Vec<Result<Slot, KeyError>> {
+        let _g = self.gate.read();
+        let mut results: Vec<Result<Slot, KeyError>> = Vec::with_capacity(keys.len());
+        let mut absent = Vec::with_capacity(keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let shard = self.shard(k).lock();
+            match shard.map.get(k) {
+                None => {
+                    // Duplicate keys inside one batch: only the first is reserved.
+                    if absent.iter().any(|&j: &usize| keys[j] == *k) {
+                        results.push(Err(KeyError::KeyNotWritable));
+                    } else {
+                        absent.push(i);
+                        results.push(Err(KeyError::OutOfMemory)); // placeholder until allocated
+                    }
+                }
+                Some(e) if e.readers > 0 || e.state == ObjectState::WriteReserved => {
+                    results.push(Err(KeyError::KeyIsLocked))
+                }
+                Some(_) => results.push(Err(KeyError::KeyNotWritable)),
+            }
+        }
+        if absent.is_empty() {
+            return results;
+        }
+        let room = self
+            .object_count
+            .load(Ordering::Relaxed)
+            .saturating_add(absent.len() as u64);
+        if room > self.config.max_objects as u64 {
+            self.oom_keys
+                .fetch_add(absent.len() as u64, Ordering::Relaxed);
+            return results;
+        }
+        let slots = self.allocate_with_eviction(object_bytes, absent.len());
+        let deadline = self.now_ms() + self.config.write_ttl.as_millis() as u64;
+        let mut slots = slots.into_iter();
+        for &i in &absent {
+            let Some(slot) = slots.next() else {
+                self.oom_keys.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            let mut shard = self.shard(&keys[i]).lock();
+            if shard.map.contains_key(&keys[i]) {
+                // Lost a race with another writer between the check and the insert.
+                self.alloc.lock().free(slot).expect("fresh slot frees");
+                results[i] = Err(KeyError::KeyNotWritable);
+                continue;
+            }
+            shard.map.insert(
+                keys[i],
+                Entry {
+                    slot,
+                    state: ObjectState::WriteReserved,
+                    readers: 0,
+                    temporary,
+                    doomed: false,
+                    stamp: 0,
+                    lock_deadline_ms: deadline,
+                },
+            );
+            self.object_count.fetch_add(1, Ordering::Relaxed);
+            results[i] = Ok(slot);
+        }
+        results
+    }
+
+    /// Allocates up to `count` slots, evicting as needed; returns fewer (a prefix) when even
+    /// eviction cannot make room.
+    fn allocate_with_eviction(&self, object_bytes: u64, count: usize) -> Vec<Slot> {
+        loop {
+            match self.alloc.lock().allocate_batch(object_bytes, count) {
+                Ok(slots) => return slots,
+                Err(AllocError::OutOfMemory { .. }) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, object_bytes, "allocation rejected");
+                    return Vec::new();
+                }
+            }
+            if !self.evict_one(false) {
+                break;
+            }
+        }
+        // Nothing left to evict: take what fits, earliest keys first.
+        let mut got = Vec::new();
+        let mut alloc = self.alloc.lock();
+        while got.len() < count {
+            match alloc.allocate(object_bytes) {
+                Ok(s) => got.push(s),
+                Err(_) => break,
+            }
+        }
+        got
+    }
+
+    /// Evicts the globally oldest evictable object. Returns false when none exists.
+    fn evict_one(&self, background: bool) -> bool {
+        loop {
+            let mut best: Option<(u64, StorageKey)> = None;
+            for shard in self.shards.iter() {
+                if let Some(c) = shard.lock().oldest_evictable(EVICTION_SCAN_LIMIT) {
+                    if best.is_none_or(|b| c.0 < b.0) {
+                        best = Some(c);
+                    }
+                }
+            }
+            let Some((stamp, key)) = best else {
+                return false;
+            };
+            let mut shard = self.shard(&key).lock();
+            // Re-check under the lock: it may have been locked, touched or removed meanwhile.
+            match shard.map.get(&key) {
+                Some(e) if e.evictable() && e.stamp == stamp => {}
+                _ => continue,
+            }
+            let e = shard.remove(&key).expect("checked present");
+            self.release_slot(e.slot);
+            let counter = if background {
+                &self.background_evictions
+            } else {
+                &self.sync_evictions
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+    }
+
+    fn release_slot(&self, slot: Slot) {
+        if let Err(e) = self.alloc.lock().free(slot) {
+            // A double free would mean two entries shared a slot: report loudly, keep serving.
+            tracing::error!(error = %e, ?slot, "allocator rejected a free: index/allocator out of sync");
+            debug_assert!(false, "allocator rejected free: {e}");
+        }
+        self.object_count.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Publishes write reservations (`WriteReserved -> Ready`). Each `(key, slot)` must match the
+    /// reservation exactly (paired check with `reserve_write`). Doomed reservations are freed
+    /// instead and reported `KeyNotExist`. Keys are given in chunk order; they get recency stamps in
+    /// reverse so later chunks are evicted before earlier ones.
+    pub fn finish_write(&self, items: &[(StorageKey, Slot)]) -> Vec<Result<(), KeyError>> {
+        let _g = self.gate.read();
+        let n = items.len() as u64;
+        let base = self.next_stamps(n);
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, (k, slot))| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
+                if e.state != ObjectState::WriteReserved || e.slot != *slot {
+                    return Err(KeyError::KeyInWrongState);
+                }
+                debug_assert_eq!(e.readers, 0, "write-reserved objects hold no read locks");
+                if e.doomed {
+                    let e = shard.remove(k).expect("present");
+                    self.release_slot(e.slot);
+                    return Err(KeyError::KeyNotExist);
+                }
+                e.state = ObjectState::Ready;
+                e.lock_deadline_ms = 0;
+                shard.link(*k, base + (n - 1 - i as u64));
+                Ok(())
+            })
+            .collect()
+    }
+
+    /// Deletes write reservations and frees their memory (abort, disconnect, reaping). Only
+    /// entries still `WriteReserved` at exactly `slot` are touched; anything else is reported.
+    pub fn abort_write(&self, items: &[(StorageKey, Slot)]) -> Vec<Result<(), KeyError>> {
+        let _g = self.gate.read();
+        items
+            .iter()
+            .map(|(k, slot)| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get(k).ok_or(KeyError::KeyNotExist)?;
+                if e.state != ObjectState::WriteReserved || e.slot != *slot {
+                    return Err(KeyError::KeyInWrongState);
+                }
+                let e = shard.remove(k).expect("present");
+                self.release_slot(e.slot);
+                Ok(())
+            })
+            .collect()
+    }
+
+    /// Takes `1 + extra` read locks on each key. Requires `Ready` and not doomed.
+    pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Slot, KeyError>> {
+        let _g = self.gate.read();
+        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        keys.iter()
+            .map(|k| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
+                if e.doomed {
+                    return Err(KeyError::KeyNotExist);
+                }
+                if e.state != ObjectState::Ready {
+                    return Err(KeyError::KeyNotReadable);
+                }
+                e.readers = e.readers.saturating_add(1 + extra);
+                e.lock_deadline_ms = deadline;
+                Ok(e.slot)
+            })
+            .collect()
+    }
+
+    /// The slots of keys that are `Ready` and currently read-locked; takes no lock (LMCache
+    /// `unsafe_read`, used by retrieves that rely on LOOKUP's locks).
+    pub fn read_locked_slots(&self, keys: &[StorageKey]) -> Vec<Result<Slot, KeyError>> {
+        keys.iter()
+            .map(|k| {
+                let shard = self.shard(k).lock();
+                let e = shard.map.get(k).ok_or(KeyError::KeyNotExist)?;
+                if e.state != ObjectState::Ready || e.doomed {
+                    return Err(KeyError::KeyNotReadable);
+                }
+                if e.readers == 0 {
+                    return Err(KeyError::KeyInWrongState);
+                }
+                Ok(e.slot)
+            })
+            .collect()
+    }
+
+    /// Releases `1 + extra` read locks per key (floor 0). Temporary or doomed objects whose count
+    /// reaches 0 are deleted and freed.
+    pub fn finish_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<(), KeyError>> {
+        let _g = self.gate.read();
+        keys.iter()
+            .map(|k| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
+                if e.state != ObjectState::Ready {
+                    return Err(KeyError::KeyInWrongState);
+                }
+                if e.readers == 0 {
+                    return Err(KeyError::KeyNotReadable);
+                }
+                e.readers = e.readers.saturating_sub(1 + extra);
+                if e.readers == 0 && (e.temporary || e.doomed) {
+                    let e = shard.remove(k).expect("present");
+                    self.release_slot(e.slot);
+                }
+                Ok(())
+            })
+            .collect()
+    }
+
+    /// Looks up a prefix: for each chunk (a group of keys that must all be present), takes
+    /// `1 + extra` read locks on all its keys; stops at the first chunk with a missing key
+    /// (releasing that chunk's partial locks). Returns the number of chunks now locked.
+    pub fn lock_prefix(&self, chunks: &[&[StorageKey]], extra: u32) -> usize {
+        for (i, chunk) in chunks.iter().enumerate() {
+            let got = self.reserve_read(chunk, extra);
+            if got.iter().any(Result::is_err) {
+                let taken: Vec<StorageKey> = chunk
+                    .iter()
+                    .zip(&got)
+                    .filter(|(_, r)| r.is_ok())
+                    .map(|(k, _)| *k)
+                    .collect();
+                self.finish_read(&taken, extra);
+                return i;
+            }
+        }
+        chunks.len()
+    }
+
+    /// Whether every key is `Ready` and not doomed (no lock taken).
+    pub fn contains_ready(&self, key: &StorageKey) -> bool {
+        let shard = self.shard(key).lock();
+        shard
+            .map
+            .get(key)
+            .is_some_and(|e| e.state == ObjectState::Ready && !e.doomed)
+    }
+
+    /// Refreshes recency of present `Ready` keys, given in chunk order (later chunks stay older).
+    pub fn touch(&self, keys: &[StorageKey]) {
+        let n = keys.len() as u64;
+        let base = self.next_stamps(n);
+        for (i, k) in keys.iter().enumerate() {
+            self.shard(k).lock().retouch(k, base + (n - 1 - i as u64));
+        }
+    }
+
+    /// Drops every object: ready, unlocked ones are deleted at once; write-reserved or read-locked
+    /// ones are doomed and freed when their transfer ends. Returns (deleted, deferred).
+    pub fn clear(&self) -> (u64, u64) {
+        let _g = self.gate.read();
+        let (mut deleted, mut deferred) = (0, 0);
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock();
+            let keys: Vec<StorageKey> = shard.map.keys().copied().collect();
+            for k in keys {
+                let e = shard.map.get_mut(&k).expect("listed");
+                if e.state == ObjectState::Ready && e.readers == 0 {
+                    let e = shard.remove(&k).expect("present");
+                    self.release_slot(e.slot);
+                    deleted += 1;
+                } else if !e.doomed {
+                    e.doomed = true;
+                    deferred += 1;
+                }
+            }
+        }
+        (deleted, deferred)
+    }
+
+    /// The TTL safety net, run by the maintenance thread: write reservations past their deadline
+    /// are deleted and freed (never published); read locks past theirs are dropped.
+    /// Returns (expired writes, expired read-locked objects).
+    pub fn expire_locks(&self, now_ms: u64) -> (u64, u64) {
+        let _g = self.gate.read();
+        let (mut w, mut r) = (0, 0);
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock();
+            let stale: Vec<StorageKey> = shard
+                .map
+                .iter()
+                .filter(|(_, e)| {
+                    (e.state == ObjectState::WriteReserved || e.readers > 0)
+                        && e.lock_deadline_ms <= now_ms
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            for k in stale {
+                let e = shard.map.get_mut(&k).expect("listed");
+                if e.state == ObjectState::WriteReserved {
+                    let e = shard.remove(&k).expect("present");
+                    self.release_slot(e.slot);
+                    w += 1;
+                } else {
+                    e.readers = 0;
+                    r += 1;
+                    if e.temporary || e.doomed {
+                        let e = shard.remove(&k).expect("present");
+                        self.release_slot(e.slot);
+                    }
+                }
+            }
+        }
+        self.expired_writes.fetch_add(w, Ordering::Relaxed);
+        self.expired_reads.fetch_add(r, Ordering::Relaxed);
+        (w, r)
+    }
+
+    /// The watermark pass: when usage is at or above the high watermark, evicts oldest-first down
+    /// to the low watermark. Returns the number evicted.
+    pub fn evict_to_watermark(&self) -> u64 {
+        let cap = self.capacity() as f64;
+        if cap == 0.0 || (self.used_bytes() as f64) < cap * self.config.high_watermark {
+            return 0;
+        }
+        let _g = self.gate.read();
+        let mut n = 0;
+        while (self.used_bytes() as f64) > cap * self.config.low_watermark {
+            if !self.evict_one(true) {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Counts objects by state.
+    pub fn counts(&self) -> ObjectCounts {
+        let mut c = ObjectCounts::default();
+        for shard in self.shards.iter() {
+            for e in shard.lock().map.values() {
+                match (e.state, e.readers) {
+                    (ObjectState::WriteReserved, _) => c.write_reserved += 1,
+                    (ObjectState::Ready, 0) => c.ready += 1,
+                    (ObjectState::Ready, _) => c.read_locked += 1,
+                }
+                c.temporary += u64::from(e.temporary);
+                c.doomed += u64::from(e.doomed);
+            }
+        }
+        c
+    }
+
+    /// Eviction and expiry counters.
+    pub fn eviction_counters(&self) -> EvictionCounters {
+        EvictionCounters {
+            sync_evictions: self.sync_evictions.load(Ordering::Relaxed),
+            background_evictions: self.background_evictions.load(Ordering::Relaxed),
+            expired_writes: self.expired_writes.load(Ordering::Relaxed),
+            expired_reads: self.expired_reads.load(Ordering::Relaxed),
+            oom_keys: self.oom_keys.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Checks every invariant on a consistent snapshot: allocated bytes equal the sum of live
+    /// objects' slots, no two slots overlap, the allocator's live set is exactly the index's,
+    /// recency lists match the Ready entries, write reservations hold no read locks.
+    pub fn memcheck(&self) -> MemcheckReport {
+        let _g = self.gate.write();
+        let shards: Vec<_> = self.shards.iter().map(|s| s.lock()).collect();
+        let alloc = self.alloc.lock();
+        let mut problems = Vec::new();
+        let mut slots = Vec::new();
+        let mut index_bytes = 0;
+        for (si, shard) in shards.iter().enumerate() {
+            let mut ready = 0;
+            for (k, e) in shard.map.iter() {
+                slots.push(e.slot);
+                index_bytes += e.slot.class_bytes;
+                if e.state == ObjectState::WriteReserved && e.readers != 0 {
+                    problems.push(format!(
+                        "shard {si}: write-reserved object holds {} read locks",
+                        e.readers
+                    ));
+                }
+                if e.state == ObjectState::Ready {
+                    ready += 1;
+                    if shard.recency.get(&e.stamp) != Some(k) {
+                        problems.push(format!(
+                            "shard {si}: ready object missing from recency list"
+                        ));
+                    }
+                }
+            }
+            if ready != shard.recency.len() {
+                problems.push(format!(
+                    "shard {si}: recency list has {} entries for {ready} ready objects",
+                    shard.recency.len()
+                ));
+            }
+        }
+        let allocated_bytes = alloc.allocated_bytes();
+        if allocated_bytes != index_bytes {
+            problems.push(format!(
+                "allocator holds {allocated_bytes} bytes, index accounts for {index_bytes}"
+            ));
+        }
+        if slots.len() as u64 != self.object_count.load(Ordering::Relaxed) {
+            problems.push(format!(
+                "object counter {} != {} objects in the index",
+                self.object_count.load(Ordering::Relaxed),
+                slots.len()
+            ));
+        }
+        if let Err(e) = alloc.check(&slots) {
+            problems.push(format!("allocator: {e}"));
+        }
+        MemcheckReport {
+            ok: problems.is_empty(),
+            objects: slots.len() as u64,
+            index_bytes,
+            allocated_bytes,
+            problems,
+        }
+    }
+
+    /// With the `strict-assertions` feature, panics if memcheck fails (for tests); otherwise no-op.
+    pub fn assert_consistent(&self) {
+        #[cfg(feature = "strict-assertions")]
+        {
+            let r = self.memcheck();
+            assert!(r.ok, "memcheck failed: {:?}", r.problems);
+        }
+    }
+}
+
+impl StorageCore {
+    /// Allocator size classes: (class bytes, live slots, slabs).
+    pub fn class_stats(&self) -> Vec<(u64, usize, usize)> {
+        self.alloc.lock().class_stats()
+    }
+}
