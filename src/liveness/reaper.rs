@@ -77,6 +77,17 @@ impl Liveness {
         })
     }
 
+    /// When the reaper should next look at an instance: its deadline, but no later than one reap
+    /// timeout from now, so an instance that starts pinging (switching from the long grace window
+    /// to the short reap timeout) is re-examined in time without touching the wheel on PING.
+    pub fn wake_ms(&self, inst: &crate::modules::instances::Instance, now_ms: u64) -> u64 {
+        let d = self.deadline_ms(
+            inst.last_seen_ms.load(Ordering::Relaxed),
+            inst.pinged.load(Ordering::Relaxed),
+        );
+        d.min(now_ms.saturating_add(self.reap_timeout_ms.max(self.tick_ms)))
+    }
+
     fn to_tick(&self, ms: u64) -> u64 {
         ms.div_ceil(self.tick_ms)
     }
@@ -151,7 +162,7 @@ fn run(ctx: &NodeContext) {
                 );
                 ctx.release(&inst, "reaped");
                 ctx.counters.reaped.fetch_add(1, Ordering::Relaxed);
-            } else if let Ok(t) = wheel.insert(lv.to_tick(d), id) {
+            } else if let Ok(t) = wheel.insert(lv.to_tick(lv.wake_ms(&inst, now)), id) {
                 timers.insert(id, t);
             }
         }
@@ -160,5 +171,38 @@ fn run(ctx: &NodeContext) {
             (t * lv.tick_ms).saturating_sub(now).clamp(1, 1000)
         });
         thread::park_timeout(Duration::from_millis(sleep_ms));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_follow_ping_latch() {
+        let cfg = NodeConfig {
+            reap_timeout_secs: 120.0,
+            registration_grace_secs: 3600.0,
+            ..NodeConfig::default()
+        };
+        let lv = Liveness::new(&cfg);
+        assert!(lv.enabled());
+        assert_eq!(lv.deadline_ms(1_000, true), 121_000, "pinged: reap timeout");
+        assert_eq!(
+            lv.deadline_ms(1_000, false),
+            3_601_000,
+            "never pinged: grace"
+        );
+        assert_eq!(lv.deadline_ms(u64::MAX - 5, true), u64::MAX, "no overflow");
+        assert_eq!(lv.to_tick(1), 1, "deadlines round up to the next tick");
+        assert_eq!(lv.to_tick(100), 1);
+        assert_eq!(lv.to_tick(101), 2);
+        let off = Liveness::new(&NodeConfig {
+            reap_timeout_secs: 0.0,
+            ..NodeConfig::default()
+        });
+        assert!(!off.enabled());
+        off.arm(1); // no thread, no queueing
+        assert!(off.arm_requests.is_empty());
     }
 }

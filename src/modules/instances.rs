@@ -9,7 +9,7 @@ use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, RwLock};
 
 use crate::protocol::Request;
-use crate::storage::{Layout, NamespaceId, Slot, StorageKey};
+use crate::storage::{Grant, Layout, NamespaceId, StorageKey};
 use crate::transport::ReplySink;
 
 /// A request waiting in an instance's mailbox.
@@ -22,18 +22,18 @@ pub struct Job {
     pub reply: Arc<dyn ReplySink>,
 }
 
-/// A prepared store: the exact `(key, slot)` pairs reserved for it.
+/// A prepared store: the exact `(key, grant)` pairs reserved for it.
 #[derive(Debug, Clone)]
 pub struct PendingWrite {
     /// Reserved objects, in chunk order.
-    pub items: Vec<(StorageKey, Slot)>,
+    pub items: Vec<(StorageKey, Grant)>,
 }
 
-/// A prepared retrieve: the keys whose read locks COMMIT_RETRIEVE releases.
+/// A prepared retrieve: the `(key, lease)` pairs whose read locks COMMIT_RETRIEVE releases.
 #[derive(Debug, Clone)]
 pub struct PendingRead {
-    /// Read-locked keys, in chunk order.
-    pub keys: Vec<StorageKey>,
+    /// Read-locked keys with the lease of their lock, in chunk order.
+    pub keys: Vec<(StorageKey, u64)>,
 }
 
 /// Pending transfers of one instance. Invariant: every reservation listed here is

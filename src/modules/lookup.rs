@@ -25,23 +25,17 @@ pub fn extra_readers(tp_size: u32, world_size: u32) -> u32 {
     }
 }
 
-/// What a lookup remembers for its request. Invariant: chunks `< hit_chunks` whose `freed` bit
-/// is false hold `1 + extra` read locks per rank taken by this session.
+/// What a lookup remembers for its request. Invariant: each `locked[c]` that is `Some` holds
+/// `1 + extra` read locks per rank taken by this session (with the lease of each lock), and
+/// `locked.len()` is the hit length in chunks.
 #[derive(Debug, Clone)]
 pub struct Session {
     namespace: NamespaceId,
     world_size: u32,
     hashes: Vec<ChunkHash>,
-    hit_chunks: u32,
+    locked: Vec<Option<Vec<(StorageKey, u64)>>>,
     extra: u32,
-    freed: Vec<bool>,
     last_used_ms: u64,
-}
-
-impl Session {
-    fn chunk_keys(&self, chunk: usize) -> Vec<StorageKey> {
-        chunk_keys(self.namespace, self.world_size, &self.hashes[chunk])
-    }
 }
 
 fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<StorageKey> {
@@ -136,6 +130,19 @@ pub fn lookup(
     }
     crate::storage::key::validate_rank(range.world_size, 0)?;
     check_chunk_count(ctx, range.chunk_hashes.len())?;
+    // Key budget: a lookup builds chunks x ranks keys.
+    let keys = range
+        .chunk_hashes
+        .len()
+        .saturating_mul(range.world_size as usize);
+    if keys > ctx.config.limits.max_chunks_per_request {
+        return Err(Error::limit(format!(
+            "lookup of {} chunks x {} ranks = {keys} objects (limit {})",
+            range.chunk_hashes.len(),
+            range.world_size,
+            ctx.config.limits.max_chunks_per_request
+        )));
+    }
     if ctx.sessions.len() >= ctx.sessions.limit
         && ctx
             .sessions
@@ -151,22 +158,23 @@ pub fn lookup(
     }
     let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
     let extra = extra_readers(tp_size, range.world_size);
-    let chunks: Vec<Vec<StorageKey>> = range
-        .chunk_hashes
-        .iter()
-        .map(|h| chunk_keys(namespace, range.world_size, h))
-        .collect();
-    let refs: Vec<&[StorageKey]> = chunks.iter().map(Vec::as_slice).collect();
-    let hit = ctx.storage.lock_prefix(&refs, extra) as u32;
+    // Keys are built one chunk at a time; locking stops at the first gap.
+    let locked = ctx.storage.lock_prefix(
+        range
+            .chunk_hashes
+            .iter()
+            .map(|h| chunk_keys(namespace, range.world_size, h)),
+        extra,
+    );
+    let hit = locked.len() as u32;
     ctx.sessions.insert(
         request_id,
         Session {
             namespace,
             world_size: range.world_size,
             hashes: range.chunk_hashes.clone(),
-            hit_chunks: hit,
+            locked: locked.into_iter().map(Some).collect(),
             extra,
-            freed: vec![false; hit as usize],
             last_used_ms: ctx.now_ms(),
         },
     );
@@ -186,12 +194,10 @@ pub fn free_lookup_locks(
         return Ok(Response::Ok);
     };
     s.last_used_ms = ctx.now_ms();
-    let end = end.min(s.hit_chunks);
-    for c in start..end {
-        let c = c as usize;
-        if !s.freed[c] {
-            s.freed[c] = true;
-            ctx.storage.finish_read(&s.chunk_keys(c), s.extra);
+    let end = (end as usize).min(s.locked.len());
+    for c in (start as usize)..end {
+        if let Some(keys) = s.locked[c].take() {
+            ctx.storage.finish_read(&keys, s.extra);
         }
     }
     Ok(Response::Ok)
@@ -200,7 +206,11 @@ pub fn free_lookup_locks(
 /// END_SESSION: forgets the session and refreshes recency of all its chunks (every rank).
 pub fn end_session(ctx: &NodeContext, request_id: &str) -> Result<Response> {
     if let Some(s) = ctx.sessions.remove(request_id) {
-        let keys: Vec<StorageKey> = (0..s.hashes.len()).flat_map(|c| s.chunk_keys(c)).collect();
+        let keys: Vec<StorageKey> = s
+            .hashes
+            .iter()
+            .flat_map(|h| chunk_keys(s.namespace, s.world_size, h))
+            .collect();
         ctx.storage.touch(&keys);
     }
     Ok(Response::Ok)

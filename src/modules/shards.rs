@@ -75,7 +75,9 @@ impl ShardPool {
     }
 
     fn schedule(&self, inst: &Arc<Instance>) {
-        if !inst.scheduled.swap(true, Ordering::AcqRel) {
+        // SeqCst pairs with the worker's store(false) + mailbox check: either the worker sees
+        // our job, or we see the flag cleared and schedule (no lost wake-up).
+        if !inst.scheduled.swap(true, Ordering::SeqCst) {
             let q = &self.shards[inst.shard];
             q.runnable.push(inst.clone());
             if let Some(t) = q.thread.get() {
@@ -131,7 +133,7 @@ fn run_shard(ctx: &Arc<NodeContext>, index: usize) {
             ran += 1;
         }
         q.executed.fetch_add(ran as u64, Ordering::Relaxed);
-        inst.scheduled.store(false, Ordering::Release);
+        inst.scheduled.store(false, Ordering::SeqCst);
         // A job may have arrived after the last pop but before the flag cleared.
         if !inst.mailbox.is_empty() {
             pool.schedule(&inst);

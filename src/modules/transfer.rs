@@ -8,7 +8,7 @@ use super::context::NodeContext;
 use super::instances::{Instance, Job, PendingRead, PendingWrite};
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{ChunkRange, Request, Response, WireSlot};
-use crate::storage::{pack_kv_rank, KeyError, Slot, StorageKey};
+use crate::storage::{pack_kv_rank, Grant, KeyError, StorageKey};
 
 /// Runs one queued job and sends its response.
 pub fn execute(ctx: &NodeContext, inst: &Arc<Instance>, job: Job) {
@@ -121,10 +121,10 @@ fn check_pending_room(ctx: &NodeContext, pending: usize) -> Result<()> {
     Ok(())
 }
 
-fn wire(slot: &Slot) -> WireSlot {
+fn wire(grant: &Grant) -> WireSlot {
     WireSlot {
-        offset: slot.offset,
-        length: slot.len,
+        offset: grant.slot.offset,
+        length: grant.slot.len,
     }
 }
 
@@ -143,9 +143,9 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
     let mut oom = 0;
     for (i, (k, r)) in keys.iter().zip(results).enumerate() {
         match r {
-            Ok(slot) => {
-                debug_assert_eq!(slot.len, inst.layout.object_bytes());
-                items.push((*k, slot));
+            Ok(grant) => {
+                debug_assert_eq!(grant.slot.len, inst.layout.object_bytes());
+                items.push((*k, grant));
                 chunk_indices.push(i as u32);
             }
             Err(KeyError::OutOfMemory) => oom += 1,
@@ -232,11 +232,10 @@ fn prepare_retrieve(
     if results.iter().any(Result::is_err) {
         // All-or-nothing: release the locks of the chunks that were found (LMCache releases the
         // LOOKUP locks of the found subset too), then report a miss.
-        let found: Vec<StorageKey> = keys
+        let found: Vec<(StorageKey, u64)> = keys
             .iter()
             .zip(&results)
-            .filter(|(_, r)| r.is_ok())
-            .map(|(k, _)| *k)
+            .filter_map(|(k, r)| r.as_ref().ok().map(|g| (*k, g.lease)))
             .collect();
         ctx.storage.finish_read(&found, 0);
         return Ok(Response::RetrievePrepared {
@@ -247,6 +246,11 @@ fn prepare_retrieve(
         });
     }
     let slots = results.iter().flatten().map(wire).collect();
+    let keys = keys
+        .into_iter()
+        .zip(results.iter().flatten())
+        .map(|(k, g)| (k, g.lease))
+        .collect();
     let transfer_id = ctx.next_transfer_id();
     pending.reads.insert(transfer_id, PendingRead { keys });
     Ok(Response::RetrievePrepared {

@@ -18,6 +18,10 @@ use crate::protocol::Response;
 use crate::transport::uds::UdsReplySink;
 use crate::transport::ReplySink;
 
+/// Longest a reply may block on a client that stopped reading; the connection is then closed
+/// (and its instances released) so one stalled engine can never freeze a worker shard.
+pub const REPLY_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Answers a connection beyond the limit with a typed error and closes it.
 pub fn refuse(mut stream: UnixStream, limit: usize) {
     tracing::warn!(limit, "connection refused: too many open connections");
@@ -32,10 +36,13 @@ pub fn refuse(mut stream: UnixStream, limit: usize) {
 
 /// Serves one connection until it closes or sends bytes that cannot be framed.
 pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
-    let write_half = match stream.try_clone() {
+    let write_half = match stream
+        .try_clone()
+        .and_then(|s| s.set_write_timeout(Some(REPLY_SEND_TIMEOUT)).map(|()| s))
+    {
         Ok(s) => s,
         Err(e) => {
-            tracing::warn!(error = %e, "could not clone connection");
+            tracing::warn!(error = %e, "could not set up connection");
             return;
         }
     };
@@ -81,8 +88,8 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
     for iid in registered {
         if let Some(inst) = ctx.instances.get(iid) {
             if inst.connection.load(Ordering::Relaxed) == id {
-                ctx.release(&inst, "disconnected");
                 ctx.counters.disconnected.fetch_add(1, Ordering::Relaxed);
+                ctx.release(&inst, "disconnected");
             }
         }
     }

@@ -22,8 +22,6 @@ use super::key::StorageKey;
 
 /// Number of index shards (a power of two).
 pub const INDEX_SHARDS: usize = 64;
-/// Most recency entries inspected per shard when looking for an eviction victim.
-const EVICTION_SCAN_LIMIT: usize = 64;
 
 /// Per-key error codes of the L1 state machine (LMCache `distributed/error.py`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -105,6 +103,17 @@ pub struct EvictionCounters {
     pub oom_keys: u64,
 }
 
+/// What a reservation or read lock hands out: the slot, and the entry's lease at that moment.
+/// Invariant: committing, aborting or unlocking with a grant whose lease no longer matches the
+/// entry is refused, so a stale transfer can never act on a newer reservation of the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Grant {
+    /// Where the bytes live.
+    pub slot: Slot,
+    /// The entry's lease when the grant was issued.
+    pub lease: u64,
+}
+
 /// Result of a consistency check. Invariant: `ok` iff `problems` is empty.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemcheckReport {
@@ -182,6 +191,18 @@ impl StorageCore {
         self.stamp.fetch_add(n, Ordering::Relaxed)
     }
 
+    /// Drops read locks whose TTL passed (last-resort safety net): the count restarts at 0 and
+    /// the lease changes, so holders of the expired locks can no longer release anyone else's.
+    fn drop_expired_reads(&self, e: &mut Entry, now_ms: u64) -> bool {
+        if e.readers > 0 && e.lock_deadline_ms <= now_ms {
+            e.readers = 0;
+            e.lease = self.next_stamps(1);
+            self.expired_reads.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
     /// Pool capacity usable for objects.
     pub fn capacity(&self) -> u64 {
         self.alloc.lock().capacity()
@@ -202,9 +223,9 @@ impl StorageCore {
         keys: &[StorageKey],
         object_bytes: u64,
         temporary: bool,
-    ) -> Vec<Result<Slot, KeyError>> {
+    ) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
-        let mut results: Vec<Result<Slot, KeyError>> = Vec::with_capacity(keys.len());
+        let mut results: Vec<Result<Grant, KeyError>> = Vec::with_capacity(keys.len());
         let mut absent = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
             let shard = self.shard(k).lock();
@@ -251,6 +272,7 @@ impl StorageCore {
                 results[i] = Err(KeyError::KeyNotWritable);
                 continue;
             }
+            let lease = self.next_stamps(1);
             shard.map.insert(
                 keys[i],
                 Entry {
@@ -260,11 +282,12 @@ impl StorageCore {
                     temporary,
                     doomed: false,
                     stamp: 0,
+                    lease,
                     lock_deadline_ms: deadline,
                 },
             );
             self.object_count.fetch_add(1, Ordering::Relaxed);
-            results[i] = Ok(slot);
+            results[i] = Ok(Grant { slot, lease });
         }
         results
     }
@@ -302,7 +325,7 @@ impl StorageCore {
         loop {
             let mut best: Option<(u64, StorageKey)> = None;
             for shard in self.shards.iter() {
-                if let Some(c) = shard.lock().oldest_evictable(EVICTION_SCAN_LIMIT) {
+                if let Some(c) = shard.lock().oldest_evictable() {
                     if best.is_none_or(|b| c.0 < b.0) {
                         best = Some(c);
                     }
@@ -338,21 +361,24 @@ impl StorageCore {
         self.object_count.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Publishes write reservations (`WriteReserved -> Ready`). Each `(key, slot)` must match the
-    /// reservation exactly (paired check with `reserve_write`). Doomed reservations are freed
-    /// instead and reported `KeyNotExist`. Keys are given in chunk order; they get recency stamps in
-    /// reverse so later chunks are evicted before earlier ones.
-    pub fn finish_write(&self, items: &[(StorageKey, Slot)]) -> Vec<Result<(), KeyError>> {
+    /// Publishes write reservations (`WriteReserved -> Ready`). Each grant must match the
+    /// reservation exactly (slot and lease: the paired check with `reserve_write`). Doomed
+    /// reservations are freed instead and reported `KeyNotExist`. Keys are given in chunk order;
+    /// they get recency stamps in reverse so later chunks are evicted before earlier ones.
+    pub fn finish_write(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
         let _g = self.gate.read();
         let n = items.len() as u64;
         let base = self.next_stamps(n);
         items
             .iter()
             .enumerate()
-            .map(|(i, (k, slot))| {
+            .map(|(i, (k, grant))| {
                 let mut shard = self.shard(k).lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
-                if e.state != ObjectState::WriteReserved || e.slot != *slot {
+                if e.state != ObjectState::WriteReserved
+                    || e.slot != grant.slot
+                    || e.lease != grant.lease
+                {
                     return Err(KeyError::KeyInWrongState);
                 }
                 debug_assert_eq!(e.readers, 0, "write-reserved objects hold no read locks");
@@ -363,22 +389,26 @@ impl StorageCore {
                 }
                 e.state = ObjectState::Ready;
                 e.lock_deadline_ms = 0;
-                shard.link(*k, base + (n - 1 - i as u64));
+                e.stamp = base + (n - 1 - i as u64);
+                shard.sync_recency(k);
                 Ok(())
             })
             .collect()
     }
 
     /// Deletes write reservations and frees their memory (abort, disconnect, reaping). Only
-    /// entries still `WriteReserved` at exactly `slot` are touched; anything else is reported.
-    pub fn abort_write(&self, items: &[(StorageKey, Slot)]) -> Vec<Result<(), KeyError>> {
+    /// entries still `WriteReserved` under exactly this grant are touched; anything else is reported.
+    pub fn abort_write(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
         let _g = self.gate.read();
         items
             .iter()
-            .map(|(k, slot)| {
+            .map(|(k, grant)| {
                 let mut shard = self.shard(k).lock();
                 let e = shard.map.get(k).ok_or(KeyError::KeyNotExist)?;
-                if e.state != ObjectState::WriteReserved || e.slot != *slot {
+                if e.state != ObjectState::WriteReserved
+                    || e.slot != grant.slot
+                    || e.lease != grant.lease
+                {
                     return Err(KeyError::KeyInWrongState);
                 }
                 let e = shard.remove(k).expect("present");
@@ -389,9 +419,10 @@ impl StorageCore {
     }
 
     /// Takes `1 + extra` read locks on each key. Requires `Ready` and not doomed.
-    pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Slot, KeyError>> {
+    pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
-        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        let now = self.now_ms();
+        let deadline = now + self.config.read_ttl.as_millis() as u64;
         keys.iter()
             .map(|k| {
                 let mut shard = self.shard(k).lock();
@@ -402,16 +433,22 @@ impl StorageCore {
                 if e.state != ObjectState::Ready {
                     return Err(KeyError::KeyNotReadable);
                 }
+                self.drop_expired_reads(e, now);
                 e.readers = e.readers.saturating_add(1 + extra);
                 e.lock_deadline_ms = deadline;
-                Ok(e.slot)
+                let grant = Grant {
+                    slot: e.slot,
+                    lease: e.lease,
+                };
+                shard.sync_recency(k);
+                Ok(grant)
             })
             .collect()
     }
 
-    /// The slots of keys that are `Ready` and currently read-locked; takes no lock (LMCache
+    /// Grants for keys that are `Ready` and currently read-locked; takes no lock (LMCache
     /// `unsafe_read`, used by retrieves that rely on LOOKUP's locks).
-    pub fn read_locked_slots(&self, keys: &[StorageKey]) -> Vec<Result<Slot, KeyError>> {
+    pub fn read_locked_slots(&self, keys: &[StorageKey]) -> Vec<Result<Grant, KeyError>> {
         keys.iter()
             .map(|k| {
                 let shard = self.shard(k).lock();
@@ -422,20 +459,29 @@ impl StorageCore {
                 if e.readers == 0 {
                     return Err(KeyError::KeyInWrongState);
                 }
-                Ok(e.slot)
+                Ok(Grant {
+                    slot: e.slot,
+                    lease: e.lease,
+                })
             })
             .collect()
     }
 
-    /// Releases `1 + extra` read locks per key (floor 0). Temporary or doomed objects whose count
-    /// reaches 0 are deleted and freed.
-    pub fn finish_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<(), KeyError>> {
+    /// Releases `1 + extra` read locks per key (floor 0), if the lease still matches (locks that
+    /// expired meanwhile are not released twice). Temporary or doomed objects whose count reaches
+    /// 0 are deleted and freed.
+    pub fn finish_read(
+        &self,
+        items: &[(StorageKey, u64)],
+        extra: u32,
+    ) -> Vec<Result<(), KeyError>> {
         let _g = self.gate.read();
-        keys.iter()
-            .map(|k| {
+        items
+            .iter()
+            .map(|(k, lease)| {
                 let mut shard = self.shard(k).lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
-                if e.state != ObjectState::Ready {
+                if e.state != ObjectState::Ready || e.lease != *lease {
                     return Err(KeyError::KeyInWrongState);
                 }
                 if e.readers == 0 {
@@ -445,6 +491,8 @@ impl StorageCore {
                 if e.readers == 0 && (e.temporary || e.doomed) {
                     let e = shard.remove(k).expect("present");
                     self.release_slot(e.slot);
+                } else {
+                    shard.sync_recency(k);
                 }
                 Ok(())
             })
@@ -453,22 +501,27 @@ impl StorageCore {
 
     /// Looks up a prefix: for each chunk (a group of keys that must all be present), takes
     /// `1 + extra` read locks on all its keys; stops at the first chunk with a missing key
-    /// (releasing that chunk's partial locks). Returns the number of chunks now locked.
-    pub fn lock_prefix(&self, chunks: &[&[StorageKey]], extra: u32) -> usize {
-        for (i, chunk) in chunks.iter().enumerate() {
-            let got = self.reserve_read(chunk, extra);
-            if got.iter().any(Result::is_err) {
-                let taken: Vec<StorageKey> = chunk
-                    .iter()
-                    .zip(&got)
-                    .filter(|(_, r)| r.is_ok())
-                    .map(|(k, _)| *k)
-                    .collect();
+    /// (releasing that chunk's partial locks). Returns the locked chunks' `(key, lease)` pairs.
+    pub fn lock_prefix(
+        &self,
+        chunks: impl IntoIterator<Item = Vec<StorageKey>>,
+        extra: u32,
+    ) -> Vec<Vec<(StorageKey, u64)>> {
+        let mut locked = Vec::new();
+        for chunk in chunks {
+            let got = self.reserve_read(&chunk, extra);
+            let taken: Vec<(StorageKey, u64)> = chunk
+                .iter()
+                .zip(&got)
+                .filter_map(|(k, r)| r.as_ref().ok().map(|g| (*k, g.lease)))
+                .collect();
+            if taken.len() < chunk.len() {
                 self.finish_read(&taken, extra);
-                return i;
+                break;
             }
+            locked.push(taken);
         }
-        chunks.len()
+        locked
     }
 
     /// Whether every key is `Ready` and not doomed (no lock taken).
@@ -485,7 +538,7 @@ impl StorageCore {
         let n = keys.len() as u64;
         let base = self.next_stamps(n);
         for (i, k) in keys.iter().enumerate() {
-            self.shard(k).lock().retouch(k, base + (n - 1 - i as u64));
+            self.shard(k).lock().restamp(k, base + (n - 1 - i as u64));
         }
     }
 
@@ -506,6 +559,7 @@ impl StorageCore {
                 } else if !e.doomed {
                     e.doomed = true;
                     deferred += 1;
+                    shard.sync_recency(&k);
                 }
             }
         }
@@ -536,17 +590,18 @@ impl StorageCore {
                     self.release_slot(e.slot);
                     w += 1;
                 } else {
-                    e.readers = 0;
+                    self.drop_expired_reads(e, now_ms);
                     r += 1;
                     if e.temporary || e.doomed {
                         let e = shard.remove(&k).expect("present");
                         self.release_slot(e.slot);
+                    } else {
+                        shard.sync_recency(&k);
                     }
                 }
             }
         }
         self.expired_writes.fetch_add(w, Ordering::Relaxed);
-        self.expired_reads.fetch_add(r, Ordering::Relaxed);
         (w, r)
     }
 
@@ -607,7 +662,7 @@ impl StorageCore {
         let mut slots = Vec::new();
         let mut index_bytes = 0;
         for (si, shard) in shards.iter().enumerate() {
-            let mut ready = 0;
+            let mut evictable = 0;
             for (k, e) in shard.map.iter() {
                 slots.push(e.slot);
                 index_bytes += e.slot.class_bytes;
@@ -617,18 +672,18 @@ impl StorageCore {
                         e.readers
                     ));
                 }
-                if e.state == ObjectState::Ready {
-                    ready += 1;
+                if e.evictable() {
+                    evictable += 1;
                     if shard.recency.get(&e.stamp) != Some(k) {
                         problems.push(format!(
-                            "shard {si}: ready object missing from recency list"
+                            "shard {si}: evictable object missing from recency list"
                         ));
                     }
                 }
             }
-            if ready != shard.recency.len() {
+            if evictable != shard.recency.len() {
                 problems.push(format!(
-                    "shard {si}: recency list has {} entries for {ready} ready objects",
+                    "shard {si}: recency list has {} entries for {evictable} evictable objects",
                     shard.recency.len()
                 ));
             }

@@ -43,8 +43,8 @@ pub enum ObjectState {
     Ready,
 }
 
-/// One object in the index. Invariants: `readers == 0` while `WriteReserved`; a `Ready` entry is in
-/// the shard's recency list under `stamp`, a `WriteReserved` one is not.
+/// One object in the index. Invariants: `readers == 0` while `WriteReserved`; the entry is in the
+/// shard's recency list under `stamp` exactly when it is evictable (`Ready`, no readers, not doomed).
 #[derive(Debug, Clone)]
 pub struct Entry {
     /// Where the bytes live.
@@ -57,8 +57,12 @@ pub struct Entry {
     pub temporary: bool,
     /// Deletion requested (CLEAR) while a transfer was in flight: freed when it ends; invisible meanwhile.
     pub doomed: bool,
-    /// Recency stamp (smaller = older) while in the recency list.
+    /// Recency stamp (smaller = older). Kept while locked, so unlocking restores the old position.
     pub stamp: u64,
+    /// Identity of the current reservation and read-lock generation: fresh on creation and
+    /// whenever expired locks are dropped, so a stale commit/abort/unlock can never act on a
+    /// later reservation that reuses the same key and slot.
+    pub lease: u64,
     /// Millisecond deadline of the current lock (write reservation or read locks): the TTL safety net.
     pub lock_deadline_ms: u64,
 }
@@ -70,52 +74,61 @@ impl Entry {
     }
 }
 
-/// One index shard. Invariant: `recency` holds exactly the `Ready` entries' stamps, each once.
+/// One index shard. Invariant: `recency` holds exactly the evictable entries, each once, under
+/// its stamp.
 #[derive(Default)]
 pub struct Shard {
     /// Key -> entry.
     pub map: HashMap<StorageKey, Entry, BuildHasherDefault<FingerprintHasher>>,
-    /// Stamp -> key for `Ready` entries, oldest first.
+    /// Stamp -> key for evictable entries, oldest first.
     pub recency: BTreeMap<u64, StorageKey>,
 }
 
 impl Shard {
-    /// Publishes `key` (already in `map`) in the recency list under `stamp`.
-    pub fn link(&mut self, key: StorageKey, stamp: u64) {
-        if let Some(e) = self.map.get_mut(&key) {
-            e.stamp = stamp;
-            let prev = self.recency.insert(stamp, key);
-            debug_assert!(prev.is_none(), "recency stamps are unique");
+    /// Re-establishes the recency invariant for `key` after its state changed: inserts it when it
+    /// became evictable, removes it when it stopped being evictable.
+    pub fn sync_recency(&mut self, key: &StorageKey) {
+        let Some(e) = self.map.get(key) else { return };
+        if e.evictable() {
+            let prev = self.recency.insert(e.stamp, *key);
+            debug_assert!(
+                prev.is_none() || prev == Some(*key),
+                "recency stamps are unique"
+            );
+        } else if self.recency.get(&e.stamp) == Some(key) {
+            self.recency.remove(&e.stamp);
         }
     }
 
-    /// Moves a `Ready` entry to a new stamp.
-    pub fn retouch(&mut self, key: &StorageKey, stamp: u64) {
-        if let Some(e) = self.map.get_mut(key) {
-            if e.state == ObjectState::Ready {
-                self.recency.remove(&e.stamp);
-                e.stamp = stamp;
-                self.recency.insert(stamp, *key);
-            }
+    /// Gives an entry a new stamp (recency refresh), keeping the recency list in sync.
+    pub fn restamp(&mut self, key: &StorageKey, stamp: u64) {
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
+        if e.state != ObjectState::Ready {
+            return;
+        }
+        let old = e.stamp;
+        e.stamp = stamp;
+        if self.recency.get(&old) == Some(key) {
+            self.recency.remove(&old);
+            self.recency.insert(stamp, *key);
         }
     }
 
-    /// Removes an entry from the map and (if Ready) the recency list, returning it.
+    /// Removes an entry from the map and the recency list, returning it.
     pub fn remove(&mut self, key: &StorageKey) -> Option<Entry> {
         let e = self.map.remove(key)?;
-        if e.state == ObjectState::Ready {
-            let k = self.recency.remove(&e.stamp);
-            debug_assert_eq!(k.as_ref(), Some(key), "recency list in sync with map");
+        if self.recency.get(&e.stamp) == Some(key) {
+            self.recency.remove(&e.stamp);
         }
         Some(e)
     }
 
-    /// The oldest evictable entry's stamp and key, looking at most `scan_limit` entries.
-    pub fn oldest_evictable(&self, scan_limit: usize) -> Option<(u64, StorageKey)> {
-        self.recency
-            .iter()
-            .take(scan_limit)
-            .find(|(_, k)| self.map.get(k).is_some_and(Entry::evictable))
-            .map(|(s, k)| (*s, *k))
+    /// The oldest evictable entry's stamp and key.
+    pub fn oldest_evictable(&self) -> Option<(u64, StorageKey)> {
+        let (s, k) = self.recency.first_key_value()?;
+        debug_assert!(self.map.get(k).is_some_and(Entry::evictable));
+        Some((*s, *k))
     }
 }

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 
-use super::core::{KeyError, StorageConfig, StorageCore};
+use super::core::{Grant, KeyError, StorageConfig, StorageCore};
 use super::key::{NamespaceId, StorageKey};
 
 const MIB: u64 = 1 << 20;
@@ -33,11 +33,32 @@ fn check(c: &StorageCore) {
     assert!(r.ok, "{:?}", r.problems);
 }
 
+/// Reserves and commits `keys`, returning their grants.
+fn put(c: &StorageCore, keys: &[StorageKey], bytes: u64) -> Vec<(StorageKey, Grant)> {
+    let items: Vec<_> = keys
+        .iter()
+        .copied()
+        .zip(c.reserve_write(keys, bytes, false))
+        .map(|(k, r)| (k, r.unwrap()))
+        .collect();
+    assert!(ok_all(&c.finish_write(&items)));
+    items
+}
+
+/// Read-locks `keys` (all must succeed), returning `(key, lease)` pairs for release.
+fn lock(c: &StorageCore, keys: &[StorageKey], extra: u32) -> Vec<(StorageKey, u64)> {
+    keys.iter()
+        .copied()
+        .zip(c.reserve_read(keys, extra))
+        .map(|(k, r)| (k, r.unwrap().lease))
+        .collect()
+}
+
 #[test]
 fn write_then_read_life_cycle() {
     let c = core(64 * MIB);
     let keys = [key(1), key(2)];
-    let slots: Vec<_> = c
+    let grants: Vec<_> = c
         .reserve_write(&keys, MIB, false)
         .into_iter()
         .map(Result::unwrap)
@@ -53,7 +74,7 @@ fn write_then_read_life_cycle() {
         c.reserve_write(&keys[..1], MIB, false)[0],
         Err(KeyError::KeyIsLocked)
     );
-    let items: Vec<_> = keys.iter().copied().zip(slots.iter().copied()).collect();
+    let items: Vec<_> = keys.iter().copied().zip(grants.iter().copied()).collect();
     assert!(ok_all(&c.finish_write(&items)));
     assert_eq!(c.counts().ready, 2);
     // Finishing twice is a wrong-state error.
@@ -67,20 +88,20 @@ fn write_then_read_life_cycle() {
         Err(KeyError::KeyNotWritable)
     );
     // Multi-reader locks (MLA): 1 + extra.
-    assert!(ok_all(&c.reserve_read(&keys[..1], 2)));
+    let l = lock(&c, &keys[..1], 2);
     assert_eq!(c.counts().read_locked, 1);
     assert!(ok_all(&c.read_locked_slots(&keys[..1])));
     assert_eq!(
         c.read_locked_slots(&keys[1..])[0],
         Err(KeyError::KeyInWrongState)
     );
-    assert!(ok_all(&c.finish_read(&keys[..1], 0)));
-    assert!(ok_all(&c.finish_read(&keys[..1], 1)));
+    assert!(ok_all(&c.finish_read(&l, 0)));
+    assert!(ok_all(&c.finish_read(&l, 1)));
+    assert_eq!(c.finish_read(&l, 0)[0], Err(KeyError::KeyNotReadable));
     assert_eq!(
-        c.finish_read(&keys[..1], 0)[0],
-        Err(KeyError::KeyNotReadable)
+        c.finish_read(&[(key(9), 0)], 0)[0],
+        Err(KeyError::KeyNotExist)
     );
-    assert_eq!(c.finish_read(&[key(9)], 0)[0], Err(KeyError::KeyNotExist));
     assert_eq!(c.counts().ready, 2);
     check(&c);
 }
@@ -89,24 +110,20 @@ fn write_then_read_life_cycle() {
 fn abort_frees_and_never_publishes() {
     let c = core(16 * MIB);
     let k = [key(1)];
-    let s = c.reserve_write(&k, MIB, false)[0].unwrap();
+    let g = c.reserve_write(&k, MIB, false)[0].unwrap();
     assert!(c.used_bytes() > 0);
-    assert!(ok_all(&c.abort_write(&[(k[0], s)])));
+    assert!(ok_all(&c.abort_write(&[(k[0], g)])));
     assert_eq!(c.used_bytes(), 0);
     assert!(!c.contains_ready(&k[0]));
     assert_eq!(c.reserve_read(&k, 0)[0], Err(KeyError::KeyNotExist));
     // Aborting a committed object is refused.
-    let s = c.reserve_write(&k, MIB, false)[0].unwrap();
-    c.finish_write(&[(k[0], s)]);
-    assert_eq!(
-        c.abort_write(&[(k[0], s)])[0],
-        Err(KeyError::KeyInWrongState)
-    );
+    let items = put(&c, &k, MIB);
+    assert_eq!(c.abort_write(&items)[0], Err(KeyError::KeyInWrongState));
     check(&c);
 }
 
 #[test]
-fn commit_must_match_reserved_slot() {
+fn commit_must_match_reserved_grant() {
     let c = core(16 * MIB);
     let a = c.reserve_write(&[key(1)], MIB, false)[0].unwrap();
     let b = c.reserve_write(&[key(2)], MIB, false)[0].unwrap();
@@ -130,32 +147,64 @@ fn expired_write_reservation_is_freed_not_published() {
 }
 
 #[test]
-fn expired_read_locks_are_dropped() {
+fn stale_commit_after_expiry_cannot_publish_a_newer_reservation() {
     let c = core(16 * MIB);
-    let s = c.reserve_write(&[key(1)], MIB, false)[0].unwrap();
-    c.finish_write(&[(key(1), s)]);
-    c.reserve_read(&[key(1)], 0);
+    let stale = c.reserve_write(&[key(1)], MIB, false)[0].unwrap();
+    c.expire_locks(u64::MAX);
+    // A new writer gets the same key, very likely the same slot.
+    let fresh = c.reserve_write(&[key(1)], MIB, false)[0].unwrap();
+    assert_eq!(
+        fresh.slot, stale.slot,
+        "LIFO slot reuse makes this the dangerous case"
+    );
+    assert_eq!(
+        c.finish_write(&[(key(1), stale)])[0],
+        Err(KeyError::KeyInWrongState)
+    );
+    assert_eq!(
+        c.abort_write(&[(key(1), stale)])[0],
+        Err(KeyError::KeyInWrongState)
+    );
+    assert_eq!(
+        c.counts().write_reserved,
+        1,
+        "the new reservation is untouched"
+    );
+    assert!(ok_all(&c.finish_write(&[(key(1), fresh)])));
+    check(&c);
+}
+
+#[test]
+fn expired_read_locks_are_dropped_and_stale_unlocks_ignored() {
+    let c = core(16 * MIB);
+    put(&c, &[key(1)], MIB);
+    let stale = lock(&c, &[key(1)], 0);
     assert_eq!(c.expire_locks(u64::MAX), (0, 1));
     assert_eq!(c.counts().read_locked, 0);
     assert!(c.contains_ready(&key(1)));
+    // A new reader locks; the holder of the expired lock cannot release the new one.
+    let fresh = lock(&c, &[key(1)], 0);
+    assert_eq!(c.finish_read(&stale, 0)[0], Err(KeyError::KeyInWrongState));
+    assert_eq!(c.counts().read_locked, 1);
+    assert!(ok_all(&c.finish_read(&fresh, 0)));
+    check(&c);
 }
 
 #[test]
 fn clear_defers_in_flight_objects() {
     let c = core(32 * MIB);
-    let ready = c.reserve_write(&[key(1)], MIB, false)[0].unwrap();
-    c.finish_write(&[(key(1), ready)]);
-    let locked = c.reserve_write(&[key(2)], MIB, false)[0].unwrap();
-    c.finish_write(&[(key(2), locked)]);
-    c.reserve_read(&[key(2)], 0);
+    put(&c, &[key(1)], MIB);
+    put(&c, &[key(2)], MIB);
+    let l = lock(&c, &[key(2)], 0);
     let writing = c.reserve_write(&[key(3)], MIB, false)[0].unwrap();
     assert_eq!(c.clear(), (1, 2));
     // Memory of in-flight objects is still allocated: a client may be copying.
     assert!(c.used_bytes() >= 2 * MIB);
     assert!(!c.contains_ready(&key(2)), "doomed objects are invisible");
     assert_eq!(c.reserve_read(&[key(2)], 0)[0], Err(KeyError::KeyNotExist));
+    check(&c);
     // The reader finishes: freed. The writer commits: freed, not published.
-    assert!(ok_all(&c.finish_read(&[key(2)], 0)));
+    assert!(ok_all(&c.finish_read(&l, 0)));
     assert_eq!(
         c.finish_write(&[(key(3), writing)])[0],
         Err(KeyError::KeyNotExist)
@@ -167,13 +216,13 @@ fn clear_defers_in_flight_objects() {
 #[test]
 fn temporary_objects_die_with_last_reader() {
     let c = core(16 * MIB);
-    let s = c.reserve_write(&[key(1)], MIB, true)[0].unwrap();
-    c.finish_write(&[(key(1), s)]);
-    c.reserve_read(&[key(1)], 1);
+    let g = c.reserve_write(&[key(1)], MIB, true)[0].unwrap();
+    c.finish_write(&[(key(1), g)]);
+    let l = lock(&c, &[key(1)], 1);
     assert_eq!(c.counts().temporary, 1);
-    c.finish_read(&[key(1)], 0);
+    c.finish_read(&l, 0);
     assert!(c.contains_ready(&key(1)));
-    c.finish_read(&[key(1)], 0);
+    c.finish_read(&l, 0);
     assert!(!c.contains_ready(&key(1)));
     assert_eq!(c.used_bytes(), 0);
     check(&c);
@@ -184,13 +233,7 @@ fn allocation_evicts_synchronously_later_chunks_first() {
     // 8 MiB pool, 2 MiB objects: 4 fit.
     let c = core(8 * MIB);
     let keys: Vec<_> = (0..4).map(key).collect();
-    let slots: Vec<_> = c
-        .reserve_write(&keys, 2 * MIB, false)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let items: Vec<_> = keys.iter().copied().zip(slots).collect();
-    c.finish_write(&items);
+    put(&c, &keys, 2 * MIB);
     // One more chunk forces one eviction: the *last* chunk of the earlier request goes first.
     let r = c.reserve_write(&[key(10)], 2 * MIB, false);
     assert!(r[0].is_ok());
@@ -201,17 +244,33 @@ fn allocation_evicts_synchronously_later_chunks_first() {
 }
 
 #[test]
+fn eviction_finds_unlocked_objects_behind_many_locked_ones() {
+    // 8192 objects of 16 KiB fill a 128 MiB pool; the 7000 oldest are read-locked (about 110 per
+    // index shard). Eviction must still find the unlocked ones behind them.
+    let c = core(128 * MIB);
+    let keys: Vec<_> = (0..8192).map(key).collect();
+    for k in &keys {
+        put(&c, &[*k], 16 * 1024);
+    }
+    assert_eq!(c.used_bytes(), c.capacity());
+    let _locks = lock(&c, &keys[..7000], 0);
+    let fresh: Vec<_> = (10_000..10_010).map(key).collect();
+    let r = c.reserve_write(&fresh, 16 * 1024, false);
+    assert!(ok_all(&r), "{r:?}");
+    assert_eq!(c.eviction_counters().sync_evictions, 10);
+    assert!(
+        keys[..7000].iter().all(|k| c.contains_ready(k)),
+        "locked objects survive"
+    );
+    check(&c);
+}
+
+#[test]
 fn locked_objects_are_never_evicted_and_oom_is_reported() {
     let c = core(4 * MIB);
     let keys = [key(0), key(1)];
-    let slots: Vec<_> = c
-        .reserve_write(&keys, 2 * MIB, false)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let items: Vec<_> = keys.iter().copied().zip(slots).collect();
-    c.finish_write(&items);
-    c.reserve_read(&keys, 0);
+    put(&c, &keys, 2 * MIB);
+    let l = lock(&c, &keys, 0);
     let r = c.reserve_write(&[key(5), key(6)], 2 * MIB, false);
     assert_eq!(
         r,
@@ -219,7 +278,7 @@ fn locked_objects_are_never_evicted_and_oom_is_reported() {
     );
     assert!(c.contains_ready(&key(0)) && c.contains_ready(&key(1)));
     // Unlock one: the prefix that fits is reserved, the rest is OOM.
-    c.finish_read(&keys[..1], 0);
+    c.finish_read(&l[..1], 0);
     let r = c.reserve_write(&[key(5), key(6)], 2 * MIB, false);
     assert!(r[0].is_ok());
     assert_eq!(r[1], Err(KeyError::OutOfMemory));
@@ -231,17 +290,19 @@ fn locked_objects_are_never_evicted_and_oom_is_reported() {
 fn lock_prefix_stops_at_first_gap() {
     let c = core(32 * MIB);
     for i in [0, 1, 3] {
-        let s = c.reserve_write(&[key(i)], MIB, false)[0].unwrap();
-        c.finish_write(&[(key(i), s)]);
+        put(&c, &[key(i)], MIB);
     }
-    let chunks: Vec<Vec<_>> = (0..4).map(|i| vec![key(i)]).collect();
-    let refs: Vec<&[_]> = chunks.iter().map(Vec::as_slice).collect();
-    assert_eq!(c.lock_prefix(&refs, 0), 2);
-    let counts = c.counts();
+    let locked = c.lock_prefix((0..4).map(|i| vec![key(i)]), 0);
+    assert_eq!(locked.len(), 2);
     assert_eq!(
-        counts.read_locked, 2,
+        c.counts().read_locked,
+        2,
         "chunk 3 is beyond the gap: not locked"
     );
+    for chunk in &locked {
+        assert!(ok_all(&c.finish_read(chunk, 0)));
+    }
+    assert_eq!(c.counts().read_locked, 0);
     check(&c);
 }
 
@@ -254,12 +315,7 @@ fn watermark_pass_evicts_down_to_low_mark() {
     };
     let c = StorageCore::new(16 * MIB, cfg);
     let keys: Vec<_> = (0..6).map(key).collect();
-    let slots: Vec<_> = c
-        .reserve_write(&keys, 2 * MIB, false)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    c.finish_write(&keys.iter().copied().zip(slots).collect::<Vec<_>>());
+    put(&c, &keys, 2 * MIB);
     assert_eq!(c.evict_to_watermark(), 4);
     assert!(c.used_bytes() <= 4 * MIB);
     assert!(c.contains_ready(&key(0)) && c.contains_ready(&key(1)));
@@ -272,7 +328,7 @@ enum Op {
     Commit(usize),
     Abort(usize),
     Read(Vec<u32>, u32),
-    Unread(Vec<u32>, u32),
+    Unread(usize),
     Clear,
     Expire,
     Evict,
@@ -285,8 +341,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(k, s)| Op::Reserve(k, s)),
         3 => (0usize..8).prop_map(Op::Commit),
         1 => (0usize..8).prop_map(Op::Abort),
-        2 => (keys.clone(), 0u32..3).prop_map(|(k, e)| Op::Read(k, e)),
-        2 => (keys, 0u32..3).prop_map(|(k, e)| Op::Unread(k, e)),
+        2 => (keys, 0u32..3).prop_map(|(k, e)| Op::Read(k, e)),
+        2 => (0usize..8).prop_map(Op::Unread),
         1 => Just(Op::Clear),
         1 => Just(Op::Expire),
         1 => Just(Op::Evict),
@@ -298,45 +354,56 @@ proptest! {
     #[test]
     fn random_sequences_keep_invariants(ops in proptest::collection::vec(op(), 1..60)) {
         let c = core(24 * MIB);
-        let mut pending: Vec<Vec<(StorageKey, super::Slot)>> = Vec::new();
+        let mut writes: Vec<Vec<(StorageKey, Grant)>> = Vec::new();
+        let mut reads: Vec<(Vec<(StorageKey, u64)>, u32)> = Vec::new();
         for op in ops {
             match op {
                 Op::Reserve(ids, size) => {
                     let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
                     let got: Vec<_> = keys.iter().copied().zip(c.reserve_write(&keys, size, false))
-                        .filter_map(|(k, r)| r.ok().map(|s| (k, s))).collect();
-                    if !got.is_empty() { pending.push(got); }
+                        .filter_map(|(k, r)| r.ok().map(|g| (k, g))).collect();
+                    if !got.is_empty() { writes.push(got); }
                 }
-                Op::Commit(i) if i < pending.len() => {
-                    let items = pending.remove(i);
+                Op::Commit(i) if i < writes.len() => {
+                    let items = writes.remove(i);
                     for (k, r) in items.iter().zip(c.finish_write(&items)) {
-                        // Only a doomed (cleared) reservation may fail, and then it is gone.
-                        if r.is_err() { prop_assert!(!c.contains_ready(&k.0)); }
-                        else { prop_assert!(c.contains_ready(&k.0)); }
+                        // A successful commit makes the key readable. (A failed one was doomed or
+                        // expired; the key may since belong to a newer reservation.)
+                        if r.is_ok() { prop_assert!(c.contains_ready(&k.0)); }
                     }
                 }
-                Op::Abort(i) if i < pending.len() => {
-                    let items = pending.remove(i);
-                    c.abort_write(&items);
-                    for (k, _) in &items { prop_assert!(!c.contains_ready(k)); }
+                Op::Abort(i) if i < writes.len() => {
+                    let items = writes.remove(i);
+                    for ((k, _), r) in items.iter().zip(c.abort_write(&items)) {
+                        // A successful abort never leaves the key readable.
+                        if r.is_ok() { prop_assert!(!c.contains_ready(k)); }
+                    }
                 }
                 Op::Commit(_) | Op::Abort(_) => {}
-                Op::Read(ids, e) => { let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect(); c.reserve_read(&keys, e); }
-                Op::Unread(ids, e) => { let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect(); c.finish_read(&keys, e); }
-                Op::Clear => { c.clear(); }
-                Op::Expire => {
-                    c.expire_locks(u64::MAX);
-                    pending.clear(); // every reservation expired
+                Op::Read(ids, e) => {
+                    let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+                    let got: Vec<_> = keys.iter().copied().zip(c.reserve_read(&keys, e))
+                        .filter_map(|(k, r)| r.ok().map(|g| (k, g.lease))).collect();
+                    reads.push((got, e));
                 }
+                Op::Unread(i) if i < reads.len() => {
+                    let (items, e) = reads.remove(i);
+                    c.finish_read(&items, e);
+                }
+                Op::Unread(_) => {}
+                Op::Clear => { c.clear(); }
+                Op::Expire => { c.expire_locks(u64::MAX); }
                 Op::Evict => { c.evict_to_watermark(); }
             }
             let r = c.memcheck();
             prop_assert!(r.ok, "{:?}", r.problems);
         }
         // Everything released: memory returns to zero.
-        for items in pending.drain(..) { c.abort_write(&items); }
-        c.expire_locks(u64::MAX);
+        for items in writes.drain(..) { c.abort_write(&items); }
+        for (items, e) in reads.drain(..) { c.finish_read(&items, e); }
         c.clear();
-        prop_assert_eq!(c.used_bytes(), 0);
+        prop_assert_eq!(c.used_bytes(), 0, "{:?}", c.counts());
+        let r = c.memcheck();
+        prop_assert!(r.ok, "{:?}", r.problems);
     }
 }

@@ -55,7 +55,8 @@ pub struct UdsReplySink {
 }
 
 impl UdsReplySink {
-    /// Wraps the write half (a `try_clone` of the connection) with connection id `id`.
+    /// Wraps the write half (a `try_clone` of the connection, with a write timeout set) with
+    /// connection id `id`.
     pub fn new(stream: UnixStream, id: u64) -> UdsReplySink {
         UdsReplySink {
             stream,
@@ -80,7 +81,20 @@ impl ReplySink for UdsReplySink {
         };
         let _g = self.write_lock.lock();
         if let Err(e) = kvnode_hw::send_with_fd(self.stream.as_fd(), &frame, fd) {
-            tracing::debug!(connection = self.id, error = %e, "client went away before its reply");
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) {
+                // The client stopped reading: close the connection so its reader thread ends and
+                // its instances are released, rather than stalling the sender.
+                tracing::warn!(
+                    connection = self.id,
+                    "client not reading replies: closing connection"
+                );
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            } else {
+                tracing::debug!(connection = self.id, error = %e, "client went away before its reply");
+            }
         }
     }
 

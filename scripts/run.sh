@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets everything up and runs the node on embedded defaults (1 GiB pool, 256-token chunks,
+# socket in $XDG_RUNTIME_DIR or /tmp). Extra arguments go to `kvnode serve`, e.g.
+#   scripts/run.sh --pool-size 4GiB --socket /run/kvnode.sock
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
+cargo build --release --locked -p kvnode
+exec target/release/kvnode serve "$@"

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets everything up and runs the whole test suite: unit tests (state machines, allocator,
+# timer wheel, hashing vectors, frame validation, proptests), hw tests (pool backings, fd
+# passing), and integration tests that start the real kvnode binary and client processes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVNODE_HUGEPAGES=${KVNODE_HUGEPAGES:-256} bash scripts/setup.sh
+if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
+cargo build --locked --workspace --all-targets
+cargo test --locked --workspace -- --test-threads "${KVNODE_TEST_THREADS:-4}"
+echo "[test] all tests passed"

@@ -1,0 +1,293 @@
+//! Fault tests against the real `kvnode` binary: clients killed mid-transfer, silent clients
+//! reaped by the timer wheel, garbage on the socket, limits exceeded, signals.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::*;
+use kvnode::protocol::frame::{
+    decode_response, encode_request, FrameHeader, HEADER_BYTES, MAX_PAYLOAD_BYTES,
+};
+use kvnode::protocol::{Request, Response};
+use kvnode::ErrorKind;
+use rkyv::util::AlignedVec;
+
+/// Child role: register, PREPARE_STORE 5 chunks, write half of the first slot, announce
+/// `CHILD-PREPARED`, then wait forever (the parent SIGKILLs it before COMMIT_STORE).
+#[test]
+fn child_prepare_then_hang() {
+    let Ok(socket) = std::env::var("KVNODE_KILL_SOCKET") else {
+        return;
+    };
+    let mut c = kvnode::client::Client::connect(&socket).unwrap();
+    c.register(&reg(77)).unwrap();
+    let p = c.prepare_store(77, &range(&tokens(77, 5))).unwrap();
+    assert_eq!(p.slots.len(), 5);
+    let half = vec![0xAB; p.slots[0].length as usize / 2];
+    c.pool()
+        .unwrap()
+        .write_at(p.slots[0].offset, &half)
+        .unwrap();
+    println!("CHILD-PREPARED");
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+#[test]
+fn sigkill_between_prepare_and_commit_leaks_nothing() {
+    // Reaping is off: only the connection close may release the instance.
+    let node = NodeProc::start("sigkill", &["--reap-timeout", "0"]);
+    let mut child = spawn_child(
+        "child_prepare_then_hang",
+        &[("KVNODE_KILL_SOCKET", node.socket.display().to_string())],
+    );
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("CHILD-PREPARED") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "child exited before preparing"
+        );
+    }
+    let s = node.status();
+    assert_eq!(num(&s, &["objects", "write_reserved"]), 5);
+    assert_eq!(num(&s, &["pending_writes"]), 1);
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let s = node.wait_status("release of the killed client", |s| {
+        num(s, &["pending_writes"]) == 0 && num(s, &["used_bytes"]) == 0
+    });
+    assert_eq!(num(&s, &["objects", "write_reserved"]), 0);
+    assert_eq!(
+        num(&s, &["objects", "ready"]),
+        0,
+        "aborted writes are never published"
+    );
+    assert_eq!(s["memcheck_ok"], true);
+    assert!(s["instances"].as_array().unwrap().is_empty());
+    assert_eq!(num(&s, &["liveness", "disconnected"]), 1);
+    // Nobody can read the half-written chunks.
+    let mut c = node.client();
+    c.register(&reg(78)).unwrap();
+    let mut r = range(&tokens(77, 5));
+    r.worker_id = Some(0);
+    assert!(c.retrieve(78, &r).unwrap().is_none());
+    let (ok, problems) = c.memcheck().unwrap();
+    assert!(ok, "{problems:?}");
+}
+
+#[test]
+fn silent_registered_client_is_reaped_by_the_timer_wheel() {
+    let node = NodeProc::start(
+        "reap",
+        &["--reap-timeout", "1", "--registration-grace", "1"],
+    );
+    // The silent client keeps its connection open, so only the wheel can reap it.
+    let mut silent = node.client();
+    silent.register(&reg(5)).unwrap();
+    silent.ping(Some(5)).unwrap();
+    let p = silent.prepare_store(5, &range(&tokens(5, 3))).unwrap();
+    assert_eq!(p.slots.len(), 3);
+    // A second client that keeps pinging is not reaped.
+    let socket = node.socket.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let pinger = std::thread::spawn(move || {
+        let mut c = kvnode::client::Client::connect(&socket).unwrap();
+        c.register(&reg(6)).unwrap();
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            c.ping(Some(6)).unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        c
+    });
+    let s = node.wait_status("reaping of the silent instance", |s| {
+        num(s, &["liveness", "reaped"]) >= 1
+    });
+    let ids: Vec<u64> = s["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["id"].as_u64().unwrap())
+        .collect();
+    assert!(!ids.contains(&5), "silent instance reaped: {s:#}");
+    assert!(ids.contains(&6), "pinging instance survives: {s:#}");
+    assert_eq!(num(&s, &["pending_writes"]), 0);
+    assert_eq!(
+        num(&s, &["used_bytes"]),
+        0,
+        "the reaped instance's reservation is freed"
+    );
+    assert_eq!(num(&s, &["objects", "ready"]), 0, "and never published");
+    assert_eq!(s["memcheck_ok"], true);
+    // The reaped instance's commit gets a typed error, not a hang.
+    assert_eq!(
+        silent.commit_store(5, p.transfer_id).unwrap_err().kind,
+        ErrorKind::NotRegistered
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = pinger.join().unwrap();
+}
+
+fn read_error_frame(s: &mut UnixStream) -> (FrameHeader, Response) {
+    let mut hb = [0u8; HEADER_BYTES];
+    s.read_exact(&mut hb).unwrap();
+    let h = FrameHeader::decode(&hb).unwrap();
+    let mut p = AlignedVec::<16>::new();
+    p.resize(h.payload_len as usize, 0);
+    s.read_exact(&mut p).unwrap();
+    (h, decode_response(&p).unwrap())
+}
+
+#[test]
+fn garbage_bytes_get_an_error_and_other_clients_keep_working() {
+    let node = NodeProc::start("garbage", &[]);
+    let mut good = node.client();
+    let len = good.register(&reg(1)).unwrap().object_bytes as usize;
+
+    // 1. Not our protocol at all: typed error, then the connection is closed.
+    let mut g = UnixStream::connect(&node.socket).unwrap();
+    g.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxx")
+        .unwrap();
+    let (_, resp) = read_error_frame(&mut g);
+    assert!(
+        matches!(resp, Response::Error { kind, .. } if kind == ErrorKind::InvalidRequest.code()),
+        "{resp:?}"
+    );
+    // Closed after an unframeable header: EOF, or a reset because our garbage was never read.
+    let mut rest = Vec::new();
+    match g.read_to_end(&mut rest) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("connection should be closed, got {other:?}"),
+    }
+
+    // 2. A valid header with a corrupt payload: error with the same request id, connection stays.
+    let mut g = UnixStream::connect(&node.socket).unwrap();
+    let mut f = encode_request(
+        41,
+        &Request::Ping {
+            instance_id: Some(1),
+        },
+    )
+    .unwrap();
+    for b in &mut f[HEADER_BYTES..] {
+        *b = 0xEE;
+    }
+    g.write_all(&f).unwrap();
+    let (h, resp) = read_error_frame(&mut g);
+    assert_eq!(h.request_id, 41);
+    assert!(matches!(resp, Response::Error { .. }));
+    g.write_all(&encode_request(42, &Request::Noop).unwrap())
+        .unwrap();
+    let (h, resp) = read_error_frame(&mut g);
+    assert_eq!((h.request_id, resp), (42, Response::Text("OK".into())));
+
+    // 3. An oversized frame: typed error and close, before any payload is read.
+    let mut g = UnixStream::connect(&node.socket).unwrap();
+    let mut f = encode_request(43, &Request::Noop).unwrap();
+    f[12..16].copy_from_slice(&(MAX_PAYLOAD_BYTES + 1).to_le_bytes());
+    g.write_all(&f[..HEADER_BYTES]).unwrap();
+    let (_, resp) = read_error_frame(&mut g);
+    assert!(matches!(resp, Response::Error { message, .. } if message.contains("exceeds")));
+
+    // 4. A truncated frame followed by a close: nothing breaks.
+    let mut g = UnixStream::connect(&node.socket).unwrap();
+    g.write_all(&encode_request(44, &Request::Status).unwrap()[..20])
+        .unwrap();
+    drop(g);
+
+    // The well-behaved client is unaffected.
+    let r = range(&tokens(1, 2));
+    let data = payloads(&r, len);
+    good.store(1, &r, &[&data[0], &data[1]]).unwrap();
+    assert_eq!(good.retrieve(1, &r).unwrap().unwrap(), data);
+    assert_eq!(node.status()["memcheck_ok"], true);
+}
+
+#[test]
+fn limits_are_enforced_with_typed_errors() {
+    let dir = std::env::temp_dir().join(format!("kvnode-limits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("limits.toml");
+    std::fs::write(
+        &cfg,
+        "[limits]\nmax_instances = 2\nmax_pending_transfers = 2\nmax_chunks_per_request = 8\nmax_sessions = 1\n",
+    )
+    .unwrap();
+    let node = NodeProc::start("limits", &["--config", cfg.to_str().unwrap()]);
+    let mut c = node.client();
+    c.register(&reg(1)).unwrap();
+    c.register(&reg(2)).unwrap();
+    assert_eq!(
+        c.register(&reg(3)).unwrap_err().kind,
+        ErrorKind::LimitExceeded
+    );
+    // Pending transfers per instance.
+    c.prepare_store(1, &range(&tokens(1, 1))).unwrap();
+    c.prepare_store(1, &range(&tokens(2, 1))).unwrap();
+    assert_eq!(
+        c.prepare_store(1, &range(&tokens(3, 1))).unwrap_err().kind,
+        ErrorKind::LimitExceeded
+    );
+    // Chunks per request.
+    assert_eq!(
+        c.prepare_store(2, &range(&tokens(4, 9))).unwrap_err().kind,
+        ErrorKind::LimitExceeded
+    );
+    // Lookup sessions.
+    let all = kvnode::client::ChunkRangeBuilder::all_ranks(MODEL, 1).tokens(&tokens(1, 1), CHUNK);
+    c.lookup("a", &all, 1).unwrap();
+    assert_eq!(
+        c.lookup("b", &all, 1).unwrap_err().kind,
+        ErrorKind::LimitExceeded
+    );
+    // A pool too small for one object of a layout.
+    let mut huge = reg(2);
+    huge.instance_id = 9;
+    huge.hidden_dim = 1 << 20;
+    let e = c.register(&huge).unwrap_err();
+    assert!(
+        matches!(e.kind, ErrorKind::OutOfMemory | ErrorKind::LimitExceeded),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let mut node = NodeProc::start("sigterm", &[]);
+    let mut c = node.client();
+    c.register(&reg(1)).unwrap();
+    let st = std::process::Command::new("kill")
+        .args(["-TERM", &node.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let code = node.child.wait().unwrap();
+    assert!(code.success(), "exit status {code}; log:\n{}", node.log());
+    assert!(!node.socket.exists(), "socket file removed on shutdown");
+}
+
+#[test]
+fn second_node_on_same_socket_is_refused() {
+    let node = NodeProc::start("twice", &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args([
+            "serve",
+            "--pool-size",
+            "8MiB",
+            "--socket",
+            node.socket.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
+    assert!(node.client().noop().is_ok(), "the first node keeps serving");
+}
