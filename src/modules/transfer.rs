@@ -177,36 +177,27 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
     })
 }
 
+/// Removes a prepared store of `inst`; a missing id is `NotRegistered` if the instance was
+/// released meanwhile (its transfers were handed back), else `UnknownTransfer`.
+fn take_pending_write(inst: &Instance, transfer_id: u64) -> Result<PendingWrite> {
+    let w = inst.pending.lock().writes.remove(&transfer_id);
+    w.ok_or_else(|| missing_transfer(inst, transfer_id))
+}
+
+fn count_ok<T, E>(results: &[std::result::Result<T, E>]) -> u32 {
+    results.iter().filter(|r| r.is_ok()).count() as u32
+}
+
 fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
-    let w = inst
-        .pending
-        .lock()
-        .writes
-        .remove(&transfer_id)
-        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
-    let published = ctx
-        .storage
-        .finish_write(&w.items)
-        .iter()
-        .filter(|r| r.is_ok())
-        .count() as u32;
+    let w = take_pending_write(inst, transfer_id)?;
+    let published = count_ok(&ctx.storage.finish_write(&w.items));
     ctx.storage.assert_consistent();
     Ok(Response::StoreCommitted { published })
 }
 
 fn abort_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
-    let w = inst
-        .pending
-        .lock()
-        .writes
-        .remove(&transfer_id)
-        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
-    let freed = ctx
-        .storage
-        .abort_write(&w.items)
-        .iter()
-        .filter(|r| r.is_ok())
-        .count() as u32;
+    let w = take_pending_write(inst, transfer_id)?;
+    let freed = count_ok(&ctx.storage.abort_write(&w.items));
     ctx.storage.assert_consistent();
     Ok(Response::StoreAborted { freed })
 }
@@ -262,20 +253,19 @@ fn prepare_retrieve(
 }
 
 fn commit_retrieve(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
-    let r = inst
-        .pending
-        .lock()
-        .reads
-        .remove(&transfer_id)
-        .ok_or_else(|| unknown_transfer(inst.id, transfer_id))?;
+    let r = inst.pending.lock().reads.remove(&transfer_id);
+    let r = r.ok_or_else(|| missing_transfer(inst, transfer_id))?;
     ctx.storage.finish_read(&r.keys, 0);
     ctx.storage.assert_consistent();
     Ok(Response::Ok)
 }
 
-fn unknown_transfer(instance: u64, transfer_id: u64) -> Error {
+fn missing_transfer(inst: &Instance, transfer_id: u64) -> Error {
+    if inst.is_released() {
+        return not_registered(inst.id);
+    }
     Error::new(
         ErrorKind::UnknownTransfer,
-        format!("instance {instance} has no pending transfer {transfer_id}"),
+        format!("instance {} has no pending transfer {transfer_id}", inst.id),
     )
 }

@@ -12,7 +12,7 @@ use super::dispatch;
 use crate::error::ErrorKind;
 use crate::modules::NodeContext;
 use crate::protocol::frame::{
-    decode_request, encode_response, read_frame, FrameError, PlainSource,
+    decode_request, encode_response, read_frame, FrameError, FrameSource, PlainSource,
 };
 use crate::protocol::Response;
 use crate::transport::uds::UdsReplySink;
@@ -34,7 +34,8 @@ pub fn refuse(mut stream: UnixStream, limit: usize) {
     }
 }
 
-/// Serves one connection until it closes or sends bytes that cannot be framed.
+/// Serves one Unix-socket connection: sets up its reply half, runs the frame loop, then releases
+/// the instances this connection registered.
 pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
     let write_half = match stream
         .try_clone()
@@ -47,7 +48,19 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         }
     };
     let sink: Arc<dyn ReplySink> = Arc::new(UdsReplySink::new(write_half, id));
-    let mut src = PlainSource(&stream);
+    serve_frames(ctx, &mut PlainSource(&stream), &sink);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// The transport-independent connection loop: read frames from `src`, validate, dispatch, answer
+/// through `sink`; on close, release at once the instances registered over this connection.
+/// Any transport (Unix socket now, TCP or RDMA later) runs its connections through this.
+pub fn serve_frames<S: FrameSource>(
+    ctx: &Arc<NodeContext>,
+    src: &mut S,
+    sink: &Arc<dyn ReplySink>,
+) {
+    let id = sink.connection_id();
     let mut payload = AlignedVec::<16>::new();
     let mut registered: Vec<u64> = Vec::new();
     tracing::debug!(connection = id, "client connected");
@@ -55,10 +68,10 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
         }
-        match read_frame(&mut src, &mut payload) {
+        match read_frame(src, &mut payload) {
             Ok(None) => break,
             Ok(Some((header, _))) => match decode_request(&header, &payload) {
-                Ok(req) => dispatch::dispatch(ctx, &sink, header.request_id, req, &mut registered),
+                Ok(req) => dispatch::dispatch(ctx, sink, header.request_id, req, &mut registered),
                 Err(e) => {
                     // Framing is intact (the header was valid), so answer and keep going.
                     tracing::warn!(connection = id, error = %e, "rejected request payload");
@@ -84,7 +97,6 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
             }
         }
     }
-    let _ = stream.shutdown(std::net::Shutdown::Both);
     for iid in registered {
         if let Some(inst) = ctx.instances.get(iid) {
             if inst.connection.load(Ordering::Relaxed) == id {
