@@ -1,7 +1,404 @@
-//! `kvnode-bench`: the load harness. Only a skeleton for now; the harness itself is tracked as
-//! issue 3 (HDR latencies, memcpy and socket baselines in the same run, PERFORMANCE.md).
+//! `kvnode-bench`: load-tests a kvnode through the public client library, as real engines would,
+//! and reports latency percentiles and goodput next to the machine's limits measured in the same
+//! run (memcpy bandwidth over the same page backing, a bare Unix-socket ping-pong).
+
+mod baseline;
+mod node;
+mod opcount;
+mod plot;
+mod report;
+mod stats;
+mod workload;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use workload::{Instance, InstanceResult, InstanceSpec, LayoutSpec, WorkloadKind};
+
+/// Command line. Scripts rely on these exact flag names.
+#[derive(Parser, Debug)]
+#[command(name = "kvnode-bench", version, about = "Load harness for kvnode")]
+pub struct Args {
+    /// Start a private `kvnode serve` on a temporary socket and stop it afterwards.
+    #[arg(long, conflicts_with = "socket")]
+    spawn: bool,
+    /// Pool size of the spawned node (e.g. 1GiB).
+    #[arg(long, default_value = "1GiB", requires = "spawn")]
+    pool_size: String,
+    /// Extra argument for the spawned node (repeatable), e.g. --node-arg=--workers --node-arg=2.
+    #[arg(long = "node-arg", allow_hyphen_values = true, requires = "spawn")]
+    node_args: Vec<String>,
+    /// The `kvnode` binary to spawn (default: next to this binary, else on PATH).
+    #[arg(long, requires = "spawn")]
+    node_bin: Option<PathBuf>,
+    /// Socket of a running node.
+    #[arg(long, required_unless_present = "spawn")]
+    socket: Option<PathBuf>,
+    /// Layout preset: tiny, qwen2.5-0.5b, llama3-8b (explicit flags override its fields).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Layers (overrides the preset).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Hidden size = kv heads x head dim (overrides the preset).
+    #[arg(long)]
+    hidden: Option<u32>,
+    /// PyTorch dtype name (overrides the preset).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Tokens per chunk (overrides the preset; a spawned node uses it as --chunk-size).
+    #[arg(long)]
+    chunk_tokens: Option<u32>,
+    /// Workload shape.
+    #[arg(long, value_enum, default_value = "store")]
+    workload: WorkloadKind,
+    /// Read probability of the mixed workload.
+    #[arg(long, default_value_t = 0.5)]
+    hit_ratio: f64,
+    /// Simulated engine instances.
+    #[arg(long, default_value_t = 1)]
+    instances: u32,
+    /// Run each instance in its own process instead of a thread.
+    #[arg(long)]
+    processes: bool,
+    /// Timed operations per instance.
+    #[arg(long, conflicts_with = "duration")]
+    ops: Option<u64>,
+    /// Timed seconds (default 5 when --ops is not given).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Untimed warm-up operations per instance.
+    #[arg(long, default_value_t = 10)]
+    warmup: u64,
+    /// Working set as a fraction of the pool (above 1 exercises eviction).
+    #[arg(long, default_value_t = 0.5)]
+    working_set: f64,
+    /// Chunks a multiturn turn appends.
+    #[arg(long, default_value_t = 2)]
+    turn_chunks: u32,
+    /// Turns per multiturn conversation.
+    #[arg(long, default_value_t = 4)]
+    turns: u32,
+    /// Seconds per direction for the memcpy baseline.
+    #[arg(long, default_value_t = 1.0)]
+    baseline_secs: f64,
+    /// Write every figure as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw latency curves and throughput as PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Do not verify retrieved bytes.
+    #[arg(long)]
+    no_verify: bool,
+}
 
 fn main() {
-    eprintln!("kvnode-bench: the load harness is not built yet (issue 3)");
-    std::process::exit(2);
+    let argv: Vec<String> = std::env::args().collect();
+    // Hidden roles used by the harness itself (child processes).
+    match argv.get(1).map(String::as_str) {
+        Some("__uds-echo") => {
+            let path = argv.get(2).map(PathBuf::from).unwrap_or_default();
+            if let Err(e) = baseline::uds_echo(&path) {
+                eprintln!("uds echo: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
+        Some("__instance") => {
+            std::process::exit(child_instance(argv.get(2).map_or("", String::as_str)))
+        }
+        Some("__opcount") => {
+            let n = argv.get(4).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let r = opcount::run(
+                argv.get(2).map_or("", String::as_str),
+                argv.get(3).map_or("", String::as_str),
+                n,
+            );
+            if let Err(e) = r {
+                eprintln!("opcount: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
+        _ => {}
+    }
+    let args = Args::parse();
+    match run(&args) {
+        Ok(ok) => std::process::exit(if ok { 0 } else { 1 }),
+        Err(e) => {
+            eprintln!("kvnode-bench: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn child_instance(spec_json: &str) -> i32 {
+    let spec: InstanceSpec = match serde_json::from_str(spec_json) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("bad instance spec: {e}");
+            return 2;
+        }
+    };
+    match Instance::connect(spec).and_then(|i| i.run(|_| {})) {
+        Ok(r) => {
+            println!("{}", report::instance_to_json(&r));
+            0
+        }
+        Err(e) => {
+            eprintln!("instance failed: {e}");
+            1
+        }
+    }
+}
+
+fn layout(args: &Args) -> Result<LayoutSpec, String> {
+    let mut l = LayoutSpec::preset(&args.preset).ok_or_else(|| {
+        format!(
+            "unknown preset {:?} (tiny, qwen2.5-0.5b, llama3-8b)",
+            args.preset
+        )
+    })?;
+    let custom = args.layers.is_some()
+        || args.hidden.is_some()
+        || args.dtype.is_some()
+        || args.chunk_tokens.is_some();
+    if let Some(v) = args.layers {
+        l.layers = v;
+    }
+    if let Some(v) = args.hidden {
+        l.hidden = v;
+    }
+    if let Some(v) = &args.dtype {
+        l.dtype = v.clone();
+    }
+    if let Some(v) = args.chunk_tokens {
+        l.chunk_tokens = v;
+    }
+    if custom {
+        l.name = format!("{}-custom", l.name);
+    }
+    l.item_bytes()
+        .ok_or_else(|| format!("unknown dtype {:?}", l.dtype))?;
+    Ok(l)
+}
+
+/// Runs the whole benchmark; returns whether every retrieved byte verified.
+fn run(args: &Args) -> Result<bool, String> {
+    if args.instances == 0 {
+        return Err("--instances must be at least 1".into());
+    }
+    if !(0.0..=1.0).contains(&args.hit_ratio) {
+        return Err("--hit-ratio must be within 0..=1".into());
+    }
+    let mut layout = layout(args)?;
+    let spawned = if args.spawn {
+        Some(node::SpawnedNode::start(
+            args.node_bin.as_deref(),
+            &args.pool_size,
+            layout.chunk_tokens,
+            &args.node_args,
+        )?)
+    } else {
+        None
+    };
+    let socket = match (&spawned, &args.socket) {
+        (Some(n), _) => n.socket.clone(),
+        (None, Some(s)) => s.clone(),
+        (None, None) => return Err("give --spawn or --socket PATH".into()),
+    };
+    let mut probe = kvnode::client::Client::connect(&socket).map_err(|e| e.to_string())?;
+    let node_chunk = probe.chunk_tokens().map_err(|e| e.to_string())?;
+    if node_chunk != layout.chunk_tokens {
+        eprintln!(
+            "note: the node uses {node_chunk}-token chunks; the layout follows it (preset said {})",
+            layout.chunk_tokens
+        );
+        layout.chunk_tokens = node_chunk;
+    }
+    let status = probe.status().map_err(|e| e.to_string())?;
+    let pool_bytes = status["capacity_bytes"].as_u64().unwrap_or(0);
+    let backing = status["pool_backing"].as_str().unwrap_or("4k").to_owned();
+    let chunk_bytes = layout.chunk_bytes();
+    let per_instance_ws =
+        ((pool_bytes as f64 * args.working_set) / chunk_bytes as f64 / f64::from(args.instances))
+            .floor()
+            .max(1.0) as u64;
+    let duration_ms = (args.duration.unwrap_or(5.0) * 1000.0) as u64;
+    let run_id = std::process::id() as u64;
+    let specs: Vec<InstanceSpec> = (0..args.instances)
+        .map(|i| InstanceSpec {
+            socket: socket.display().to_string(),
+            instance_id: (run_id << 16) | u64::from(i),
+            index: i,
+            layout: layout.clone(),
+            workload: args.workload,
+            hit_ratio: args.hit_ratio,
+            ops: args.ops,
+            duration_ms,
+            warmup: args.warmup,
+            working_set_chunks: match args.workload {
+                WorkloadKind::Multiturn => {
+                    (per_instance_ws / u64::from(args.turns * args.turn_chunks).max(1)).max(1)
+                }
+                _ => per_instance_ws,
+            },
+            turn_chunks: args.turn_chunks,
+            turns: args.turns,
+            verify: !args.no_verify,
+            seed: 0x5EED ^ (u64::from(i) << 32) ^ run_id,
+        })
+        .collect();
+    eprintln!(
+        "kvnode-bench: {} x {} ({} bytes/chunk), workload {:?}, pool {} MiB ({backing}), working set {} chunks/instance",
+        args.instances,
+        layout.name,
+        chunk_bytes,
+        args.workload,
+        pool_bytes >> 20,
+        specs[0].working_set_chunks
+    );
+    let wall = Instant::now();
+    let results = if args.processes {
+        run_processes(&specs)?
+    } else {
+        run_threads(&specs, args)?
+    };
+    let wall = wall.elapsed();
+    let node_status = probe.status().ok();
+    drop(probe);
+    // Baselines after the load so they do not compete with it.
+    let prefer = match backing.as_str() {
+        "hugetlb-1g" => kvnode_hw::PagePreference::Huge1G,
+        "hugetlb-2m" => kvnode_hw::PagePreference::Huge2M,
+        "thp" => kvnode_hw::PagePreference::Thp,
+        _ => kvnode_hw::PagePreference::Pages4K,
+    };
+    let bsecs = Duration::from_secs_f64(args.baseline_secs.max(0.05));
+    let cap = 512 << 20;
+    let memcpy_1 = baseline::memcpy_baseline(chunk_bytes, 1, prefer, bsecs, cap)?;
+    let memcpy_n = if args.instances > 1 {
+        baseline::memcpy_baseline(chunk_bytes, args.instances as usize, prefer, bsecs, cap)?
+    } else {
+        memcpy_1.clone()
+    };
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut echo = Command::new(exe);
+    echo.arg("__uds-echo");
+    let pingpong = baseline::uds_pingpong(echo, 20_000, 2_000)?;
+    drop(spawned);
+    let rep = report::Report::build(report::Inputs {
+        layout: &layout,
+        workload: args.workload,
+        hit_ratio: args.hit_ratio,
+        instances: args.instances,
+        processes: args.processes,
+        verify: !args.no_verify,
+        backing,
+        chunk_bytes,
+        results: &results,
+        wall,
+        memcpy_1,
+        memcpy_n,
+        pingpong,
+        node_status,
+    });
+    rep.print_table();
+    if let Some(p) = &args.json {
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&rep.json).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+    }
+    if let Some(p) = &args.plot {
+        rep.plot(p)?;
+    }
+    if rep.corrupt_chunks > 0 {
+        eprintln!(
+            "kvnode-bench: {} chunks read back with wrong bytes",
+            rep.corrupt_chunks
+        );
+    }
+    Ok(rep.verified || args.no_verify)
+}
+
+fn run_threads(specs: &[InstanceSpec], args: &Args) -> Result<Vec<InstanceResult>, String> {
+    let done = Arc::new(AtomicU64::new(0));
+    let total = args.ops.map(|o| o * specs.len() as u64);
+    let bar = if std::io::stderr().is_terminal() {
+        let b = match total {
+            Some(t) => indicatif::ProgressBar::new(t),
+            None => indicatif::ProgressBar::new_spinner(),
+        };
+        Some(b)
+    } else {
+        None
+    };
+    let handles: Vec<_> = specs
+        .iter()
+        .cloned()
+        .map(|spec| {
+            let done = done.clone();
+            std::thread::Builder::new()
+                .name(format!("bench-instance-{}", spec.index))
+                .spawn(move || {
+                    Instance::connect(spec).and_then(|i| {
+                        i.run(|_| {
+                            done.fetch_add(1, Ordering::Relaxed);
+                        })
+                    })
+                })
+                .map_err(|e| e.to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    while handles.iter().any(|h| !h.is_finished()) {
+        if let Some(b) = &bar {
+            b.set_position(done.load(Ordering::Relaxed));
+            b.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .map_err(|_| "instance thread panicked".to_string())?
+        })
+        .collect()
+}
+
+fn run_processes(specs: &[InstanceSpec]) -> Result<Vec<InstanceResult>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let children = specs
+        .iter()
+        .map(|s| {
+            Command::new(&exe)
+                .arg("__instance")
+                .arg(serde_json::to_string(s).map_err(|e| e.to_string())?)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| format!("spawning instance process: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().map_err(|e| e.to_string())?;
+            if !out.status.success() {
+                return Err(format!("instance process failed ({})", out.status));
+            }
+            report::instance_from_json(&String::from_utf8_lossy(&out.stdout))
+        })
+        .collect()
 }

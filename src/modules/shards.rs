@@ -74,6 +74,26 @@ impl ShardPool {
         Ok(())
     }
 
+    /// Runs `job` right here when its instance is idle (nothing queued, not running anywhere),
+    /// taking the instance's `scheduled` flag exactly as a shard would, so per-instance order is
+    /// kept; otherwise queues it. The fast path saves a thread wake-up per request.
+    pub fn run_or_submit(
+        &self,
+        ctx: &NodeContext,
+        inst: &Arc<Instance>,
+        job: Job,
+    ) -> Result<(), MailboxFull> {
+        if inst.mailbox.is_empty() && !inst.scheduled.swap(true, Ordering::SeqCst) {
+            super::transfer::execute(ctx, inst, job);
+            inst.scheduled.store(false, Ordering::SeqCst);
+            if !inst.mailbox.is_empty() {
+                self.schedule(inst);
+            }
+            return Ok(());
+        }
+        self.submit(inst, job)
+    }
+
     fn schedule(&self, inst: &Arc<Instance>) {
         // SeqCst pairs with the worker's store(false) + mailbox check: either the worker sees
         // our job, or we see the flag cleared and schedule (no lost wake-up).

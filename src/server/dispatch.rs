@@ -64,7 +64,7 @@ pub fn dispatch(
                 request: req,
                 reply: sink.clone(),
             };
-            if ctx.shards.submit(&inst, job).is_err() {
+            if ctx.shards.run_or_submit(ctx, &inst, job).is_err() {
                 let e = Error::limit(format!(
                     "instance {id} has {} requests queued (limit)",
                     ctx.config.limits.max_queued_per_instance

@@ -410,4 +410,6 @@ proptest! {
 
 /// Fails to compile the test suite unless strict assertions are on (memcheck after every transfer).
 #[cfg(not(feature = "strict-assertions"))]
-compile_error!("tests must be built with the strict-assertions feature (see the dev-dependency in Cargo.toml)");
+compile_error!(
+    "tests must be built with the strict-assertions feature (see the dev-dependency in Cargo.toml)"
+);
