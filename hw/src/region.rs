@@ -220,6 +220,23 @@ impl PoolRegion {
         }
     }
 
+    /// Maps every page of an existing shared pool into this process's page tables up front
+    /// (`MADV_POPULATE_WRITE` on pages that already exist only installs mappings; contents are
+    /// untouched), so the first copy into a slot does not pay one page fault per 4 KiB. Best
+    /// effort: on failure (old kernel, memory pressure) pages simply fault in on first use.
+    pub(crate) fn populate_existing(&self) {
+        loop {
+            match self.madvise(libc::MADV_POPULATE_WRITE) {
+                Ok(()) => return,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not pre-populate the pool mapping");
+                    return;
+                }
+            }
+        }
+    }
+
     /// Faults in every page of a freshly created mapping for writing.
     ///
     /// Uses `MADV_POPULATE_WRITE` (Linux >= 5.14), which reports allocation
@@ -298,6 +315,7 @@ impl PoolMapping {
             .ok_or_else(|| HwError::Invalid(format!("pool length {len} too large")))?;
         let align = (blk as usize).max(ALIGN_2M);
         let region = PoolRegion::map_shared(file.as_fd(), map_len as usize, align, len)?;
+        region.populate_existing();
         Ok(PoolMapping {
             region,
             fd: OwnedFd::from(file),

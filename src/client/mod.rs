@@ -27,7 +27,7 @@ use rkyv::util::AlignedVec;
 use crate::error::{Error, ErrorKind, Result};
 use crate::hashing::{chunk_hashes, ChunkHash};
 use crate::protocol::frame::{
-    decode_response, encode_request, read_frame, FrameError, FrameSource,
+    decode_response, encode_request, FrameError, FrameReader, FrameSource,
 };
 use crate::protocol::{
     ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireLayout, WireSlot,
@@ -124,6 +124,7 @@ pub struct Client {
     stream: UnixStream,
     next_id: u64,
     payload: AlignedVec<16>,
+    reader: FrameReader,
     pool: Option<PoolMapping>,
     registration: Option<RegisterReply>,
 }
@@ -146,6 +147,7 @@ impl Client {
             stream,
             next_id: 1,
             payload: AlignedVec::new(),
+            reader: FrameReader::default(),
             pool: None,
             registration: None,
         })
@@ -162,7 +164,9 @@ impl Client {
 
     /// Receives the next response: (request id, response, fd if one was attached).
     pub fn recv(&mut self) -> Result<(u64, Response, Option<OwnedFd>)> {
-        let (h, fd) = read_frame(&mut FdSource(&self.stream), &mut self.payload)
+        let (h, fd) = self
+            .reader
+            .read_frame(&mut FdSource(&self.stream), &mut self.payload)
             .map_err(frame_err)?
             .ok_or_else(|| Error::new(ErrorKind::Io, "node closed the connection"))?;
         let resp = decode_response(&self.payload).map_err(frame_err)?;

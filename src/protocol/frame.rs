@@ -214,46 +214,100 @@ impl<R: Read> FrameSource for PlainSource<R> {
     }
 }
 
-fn recv_exact<S: FrameSource>(
-    src: &mut S,
-    buf: &mut [u8],
-    fd: &mut Option<OwnedFd>,
-    at_start: bool,
-) -> Result<bool, FrameError> {
-    let mut got = 0;
-    while got < buf.len() {
-        match src.recv(&mut buf[got..]) {
-            Ok((0, _)) if got == 0 && at_start => return Ok(false),
-            Ok((0, _)) => return Err(FrameError::Truncated),
-            Ok((n, f)) => {
-                got += n;
-                if f.is_some() {
-                    *fd = f;
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(FrameError::Io(e.to_string())),
-        }
-    }
-    Ok(true)
+/// Bytes a [`FrameReader`] asks the transport for at once: small frames (every control request)
+/// arrive in one system call together with their header, and pipelined frames share one.
+pub const READ_BUFFER_BYTES: usize = 64 << 10;
+
+/// Reads frames from a byte stream with one buffered receive per burst of small frames instead
+/// of one per header and one per payload. Invariant: `buf[start..end]` holds received bytes not
+/// yet returned; any fd that arrived is handed out with the next frame.
+pub struct FrameReader {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    fd: Option<OwnedFd>,
 }
 
-/// Reads one frame: validates the header, reads the payload into `payload` (reused, aligned).
-/// Returns `Ok(None)` on a clean end of stream between frames.
-pub fn read_frame<S: FrameSource>(
-    src: &mut S,
-    payload: &mut AlignedVec<16>,
-) -> Result<Option<(FrameHeader, Option<OwnedFd>)>, FrameError> {
-    let mut hb = [0u8; HEADER_BYTES];
-    let mut fd = None;
-    if !recv_exact(src, &mut hb, &mut fd, true)? {
-        return Ok(None);
+impl Default for FrameReader {
+    fn default() -> Self {
+        FrameReader {
+            buf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            fd: None,
+        }
     }
-    let h = FrameHeader::decode(&hb)?;
-    payload.clear();
-    payload.resize(h.payload_len as usize, 0);
-    recv_exact(src, payload.as_mut_slice(), &mut fd, false)?;
-    Ok(Some((h, fd)))
+}
+
+impl FrameReader {
+    /// Receives more bytes into the buffer; Ok(0) at end of stream.
+    fn fill<S: FrameSource>(&mut self, src: &mut S) -> Result<usize, FrameError> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        loop {
+            match src.recv(&mut self.buf[self.end..]) {
+                Ok((n, fd)) => {
+                    if fd.is_some() {
+                        self.fd = fd;
+                    }
+                    self.end += n;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FrameError::Io(e.to_string())),
+            }
+        }
+    }
+
+    /// Reads one frame: validates the header, copies the payload into `payload` (reused,
+    /// 16-byte aligned). Returns `Ok(None)` on a clean end of stream between frames.
+    pub fn read_frame<S: FrameSource>(
+        &mut self,
+        src: &mut S,
+        payload: &mut AlignedVec<16>,
+    ) -> Result<Option<(FrameHeader, Option<OwnedFd>)>, FrameError> {
+        while self.end - self.start < HEADER_BYTES {
+            if self.fill(src)? == 0 {
+                return if self.end == self.start {
+                    Ok(None)
+                } else {
+                    Err(FrameError::Truncated)
+                };
+            }
+        }
+        let hb: &[u8; HEADER_BYTES] = self.buf[self.start..self.start + HEADER_BYTES]
+            .try_into()
+            .expect("header length");
+        let h = FrameHeader::decode(hb)?;
+        self.start += HEADER_BYTES;
+        let len = h.payload_len as usize;
+        let buffered = (self.end - self.start).min(len);
+        payload.clear();
+        payload.extend_from_slice(&self.buf[self.start..self.start + buffered]);
+        self.start += buffered;
+        if payload.len() < len {
+            // A large payload: receive the rest straight into its final place.
+            let mut got = payload.len();
+            payload.resize(len, 0);
+            while got < len {
+                match src.recv(&mut payload.as_mut_slice()[got..]) {
+                    Ok((0, _)) => return Err(FrameError::Truncated),
+                    Ok((n, fd)) => {
+                        got += n;
+                        if fd.is_some() {
+                            self.fd = fd;
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(FrameError::Io(e.to_string())),
+                }
+            }
+        }
+        Ok(Some((h, self.fd.take())))
+    }
 }
 
 #[cfg(test)]
@@ -278,7 +332,7 @@ mod tests {
     fn read_all(bytes: &[u8]) -> Result<Option<Request>, FrameError> {
         let mut src = PlainSource(bytes);
         let mut buf = AlignedVec::new();
-        match read_frame(&mut src, &mut buf)? {
+        match FrameReader::default().read_frame(&mut src, &mut buf)? {
             None => Ok(None),
             Some((h, _)) => decode_request(&h, &buf).map(Some),
         }
@@ -295,6 +349,50 @@ mod tests {
         let mut p = AlignedVec::<16>::new();
         p.extend_from_slice(&f[32..]);
         assert_eq!(decode_response(&p).unwrap(), r);
+    }
+
+    #[test]
+    fn buffered_reader_splits_pipelined_and_large_frames() {
+        // Several small frames in one burst, then one frame larger than the read buffer.
+        let mut bytes = Vec::new();
+        for id in 0..5 {
+            bytes.extend(encode_request(id, &sample()).unwrap());
+        }
+        let big = Request::Lookup {
+            request_id: "big".into(),
+            range: ChunkRange {
+                model: "m".into(),
+                world_size: 1,
+                worker_id: None,
+                cache_salt: String::new(),
+                first_chunk: 0,
+                chunk_hashes: vec![[9; 32]; 10_000],
+            },
+            tp_size: 1,
+        };
+        bytes.extend(encode_request(99, &big).unwrap());
+        // Deliver in odd-sized pieces to exercise every boundary.
+        struct Trickle<'a>(&'a [u8], usize);
+        impl FrameSource for Trickle<'_> {
+            fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+                let n = buf.len().min(self.1).min(self.0.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                self.1 = self.1 % 97 + 13;
+                Ok((n, None))
+            }
+        }
+        let mut src = Trickle(&bytes, 7);
+        let mut r = FrameReader::default();
+        let mut p = AlignedVec::new();
+        for id in 0..5 {
+            let (h, _) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+            assert_eq!(h.request_id, id);
+            assert_eq!(decode_request(&h, &p).unwrap(), sample());
+        }
+        let (h, _) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+        assert_eq!(decode_request(&h, &p).unwrap(), big);
+        assert!(r.read_frame(&mut src, &mut p).unwrap().is_none());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::dispatch;
 use crate::error::ErrorKind;
 use crate::modules::NodeContext;
 use crate::protocol::frame::{
-    decode_request, encode_response, read_frame, FrameError, FrameSource, PlainSource,
+    decode_request, encode_response, FrameError, FrameReader, FrameSource, PlainSource,
 };
 use crate::protocol::Response;
 use crate::transport::uds::UdsReplySink;
@@ -62,13 +62,14 @@ pub fn serve_frames<S: FrameSource>(
 ) {
     let id = sink.connection_id();
     let mut payload = AlignedVec::<16>::new();
+    let mut reader = FrameReader::default();
     let mut registered: Vec<u64> = Vec::new();
     tracing::debug!(connection = id, "client connected");
     loop {
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
         }
-        match read_frame(src, &mut payload) {
+        match reader.read_frame(src, &mut payload) {
             Ok(None) => break,
             Ok(Some((header, _))) => match decode_request(&header, &payload) {
                 Ok(req) => dispatch::dispatch(ctx, sink, header.request_id, req, &mut registered),
