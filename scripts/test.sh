@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up and runs the whole test suite: unit tests (state machines, allocator,
 # timer wheel, hashing vectors, frame validation, proptests), hw tests (pool backings, fd
-# passing), and integration tests that start the real kvnode binary and client processes.
+# passing), integration tests that start the real kvnode binary and client processes, and a
+# smoke run of the load harness (kvnode-bench --spawn, tiny preset, few ops, every workload;
+# bench/tests/smoke.rs asserts `verified` and every documented JSON field).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVNODE_HUGEPAGES=${KVNODE_HUGEPAGES:-256} bash scripts/setup.sh
