@@ -205,7 +205,7 @@ impl NodeContext {
                 && existing.layout == layout;
             if same && !existing.is_released() {
                 existing.touch(now);
-                existing.connection.store(connection, Ordering::Relaxed);
+                existing.attach(connection);
                 return Ok(existing);
             }
             tracing::info!(
@@ -224,7 +224,7 @@ impl NodeContext {
             layout: layout.clone(),
             namespace,
             shard: self.shards.shard_for(req.instance_id),
-            connection: AtomicU64::new(connection),
+            connections: Mutex::new(vec![connection]),
             last_seen_ms: AtomicU64::new(now),
             pinged: AtomicBool::new(false),
             released: AtomicBool::new(false),

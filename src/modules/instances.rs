@@ -65,8 +65,10 @@ pub struct Instance {
     pub namespace: NamespaceId,
     /// Index of the worker shard that runs this instance's requests.
     pub shard: usize,
-    /// Connection that registered (or last re-registered) it.
-    pub connection: AtomicU64,
+    /// Connections that registered it and are still open. When the last one closes, the
+    /// instance is released at once (a dead local engine is detected without waiting for the
+    /// reaper); a connection that only sends requests does not keep it alive.
+    pub connections: Mutex<Vec<u64>>,
     /// Node-clock millisecond of the last request.
     pub last_seen_ms: AtomicU64,
     /// Whether it has ever sent PING (decides reap timeout vs registration grace).
@@ -93,6 +95,26 @@ impl Instance {
         self.pinged.store(true, Ordering::Relaxed);
     }
 
+    /// Adds a registering connection (idempotent; at most [`MAX_CONNECTIONS_PER_INSTANCE`]
+    /// are remembered, the oldest is forgotten beyond that).
+    pub fn attach(&self, connection: u64) {
+        let mut c = self.connections.lock();
+        if !c.contains(&connection) {
+            if c.len() >= MAX_CONNECTIONS_PER_INSTANCE {
+                c.remove(0);
+            }
+            c.push(connection);
+        }
+    }
+
+    /// Removes a closed connection; true when it was the last one that registered the instance.
+    pub fn detach(&self, connection: u64) -> bool {
+        let mut c = self.connections.lock();
+        let before = c.len();
+        c.retain(|&x| x != connection);
+        before != c.len() && c.is_empty()
+    }
+
     /// Whether the instance is gone.
     pub fn is_released(&self) -> bool {
         self.released.load(Ordering::Acquire)
@@ -100,6 +122,9 @@ impl Instance {
 }
 
 const TABLE_SHARDS: usize = 16;
+
+/// Registering connections remembered per instance.
+pub const MAX_CONNECTIONS_PER_INSTANCE: usize = 64;
 
 /// The instance table is at its limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -100,7 +100,7 @@ pub fn serve_frames<S: FrameSource>(
     }
     for iid in registered {
         if let Some(inst) = ctx.instances.get(iid) {
-            if inst.connection.load(Ordering::Relaxed) == id {
+            if inst.detach(id) {
                 ctx.counters.disconnected.fetch_add(1, Ordering::Relaxed);
                 ctx.release(&inst, "disconnected");
             }

@@ -413,3 +413,82 @@ proptest! {
 compile_error!(
     "tests must be built with the strict-assertions feature (see the dev-dependency in Cargo.toml)"
 );
+
+/// Many threads hammer overlapping keys with every operation; afterwards everything is released
+/// and the books must balance exactly (no leaked bytes, no stray locks, memcheck clean).
+#[test]
+fn concurrent_operations_keep_the_books_balanced() {
+    use std::sync::Arc;
+    let c = Arc::new(core(32 * MIB));
+    let threads: Vec<_> = (0..6u32)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let mut x = 0x9E37_79B9u64 ^ u64::from(t);
+                let mut rnd = move |n: u32| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % u64::from(n)) as u32
+                };
+                for _ in 0..20_000 {
+                    let keys: Vec<_> = (0..1 + rnd(4)).map(|_| key(rnd(64))).collect();
+                    match rnd(10) {
+                        0..=3 => {
+                            let items: Vec<_> = keys
+                                .iter()
+                                .copied()
+                                .zip(c.reserve_write(&keys, 256 * 1024, false))
+                                .filter_map(|(k, r)| r.ok().map(|g| (k, g)))
+                                .collect();
+                            if rnd(4) == 0 {
+                                c.abort_write(&items);
+                            } else {
+                                c.finish_write(&items);
+                            }
+                        }
+                        4..=6 => {
+                            let extra = rnd(3);
+                            let locked: Vec<_> = keys
+                                .iter()
+                                .copied()
+                                .zip(c.reserve_read(&keys, extra))
+                                .filter_map(|(k, r)| r.ok().map(|g| (k, g.lease)))
+                                .collect();
+                            // Release exactly what was taken: 1 + extra per key.
+                            for r in c.finish_read(&locked, extra) {
+                                assert!(r.is_ok(), "own locks always release: {r:?}");
+                            }
+                        }
+                        7 => {
+                            c.touch(&keys);
+                        }
+                        8 => {
+                            c.evict_to_watermark();
+                        }
+                        _ => {
+                            if rnd(50) == 0 {
+                                c.clear();
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let r = c.memcheck();
+    assert!(r.ok, "{:?}", r.problems);
+    let counts = c.counts();
+    assert_eq!(
+        counts.write_reserved, 0,
+        "every reservation was committed or aborted"
+    );
+    assert_eq!(counts.read_locked, 0, "every lock was released: {counts:?}");
+    assert_eq!(counts.doomed, 0);
+    c.clear();
+    assert_eq!(c.used_bytes(), 0);
+    assert!(c.memcheck().ok);
+}

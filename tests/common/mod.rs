@@ -146,7 +146,9 @@ pub fn range(tokens: &[u32]) -> ChunkRange {
 
 /// Tokens for `chunks` chunks of conversation `conv`.
 pub fn tokens(conv: u32, chunks: u32) -> Vec<u32> {
-    (0..chunks * CHUNK).map(|i| conv * 1_000_000 + i).collect()
+    (0..chunks * CHUNK)
+        .map(|i| conv.wrapping_mul(1_000_003).wrapping_add(i))
+        .collect()
 }
 
 /// A deterministic chunk payload derived from its hash (so any reader can verify it).
