@@ -176,7 +176,7 @@ fn lookup_locks_prefix_and_retrieve_consumes_them() {
     assert_eq!(num(&node.status(), &["objects", "read_locked"]), 3);
     // A retrieve relying on the lookup's locks takes no new lock and releases one on commit.
     let p = c
-        .prepare_retrieve(1, &stored, true)
+        .prepare_retrieve(1, &stored, Some("req-1"))
         .unwrap()
         .expect("locked prefix hits");
     let mut buf = vec![0u8; len];
@@ -188,7 +188,12 @@ fn lookup_locks_prefix_and_retrieve_consumes_them() {
     c.commit_retrieve(1, p.transfer_id).unwrap();
     assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
     // Without lookup locks, a lock-relying retrieve misses.
-    assert!(c.prepare_retrieve(1, &stored, true).unwrap().is_none());
+    assert!(c
+        .prepare_retrieve(1, &stored, Some("req-1"))
+        .unwrap()
+        .is_none());
+    // The retrieve used up req-1's locks: freeing its session releases nothing more.
+    c.free_lookup_locks("req-1", 0, 100).unwrap();
     // Lookup again, then free the locks (clipped to the 3-chunk hit, each chunk once).
     assert_eq!(c.lookup("req-2", &all_ranks, 1).unwrap(), 3);
     c.free_lookup_locks("req-2", 1, 100).unwrap();
@@ -201,11 +206,33 @@ fn lookup_locks_prefix_and_retrieve_consumes_them() {
     // MLA multi-reader: tp 4 over world 1 takes 4 locks per key; four single releases free it.
     assert_eq!(c.lookup("req-3", &all_ranks, 4).unwrap(), 3);
     for _ in 0..4 {
-        let p = c.prepare_retrieve(1, &stored, true).unwrap().unwrap();
+        let p = c
+            .prepare_retrieve(1, &stored, Some("req-3"))
+            .unwrap()
+            .unwrap();
         c.commit_retrieve(1, p.transfer_id).unwrap();
     }
     assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
     c.end_session("req-3").unwrap();
+    // A session whose locks a retrieve used up cannot release another session's lock.
+    assert_eq!(c.lookup("A", &all_ranks, 1).unwrap(), 3);
+    let p = c.prepare_retrieve(1, &stored, Some("A")).unwrap().unwrap();
+    c.commit_retrieve(1, p.transfer_id).unwrap();
+    assert_eq!(c.lookup("B", &all_ranks, 1).unwrap(), 3);
+    c.free_lookup_locks("A", 0, 3).unwrap();
+    assert_eq!(
+        num(&node.status(), &["objects", "read_locked"]),
+        3,
+        "B still holds its locks"
+    );
+    let p = c
+        .prepare_retrieve(1, &stored, Some("B"))
+        .unwrap()
+        .expect("B's locks intact");
+    c.commit_retrieve(1, p.transfer_id).unwrap();
+    assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
+    c.end_session("A").unwrap();
+    c.end_session("B").unwrap();
     c.end_session("never-existed").unwrap();
     assert_eq!(
         num(&node.status(), &["sessions"]),
@@ -310,7 +337,7 @@ fn pipelined_requests_are_answered_by_id() {
             _ => Request::PrepareRetrieve {
                 instance_id: 1,
                 range: r.clone(),
-                use_lookup_locks: false,
+                lookup_session: None,
             },
         };
         ids.push(c.send(&req).unwrap());

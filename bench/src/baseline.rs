@@ -78,10 +78,10 @@ enum Direction {
 ///
 /// Each thread's slice is `max(chunk_bytes * 4, 64 MiB)`, capped so that the
 /// requested pool (`threads` slices) stays within `max_pool_bytes`, then
-/// rounded down to a whole number of chunks; the private buffer has the same
-/// size (so total memory is about twice the pool). Threads cycle over the
-/// chunk slots of their slice on both sides, so this is not a cache
-/// benchmark. Note that a pool that ends up on 1 GiB hugetlb pages is
+/// rounded down to a whole number of chunks. The private side is one reused
+/// chunk (an engine's staging buffer) and the pool side cycles over the chunk
+/// slots of the slice: the access pattern of the harness's own stores and
+/// retrieves, so the ratio between them compares like with like. Note that a pool that ends up on 1 GiB hugetlb pages is
 /// rounded up to whole GiB by the hw crate (those pages are reserved memory
 /// anyway); [`MemcpyBaseline::pool_bytes`] reports the real size.
 ///
@@ -230,7 +230,9 @@ fn copy_thread(
 ) -> Result<[Vec<f64>; 2], String> {
     // vec! with a non-zero byte writes every byte: the buffer is faulted in
     // here, by the thread that uses it (first-touch NUMA placement).
-    let mut private = vec![0xA5u8; plan.slice];
+    // One reused private chunk, as an engine copies from (or into) one staging buffer while the
+    // pool side cycles over slots: the same access pattern as the harness's store and retrieve.
+    let mut private = vec![0xA5u8; plan.chunk];
     let mut out = [vec![0.0f64; plan.windows], vec![0.0f64; plan.windows]];
     // Every thread must reach every barrier, even after an error, or the
     // others would wait forever: the first error is kept, not returned early.
@@ -273,7 +275,7 @@ fn run_phase(
     loop {
         for _ in 0..plan.batch_ops {
             let off = slot * plan.chunk;
-            let buf = &mut private[off..off + plan.chunk];
+            let buf = &mut private[..plan.chunk];
             let pool_off = base + off as u64;
             match dir {
                 Direction::Write => region.write_at(pool_off, buf),

@@ -146,7 +146,13 @@ fn child_instance(spec_json: &str) -> i32 {
             return 2;
         }
     };
-    match Instance::connect(spec).and_then(|i| i.run(|_| {})) {
+    // Start barrier across processes: say READY on stdout, wait for GO on stdin.
+    let ready = || {
+        println!("READY");
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    };
+    match Instance::connect(spec).and_then(|i| i.run(ready, |_| {})) {
         Ok(r) => {
             println!("{}", report::instance_to_json(&r));
             0
@@ -341,19 +347,32 @@ fn run_threads(specs: &[InstanceSpec], args: &Args) -> Result<Vec<InstanceResult
     } else {
         None
     };
+    let barrier = Arc::new(std::sync::Barrier::new(specs.len()));
     let handles: Vec<_> = specs
         .iter()
         .cloned()
         .map(|spec| {
             let done = done.clone();
+            let barrier = barrier.clone();
             std::thread::Builder::new()
                 .name(format!("bench-instance-{}", spec.index))
                 .spawn(move || {
-                    Instance::connect(spec).and_then(|i| {
-                        i.run(|_| {
-                            done.fetch_add(1, Ordering::Relaxed);
-                        })
-                    })
+                    // A failed connect must still reach the barrier, or the others wait forever.
+                    let inst = Instance::connect(spec);
+                    match inst {
+                        Ok(i) => i.run(
+                            || {
+                                barrier.wait();
+                            },
+                            |_| {
+                                done.fetch_add(1, Ordering::Relaxed);
+                            },
+                        ),
+                        Err(e) => {
+                            barrier.wait();
+                            Err(e)
+                        }
+                    }
                 })
                 .map_err(|e| e.to_string())
         })
@@ -378,27 +397,50 @@ fn run_threads(specs: &[InstanceSpec], args: &Args) -> Result<Vec<InstanceResult
 }
 
 fn run_processes(specs: &[InstanceSpec]) -> Result<Vec<InstanceResult>, String> {
+    use std::io::{BufRead, BufReader, Read, Write};
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let children = specs
+    let mut children = specs
         .iter()
         .map(|s| {
             Command::new(&exe)
                 .arg("__instance")
                 .arg(serde_json::to_string(s).map_err(|e| e.to_string())?)
+                .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
                 .map_err(|e| format!("spawning instance process: {e}"))
         })
         .collect::<Result<Vec<_>, String>>()?;
+    // Start barrier: wait until every child has filled and warmed up, then release them together.
+    let mut readers = Vec::new();
+    for c in &mut children {
+        let mut r = BufReader::new(c.stdout.take().ok_or("no child stdout")?);
+        let mut line = String::new();
+        while !line.starts_with("READY") {
+            line.clear();
+            if r.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+                break; // the child failed before the barrier; its exit status says why
+            }
+        }
+        readers.push(r);
+    }
+    for c in &mut children {
+        if let Some(mut stdin) = c.stdin.take() {
+            let _ = stdin.write_all(b"GO\n");
+        }
+    }
     children
         .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().map_err(|e| e.to_string())?;
-            if !out.status.success() {
-                return Err(format!("instance process failed ({})", out.status));
+        .zip(readers)
+        .map(|(mut c, mut r)| {
+            let mut out = String::new();
+            r.read_to_string(&mut out).map_err(|e| e.to_string())?;
+            let status = c.wait().map_err(|e| e.to_string())?;
+            if !status.success() {
+                return Err(format!("instance process failed ({status})"));
             }
-            report::instance_from_json(&String::from_utf8_lossy(&out.stdout))
+            report::instance_from_json(&out)
         })
         .collect()
 }

@@ -50,7 +50,7 @@ pub fn run(socket: &str, op: &str, n: u64) -> Result<(), String> {
             }
             "retrieve" => {
                 let p = c
-                    .prepare_retrieve(id, &stored, false)
+                    .prepare_retrieve(id, &stored, None)
                     .map_err(|e| e.to_string())?
                     .ok_or("stored chunk missed")?;
                 c.commit_retrieve(id, p.transfer_id)

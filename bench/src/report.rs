@@ -22,6 +22,7 @@ pub fn instance_to_json(r: &InstanceResult) -> String {
         "verified_chunks": r.verified_chunks,
         "corrupt_chunks": r.corrupt_chunks,
         "elapsed_ns": r.elapsed.as_nanos() as u64,
+        "verify_ns": r.verify_time.as_nanos() as u64,
     })
     .to_string()
 }
@@ -49,6 +50,7 @@ pub fn instance_from_json(text: &str) -> Result<InstanceResult, String> {
         verified_chunks: n("verified_chunks")?,
         corrupt_chunks: n("corrupt_chunks")?,
         elapsed: Duration::from_nanos(n("elapsed_ns")?),
+        verify_time: Duration::from_nanos(n("verify_ns")?),
     })
 }
 
@@ -121,18 +123,22 @@ impl Report {
         }
         let sum = |f: fn(&InstanceResult) -> u64| i.results.iter().map(f).sum::<u64>();
         let ops = sum(|r| r.ops);
-        // Throughput over the longest instance's timed phase (instances run concurrently).
+        // Throughput over the real wall time of the timed phase: all instances start together
+        // (barrier), so this is the longest instance's timed phase. Verification time is
+        // included (the harness's own work): use --no-verify for pure goodput.
         let elapsed = i
             .results
             .iter()
             .map(|r| r.elapsed)
             .max()
             .unwrap_or_default();
+        let verify_s: f64 = i.results.iter().map(|r| r.verify_time.as_secs_f64()).sum();
         let store_gbps = gbps(sum(|r| r.stored_bytes), elapsed);
         let retrieve_gbps = gbps(sum(|r| r.retrieved_bytes), elapsed);
         let corrupt = sum(|r| r.corrupt_chunks);
         let verified_chunks = sum(|r| r.verified_chunks);
-        let verified = i.verify && corrupt == 0 && verified_chunks > 0;
+        // Every instance must have checked something, and nothing may differ.
+        let verified = i.verify && corrupt == 0 && i.results.iter().all(|r| r.verified_chunks > 0);
         let per_instance: Vec<f64> = i
             .results
             .iter()
@@ -177,6 +183,7 @@ impl Report {
             "hits": sum(|r| r.hits),
             "misses": sum(|r| r.misses),
             "verified_chunks": verified_chunks,
+            "verify_share": ratio(verify_s, elapsed.as_secs_f64() * i.results.len() as f64),
             "corrupt_chunks": corrupt,
             "per_instance_ops_per_sec": per_instance,
             "fairness_min_over_mean": ratio(min, mean),

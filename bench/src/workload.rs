@@ -127,8 +127,10 @@ pub struct InstanceResult {
     pub verified_chunks: u64,
     /// Chunks whose bytes differed (must be 0).
     pub corrupt_chunks: u64,
-    /// Wall time of the timed phase, excluding the harness's own byte verification.
+    /// Wall time of the timed phase (all instances start it together).
     pub elapsed: Duration,
+    /// Part of `elapsed` spent verifying bytes (the harness's work, not the engine's).
+    pub verify_time: Duration,
 }
 
 /// Chunks re-read and verified after the timed phase (so every workload proves its data).
@@ -286,7 +288,7 @@ impl Instance {
         &mut self,
         first: u32,
         hashes: &[ChunkHash],
-        use_lookup_locks: bool,
+        lookup_session: Option<&str>,
     ) -> Result<bool, String> {
         let id = self.spec.instance_id;
         let range = self.range(first, hashes.to_vec());
@@ -294,13 +296,20 @@ impl Instance {
         let t0 = Instant::now();
         let p = self
             .client
-            .prepare_retrieve(id, &range, use_lookup_locks)
+            .prepare_retrieve(id, &range, lookup_session)
             .map_err(|e| format!("prepare_retrieve: {e}"))?;
         self.record(Op::PrepareRetrieve, t0);
         let Some(p) = p else {
             self.result.misses += u64::from(self.timing);
             return Ok(false);
         };
+        if p.slots.len() != hashes.len() {
+            return Err(format!(
+                "retrieve hit with {} slots for {} chunks",
+                p.slots.len(),
+                hashes.len()
+            ));
+        }
         let pool = self.client.pool().ok_or("no pool mapped")?;
         let mut bad = 0;
         let mut checked = 0;
@@ -368,13 +377,13 @@ impl Instance {
             WorkloadKind::Retrieve => {
                 let i = self.rng.below(self.stored.len() as u64) as usize;
                 let h = [self.stored[i]];
-                self.retrieve(0, &h, false).map(drop)
+                self.retrieve(0, &h, None).map(drop)
             }
             WorkloadKind::Mixed => {
                 if !self.stored.is_empty() && self.rng.chance(self.spec.hit_ratio) {
                     let i = self.rng.below(self.stored.len() as u64) as usize;
                     let h = [self.stored[i]];
-                    self.retrieve(0, &h, false).map(drop)
+                    self.retrieve(0, &h, None).map(drop)
                 } else {
                     let h = self.new_conversation(1);
                     self.store(0, &h)?;
@@ -413,7 +422,7 @@ impl Instance {
             .map_err(|e| format!("lookup: {e}"))?;
         self.record(Op::Lookup, t);
         let hit = hit.min(chunks);
-        if hit > 0 && !self.retrieve(0, &hashes[..hit as usize], true)? {
+        if hit > 0 && !self.retrieve(0, &hashes[..hit as usize], Some(&req))? {
             // Evicted between lookup and retrieve cannot happen (locks); a miss here is a bug.
             return Err("retrieve of a locked prefix missed".into());
         }
@@ -430,8 +439,13 @@ impl Instance {
         Ok(())
     }
 
-    /// Runs warm-up and the timed phase; `progress` is called after every timed op.
-    pub fn run(mut self, mut progress: impl FnMut(u64)) -> Result<InstanceResult, String> {
+    /// Runs warm-up, waits in `ready` (the start barrier shared by all instances), then the timed
+    /// phase; `progress` is called after every timed op.
+    pub fn run(
+        mut self,
+        ready: impl FnOnce(),
+        mut progress: impl FnMut(u64),
+    ) -> Result<InstanceResult, String> {
         if matches!(
             self.spec.workload,
             WorkloadKind::Retrieve | WorkloadKind::Mixed
@@ -441,6 +455,7 @@ impl Instance {
         for n in 0..self.spec.warmup {
             self.one_op(n)?;
         }
+        ready();
         self.timing = true;
         self.verify_time = Duration::ZERO;
         let start = Instant::now();
@@ -456,14 +471,15 @@ impl Instance {
             n += 1;
             progress(n);
         }
-        self.result.elapsed = start.elapsed().saturating_sub(self.verify_time);
+        self.result.elapsed = start.elapsed();
+        self.result.verify_time = self.verify_time;
         self.result.ops = n;
         self.timing = false;
         if self.spec.verify {
             // Read back what this instance wrote last (whatever was not evicted), untimed.
             let recent: Vec<ChunkHash> = self.recent.iter().copied().collect();
             for h in recent {
-                self.retrieve(0, &[h], false)?;
+                self.retrieve(0, &[h], None)?;
             }
         }
         let _ = self.client.unregister(self.spec.instance_id);

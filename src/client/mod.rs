@@ -349,17 +349,18 @@ impl Client {
         }
     }
 
-    /// PREPARE_RETRIEVE: slots for every chunk, or `None` on a (whole-request) miss.
+    /// PREPARE_RETRIEVE: slots for every chunk, or `None` on a (whole-request) miss. With
+    /// `lookup_session`, relies on the read locks that LOOKUP of that request id took.
     pub fn prepare_retrieve(
         &mut self,
         instance_id: u64,
         range: &ChunkRange,
-        use_lookup_locks: bool,
+        lookup_session: Option<&str>,
     ) -> Result<Option<RetrievePrepared>> {
         match self.call(&Request::PrepareRetrieve {
             instance_id,
             range: range.clone(),
-            use_lookup_locks,
+            lookup_session: lookup_session.map(str::to_owned),
         })? {
             Response::RetrievePrepared {
                 hit,
@@ -481,7 +482,7 @@ impl Client {
         instance_id: u64,
         range: &ChunkRange,
     ) -> Result<Option<Vec<Vec<u8>>>> {
-        let Some(p) = self.prepare_retrieve(instance_id, range, false)? else {
+        let Some(p) = self.prepare_retrieve(instance_id, range, None)? else {
             return Ok(None);
         };
         let out: Result<Vec<Vec<u8>>> = p

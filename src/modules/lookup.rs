@@ -25,16 +25,25 @@ pub fn extra_readers(tp_size: u32, world_size: u32) -> u32 {
     }
 }
 
-/// What a lookup remembers for its request. Invariant: each `locked[c]` that is `Some` holds
-/// `1 + extra` read locks per rank taken by this session (with the lease of each lock), and
-/// `locked.len()` is the hit length in chunks.
+/// One key's share of a lookup's read locks.
+#[derive(Debug, Clone, Copy)]
+struct HeldLock {
+    key: StorageKey,
+    lease: u64,
+    /// Locks this session still holds on the key (starts at `1 + extra`; each retrieve that
+    /// relies on the session uses one up; FREE_LOOKUP_LOCKS releases the rest).
+    remaining: u32,
+}
+
+/// What a lookup remembers for its request. Invariant: `locked.len()` is the hit length in
+/// chunks, and every `HeldLock` with `remaining > 0` is backed by that many read locks taken by
+/// this session and not yet released by anyone.
 #[derive(Debug, Clone)]
 pub struct Session {
     namespace: NamespaceId,
     world_size: u32,
     hashes: Vec<ChunkHash>,
-    locked: Vec<Option<Vec<(StorageKey, u64)>>>,
-    extra: u32,
+    locked: Vec<Vec<HeldLock>>,
     last_used_ms: u64,
 }
 
@@ -173,8 +182,19 @@ pub fn lookup(
             namespace,
             world_size: range.world_size,
             hashes: range.chunk_hashes.clone(),
-            locked: locked.into_iter().map(Some).collect(),
-            extra,
+            locked: locked
+                .into_iter()
+                .map(|chunk| {
+                    chunk
+                        .into_iter()
+                        .map(|(key, lease)| HeldLock {
+                            key,
+                            lease,
+                            remaining: 1 + extra,
+                        })
+                        .collect()
+                })
+                .collect(),
             last_used_ms: ctx.now_ms(),
         },
     );
@@ -195,12 +215,43 @@ pub fn free_lookup_locks(
     };
     s.last_used_ms = ctx.now_ms();
     let end = (end as usize).min(s.locked.len());
-    for c in (start as usize)..end {
-        if let Some(keys) = s.locked[c].take() {
-            ctx.storage.finish_read(&keys, s.extra);
+    for c in (start as usize).min(end)..end {
+        for held in &mut s.locked[c] {
+            if held.remaining > 0 {
+                ctx.storage
+                    .finish_read(&[(held.key, held.lease)], held.remaining - 1);
+                held.remaining = 0;
+            }
         }
     }
     Ok(Response::Ok)
+}
+
+/// Records that a retrieve relying on session `request_id` used up one lock of each found key,
+/// at chunk positions `first_chunk..` (`None` = that chunk was not found). The retrieve's commit
+/// (or its miss handling) releases those locks; FREE_LOOKUP_LOCKS must not release them again.
+pub fn consume(
+    ctx: &NodeContext,
+    request_id: &str,
+    first_chunk: u32,
+    found: &[Option<StorageKey>],
+) {
+    let mut shard = ctx.sessions.shard(request_id).lock();
+    let Some(s) = shard.get_mut(request_id) else {
+        return;
+    };
+    s.last_used_ms = ctx.now_ms();
+    for (i, key) in found.iter().enumerate() {
+        let Some(key) = key else { continue };
+        let c = first_chunk as usize + i;
+        if let Some(held) = s
+            .locked
+            .get_mut(c)
+            .and_then(|ks| ks.iter_mut().find(|h| h.key == *key))
+        {
+            held.remaining = held.remaining.saturating_sub(1);
+        }
+    }
 }
 
 /// END_SESSION: forgets the session and refreshes recency of all its chunks (every rank).

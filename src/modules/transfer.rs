@@ -41,9 +41,9 @@ fn run(ctx: &NodeContext, inst: &Arc<Instance>, req: Request) -> Result<Response
         Request::AbortStore { transfer_id, .. } => abort_store(ctx, inst, transfer_id),
         Request::PrepareRetrieve {
             range,
-            use_lookup_locks,
+            lookup_session,
             ..
-        } => prepare_retrieve(ctx, inst, &range, use_lookup_locks),
+        } => prepare_retrieve(ctx, inst, &range, lookup_session.as_deref()),
         Request::CommitRetrieve { transfer_id, .. } => commit_retrieve(ctx, inst, transfer_id),
         Request::Unregister { .. } => {
             let r = ctx.release(inst, "unregistered");
@@ -206,7 +206,7 @@ fn prepare_retrieve(
     ctx: &NodeContext,
     inst: &Instance,
     range: &ChunkRange,
-    use_lookup_locks: bool,
+    lookup_session: Option<&str>,
 ) -> Result<Response> {
     let keys = worker_keys(ctx, inst, range)?;
     let mut pending = inst.pending.lock();
@@ -214,10 +214,20 @@ fn prepare_retrieve(
         return Err(not_registered(inst.id));
     }
     check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
-    let results = if use_lookup_locks {
-        ctx.storage.read_locked_slots(&keys)
-    } else {
-        ctx.storage.reserve_read(&keys, 0)
+    let results = match lookup_session {
+        Some(session) => {
+            let r = ctx.storage.read_locked_slots(&keys);
+            // Whether it hits (commit releases) or misses (released below), one lookup lock per
+            // found chunk is used up: the session must not release it again.
+            let found: Vec<Option<StorageKey>> = keys
+                .iter()
+                .zip(&r)
+                .map(|(k, g)| g.is_ok().then_some(*k))
+                .collect();
+            super::lookup::consume(ctx, session, range.first_chunk, &found);
+            r
+        }
+        None => ctx.storage.reserve_read(&keys, 0),
     };
     let layout = NodeContext::wire_layout(&inst.layout);
     if results.iter().any(Result::is_err) {

@@ -220,7 +220,8 @@ pub const READ_BUFFER_BYTES: usize = 64 << 10;
 
 /// Reads frames from a byte stream with one buffered receive per burst of small frames instead
 /// of one per header and one per payload. Invariant: `buf[start..end]` holds received bytes not
-/// yet returned; any fd that arrived is handed out with the next frame.
+/// yet returned; an fd that arrived is handed out only with the next frame whose header has
+/// `FLAG_FD`.
 pub struct FrameReader {
     buf: Box<[u8]>,
     start: usize,
@@ -306,7 +307,14 @@ impl FrameReader {
                 }
             }
         }
-        Ok(Some((h, self.fd.take())))
+        // An fd belongs to the frame that announces it (FLAG_FD): one receive may return an
+        // earlier frame's bytes together with the fd of a later one.
+        let fd = if h.flags & FLAG_FD != 0 {
+            self.fd.take()
+        } else {
+            None
+        };
+        Ok(Some((h, fd)))
     }
 }
 

@@ -106,9 +106,10 @@ pub enum Request {
         instance_id: u64,
         /// Chunks to read (`worker_id` required).
         range: ChunkRange,
-        /// true: rely on read locks taken by an earlier LOOKUP (LMCache semantics, no new lock);
-        /// false: take a fresh read lock on each chunk.
-        use_lookup_locks: bool,
+        /// `Some(request_id)`: rely on the read locks that LOOKUP `request_id` took (LMCache
+        /// semantics: no new lock; the commit releases one lock per chunk and the session
+        /// forgets it). `None`: take a fresh read lock on each chunk.
+        lookup_session: Option<String>,
     },
     /// Release the read locks of a prepared retrieve.
     CommitRetrieve {
