@@ -404,6 +404,34 @@ mod tests {
     }
 
     #[test]
+    fn fd_goes_to_the_frame_that_announces_it() {
+        // One receive returns a plain reply followed by the fd-carrying registration reply,
+        // with the fd attached to that receive: only the second frame may get it.
+        let mut bytes = encode_response(1, 1, false, &Response::Text("OK".into())).unwrap();
+        bytes.extend(encode_response(2, 4, true, &Response::Ok).unwrap());
+        struct Once(Option<(Vec<u8>, OwnedFd)>);
+        impl FrameSource for Once {
+            fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+                match self.0.take() {
+                    Some((b, fd)) => {
+                        buf[..b.len()].copy_from_slice(&b);
+                        Ok((b.len(), Some(fd)))
+                    }
+                    None => Ok((0, None)),
+                }
+            }
+        }
+        let fd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let mut src = Once(Some((bytes, fd)));
+        let mut r = FrameReader::default();
+        let mut p = AlignedVec::new();
+        let (h1, fd1) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+        assert_eq!((h1.request_id, fd1.is_none()), (1, true));
+        let (h2, fd2) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+        assert_eq!((h2.request_id, fd2.is_some()), (2, true));
+    }
+
+    #[test]
     fn empty_stream_is_clean_eof() {
         assert_eq!(read_all(&[]).unwrap(), None);
     }
