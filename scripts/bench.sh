@@ -4,6 +4,9 @@
 # same-run baselines (memcpy over the same page backing, bare Unix-socket ping-pong) and the
 # ratios. Raw JSON of every run lands in target/bench/.
 #
+# Goodput rows of the large presets run with --no-verify (byte verification is the harness's own
+# work and would be counted in the wall time); one verified row shows its cost.
+#
 # Usage: scripts/bench.sh [quick]     RUNS=5 DURATION=5 scripts/bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +26,13 @@ matrix=(
   "tiny-multiturn-1|--preset tiny --workload multiturn --instances 1 --pool-size 512MiB"
   "tiny-store-2|--preset tiny --workload store --instances 2 --pool-size 512MiB"
   "tiny-store-8|--preset tiny --workload store --instances 8 --pool-size 512MiB"
-  "qwen-store-1|--preset qwen2.5-0.5b --workload store --instances 1 --pool-size 512MiB"
-  "qwen-retrieve-1|--preset qwen2.5-0.5b --workload retrieve --instances 1 --pool-size 512MiB"
-  "llama-store-1|--preset llama3-8b --workload store --instances 1 --pool-size 768MiB"
-  "llama-retrieve-1|--preset llama3-8b --workload retrieve --instances 1 --pool-size 768MiB"
-  "llama-retrieve-2|--preset llama3-8b --workload retrieve --instances 2 --pool-size 768MiB"
-  "llama-mixed-1|--preset llama3-8b --workload mixed --hit-ratio 0.5 --instances 1 --pool-size 768MiB --working-set 2.0"
+  "qwen-store-1|--preset qwen2.5-0.5b --workload store --instances 1 --pool-size 512MiB --no-verify"
+  "qwen-retrieve-1|--preset qwen2.5-0.5b --workload retrieve --instances 1 --pool-size 512MiB --no-verify"
+  "llama-store-1|--preset llama3-8b --workload store --instances 1 --pool-size 768MiB --no-verify"
+  "llama-retrieve-1|--preset llama3-8b --workload retrieve --instances 1 --pool-size 768MiB --no-verify"
+  "llama-retrieve-2|--preset llama3-8b --workload retrieve --instances 2 --pool-size 768MiB --no-verify"
+  "llama-retrieve-1-verified|--preset llama3-8b --workload retrieve --instances 1 --pool-size 768MiB"
+  "llama-mixed-1|--preset llama3-8b --workload mixed --hit-ratio 0.5 --instances 1 --pool-size 768MiB --working-set 2.0 --no-verify"
 )
 if [ "${1:-}" = quick ]; then matrix=("${matrix[@]:0:2}"); RUNS=1; fi
 
@@ -58,8 +62,8 @@ def med(rs, *path):
             v = v[p]
         vals.append(v)
     return statistics.median(vals), (max(vals) - min(vals)) / statistics.median(vals) if statistics.median(vals) else 0.0
-print("| config | backing | chunk | ops/s | main op p50 / p99 (us) | ping p50 (us) | uds floor p50 (us) | store GB/s (x memcpy) | retrieve GB/s (x memcpy) | fairness | spread |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| config | backing | chunk | ops/s | main op p50 / p99 (us) | ping p50 (us) | uds floor p50 (us) | store GB/s (x memcpy) | retrieve GB/s (x memcpy) | memcpy w/r GB/s | fairness | verified | spread |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for name, rs in runs.items():
     wl = rs[0]["workload"]
     main = {"store": "store", "retrieve": "retrieve", "mixed": "retrieve", "multiturn": "lookup"}[wl]
@@ -73,7 +77,9 @@ for name, rs in runs.items():
     fair, _ = med(rs, "fairness_min_over_mean")
     chunk = rs[0]["chunk_bytes"]
     chunk_s = f"{chunk >> 20} MiB" if chunk >= 1 << 20 else f"{chunk >> 10} KiB"
-    print(f"| {name} | {rs[0]['pool_backing']} | {chunk_s} | {ops:.0f} | {main} {p50:.1f} / {p99:.1f} | {ping:.1f} | {floor:.1f} | {sg:.2f} ({sr:.2f}) | {rg:.2f} ({rr:.2f}) | {fair:.2f} | {100*spread:.0f}% |")
+    mw, _ = med(rs, "memcpy_gbps"); mr, _ = med(rs, "memcpy_read_gbps")
+    ver = all(r["verified"] for r in rs)
+    print(f"| {name} | {rs[0]['pool_backing']} | {chunk_s} | {ops:.0f} | {main} {p50:.1f} / {p99:.1f} | {ping:.1f} | {floor:.1f} | {sg:.2f} ({sr:.2f}) | {rg:.2f} ({rr:.2f}) | {mw:.1f} / {mr:.1f} | {fair:.2f} | {'yes' if ver else 'no'} | {100*spread:.0f}% |")
 print()
 print("Control calls (median of runs, p50 / p99 us):")
 for name, rs in runs.items():

@@ -49,8 +49,12 @@ impl Default for Limits {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
-    /// Unix socket path of the native protocol.
+    /// Unix socket path of the native protocol (empty: no native socket, e.g. an LMCache-only
+    /// frontend).
     pub socket: PathBuf,
+    /// Back the pool with the named POSIX shm segment `/dev/shm/<shm_name>` (what LMCache
+    /// clients open by name) instead of an anonymous memfd; empty = memfd.
+    pub shm_name: String,
     /// Permission bits of the socket file.
     pub socket_mode: u32,
     /// Requested pool size in bytes (rounded up to 2 MiB).
@@ -93,6 +97,7 @@ impl Default for NodeConfig {
     fn default() -> Self {
         NodeConfig {
             socket: default_socket_path(),
+            shm_name: String::new(),
             socket_mode: 0o600,
             pool_bytes: 1 << 30,
             pages: "2m".into(),

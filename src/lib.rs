@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod hashing;
 pub mod liveness;
+pub mod lmcache;
 pub mod modules;
 pub mod protocol;
 pub mod server;

@@ -33,6 +33,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve LMCache clients (drop-in for `python -m lmcache.v1.multiprocess.server`).
+    LmcacheServer(LmcacheArgs),
     /// Check that the node answers.
     Ping {
         /// Node socket.
@@ -70,6 +72,159 @@ struct ServeArgs {
     /// Log filter (tracing EnvFilter syntax), e.g. info or kvnode=debug.
     #[arg(long, default_value = "info")]
     log: String,
+}
+
+/// The LMCache server flags that matter (same names as LMCache's), plus kvnode's own.
+#[derive(clap::Args)]
+struct LmcacheArgs {
+    /// Interface to bind the ZMQ ROUTER on.
+    #[arg(long, default_value = "localhost")]
+    host: String,
+    /// TCP port of the ZMQ ROUTER.
+    #[arg(long, default_value_t = 5555)]
+    port: u16,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 256)]
+    chunk_size: u32,
+    /// L1 (shared pool) size in GiB.
+    #[arg(long, default_value_t = 1.0)]
+    l1_size_gb: f64,
+    /// Name of the POSIX shm pool (`lmcache_l1_pool_` is prefixed); default `kvnode_<port>`.
+    #[arg(long)]
+    shm_name: Option<String>,
+    /// lmcache_driven, engine_driven or auto (kvnode serves the engine-driven path).
+    #[arg(long, default_value = "auto")]
+    supported_transfer_mode: String,
+    /// Seconds of silence before a pinging worker is reaped (0 disables).
+    #[arg(long, default_value_t = 120.0)]
+    worker_reap_timeout_seconds: f64,
+    /// Seconds before a worker that never pinged is reaped.
+    #[arg(long, default_value_t = 3600.0)]
+    worker_registration_grace_seconds: f64,
+    /// Eviction policy (kvnode evicts LRU, later chunks first).
+    #[arg(long, default_value = "LRU")]
+    eviction_policy: String,
+    /// Handler threads for LMCache requests (default: one per core).
+    #[arg(long)]
+    max_workers: Option<usize>,
+    /// Accepted for compatibility (kvnode sizes its handler pool with --max-workers).
+    #[arg(long)]
+    max_gpu_workers: Option<usize>,
+    /// Accepted for compatibility (kvnode sizes its handler pool with --max-workers).
+    #[arg(long)]
+    max_cpu_workers: Option<usize>,
+    /// Accepted for compatibility: kvnode's pool is always allocated and pre-faulted up front.
+    #[arg(long)]
+    no_l1_use_lazy: bool,
+    /// Accepted for compatibility (see --no-l1-use-lazy).
+    #[arg(long)]
+    l1_use_lazy: bool,
+    /// Only blake3 (LMCache's default) is supported.
+    #[arg(long, default_value = "blake3")]
+    hash_algorithm: String,
+    /// Accepted for compatibility (kvnode aligns slots to 4 KiB or more).
+    #[arg(long)]
+    l1_align_bytes: Option<u64>,
+    /// Accepted for compatibility (no Prometheus endpoint yet).
+    #[arg(long)]
+    prometheus_port: Option<u16>,
+    /// Accepted for compatibility.
+    #[arg(long)]
+    disable_metrics: bool,
+    /// Accepted for compatibility.
+    #[arg(long)]
+    disable_observability: bool,
+    /// Also serve the native protocol on this Unix socket (then `kvnode status --socket` works).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Preferred page size for the pool (POSIX shm gets THP or 4k pages).
+    #[arg(long, default_value = "2m")]
+    pages: String,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, default_value = "info")]
+    log: String,
+}
+
+fn init_logs(filter: &str) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
+        .map_err(|e| format!("bad --log filter: {e}"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(())
+}
+
+/// Installs the SIGTERM/SIGINT handlers; call before starting anything, so a signal that
+/// arrives during start-up is not fatal.
+fn install_signals() -> Result<signal_hook::iterator::Signals, String> {
+    signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| format!("installing signal handlers: {e}"))
+}
+
+fn wait_for_signal(mut signals: signal_hook::iterator::Signals) {
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(signal = sig, "shutting down");
+    }
+}
+
+fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
+    init_logs(&a.log)?;
+    if a.hash_algorithm != "blake3" {
+        return Err(format!(
+            "--hash-algorithm {:?}: kvnode implements blake3 only",
+            a.hash_algorithm
+        ));
+    }
+    match a.supported_transfer_mode.as_str() {
+        "engine_driven" | "auto" => {}
+        "lmcache_driven" => tracing::warn!(
+            "--supported-transfer-mode lmcache_driven: kvnode serves the engine-driven path only; \
+             run workers with LMCACHE_MP_TRANSFER_MODE=engine_driven (GPU-path requests get negative answers)"
+        ),
+        other => return Err(format!("--supported-transfer-mode {other:?}: expected lmcache_driven, engine_driven or auto")),
+    }
+    if !a.eviction_policy.eq_ignore_ascii_case("lru") {
+        tracing::warn!(policy = %a.eviction_policy, "kvnode evicts LRU (later chunks first); the policy flag is ignored");
+    }
+    if !(a.l1_size_gb > 0.0 && a.l1_size_gb.is_finite()) {
+        return Err("--l1-size-gb must be > 0".into());
+    }
+    let shm = kvnode::lmcache::shm_segment_name(
+        &a.shm_name
+            .clone()
+            .unwrap_or_else(|| format!("kvnode_{}", a.port)),
+    );
+    let cfg = NodeConfig {
+        socket: a.socket.clone().unwrap_or_default(),
+        shm_name: shm,
+        pool_bytes: (a.l1_size_gb * (1u64 << 30) as f64) as u64,
+        pages: a.pages.clone(),
+        chunk_tokens: a.chunk_size,
+        reap_timeout_secs: a.worker_reap_timeout_seconds,
+        registration_grace_secs: a
+            .worker_registration_grace_seconds
+            .max(a.worker_reap_timeout_seconds),
+        workers: a.max_workers.unwrap_or(0),
+        ..NodeConfig::default()
+    };
+    let handlers = cfg.worker_threads();
+    let signals = install_signals()?;
+    let node = Node::start(cfg).map_err(|e| e.to_string())?;
+    let frontend = kvnode::lmcache::frontend::LmFrontend::new(node.context().clone());
+    let server = match kvnode::lmcache::server::LmServer::start(frontend, &a.host, a.port, handlers)
+    {
+        Ok(s) => s,
+        Err(e) => {
+            node.shutdown();
+            return Err(e.to_string());
+        }
+    };
+    wait_for_signal(signals);
+    server.shutdown();
+    node.shutdown();
+    Ok(())
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -201,6 +356,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Serve(a) => serve(a),
+        Command::LmcacheServer(a) => lmcache_server(a),
         Command::Status { socket, json } => status(socket, json),
         Command::Ping { socket } => ping(socket),
     };

@@ -131,6 +131,15 @@ pub struct SharedPool {
 }
 
 impl SharedPool {
+    /// Removes the POSIX shm name now (if this pool has one and it is still ours); the mapping
+    /// and existing client mappings stay valid. Used at shutdown, when other threads may still
+    /// hold the pool. Idempotent.
+    pub fn unlink_shm_name(&self) {
+        if let Some(seg) = &self.shm {
+            seg.unlink_if_ours();
+        }
+    }
+
     /// Creates the pool, trying the chain from `opts.prefer` downwards.
     /// Logs the backing obtained at info and, at warn, why each better one
     /// failed. Errors: `Invalid` for a zero/oversized size or a bad name,

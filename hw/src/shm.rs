@@ -102,8 +102,9 @@ impl ShmSegment {
     }
 }
 
-impl Drop for ShmSegment {
-    fn drop(&mut self) {
+impl ShmSegment {
+    /// Unlinks the name if it still refers to our inode (idempotent).
+    pub(crate) fn unlink_if_ours(&self) {
         let path = format!("{}/{}", crate::sys::DEV_SHM, self.name);
         match std::fs::metadata(&path) {
             Ok(md) if md.dev() == self.dev && md.ino() == self.ino => {
@@ -117,5 +118,11 @@ impl Drop for ShmSegment {
             ),
             Err(_) => {} // already gone
         }
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        self.unlink_if_ours();
     }
 }

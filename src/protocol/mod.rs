@@ -5,5 +5,6 @@ pub mod messages;
 
 pub use self::frame::{FrameError, FrameHeader, MAX_PAYLOAD_BYTES};
 pub use self::messages::{
-    ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireLayout, WireSlot,
+    BlockAllocationRecord, ChunkRange, RegisterReply, RegisterRequest, Request, Response,
+    WireLayout, WireSlot,
 };

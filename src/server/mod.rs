@@ -37,7 +37,7 @@ impl Node {
             prefer: config.page_preference()?,
             prefault: true,
             name: "kvnode-pool".into(),
-            posix_shm_name: None,
+            posix_shm_name: (!config.shm_name.is_empty()).then(|| config.shm_name.clone()),
         })
         .map_err(|e| Error::from(e).context("creating the pool"))?;
         tracing::info!(
@@ -45,18 +45,24 @@ impl Node {
             bytes = pool.len(),
             "pool ready"
         );
-        let listener = uds::bind(&config.socket, config.socket_mode)?;
+        let listener = if config.socket.as_os_str().is_empty() {
+            None
+        } else {
+            Some(uds::bind(&config.socket, config.socket_mode)?)
+        };
         let socket = config.socket.clone();
         let ctx = Arc::new(NodeContext::new(config, pool));
         let mut threads = ShardPool::spawn(&ctx)?;
         threads.extend(Liveness::spawn(&ctx)?);
         threads.push(maintenance::spawn(&ctx)?);
-        let actx = ctx.clone();
-        threads.push(
-            thread::Builder::new()
-                .name("kvnode-accept".into())
-                .spawn(move || accept_loop(&actx, listener))?,
-        );
+        if let Some(listener) = listener {
+            let actx = ctx.clone();
+            threads.push(
+                thread::Builder::new()
+                    .name("kvnode-accept".into())
+                    .spawn(move || accept_loop(&actx, listener))?,
+            );
+        }
         tracing::info!(
             socket = %socket.display(),
             workers = ctx.shards.len(),
@@ -85,10 +91,17 @@ impl Node {
     pub fn shutdown(self) {
         self.ctx.shutting_down.store(true, Ordering::Release);
         // Wake the accept loop so it sees the flag.
-        let _ = UnixStream::connect(&self.socket);
+        let has_socket = !self.socket.as_os_str().is_empty();
+        if has_socket {
+            let _ = UnixStream::connect(&self.socket);
+        }
         self.ctx.shards.stop();
         self.ctx.liveness.stop();
-        uds::unlink(&self.socket);
+        if has_socket {
+            uds::unlink(&self.socket);
+        }
+        // Connection threads may still hold the context (and the pool): remove the shm name now.
+        self.ctx.pool.unlink_shm_name();
         for t in self.threads {
             let _ = t.join();
         }

@@ -192,3 +192,16 @@ pub fn num(v: &serde_json::Value, path: &[&str]) -> u64 {
     cur.as_u64()
         .unwrap_or_else(|| panic!("{path:?} not a number in {v:#}"))
 }
+
+/// Status of a node reached through its native socket.
+pub struct NodeStatus;
+
+impl NodeStatus {
+    /// Fetches the status JSON from `socket`.
+    pub fn of(socket: &std::path::Path) -> serde_json::Value {
+        Client::connect(socket)
+            .expect("connect")
+            .status()
+            .expect("status")
+    }
+}

@@ -1,0 +1,517 @@
+//! LMCache request semantics on top of the native core.
+//!
+//! Every LMCache request becomes one or more native requests executed through the same
+//! dispatcher as the Unix-socket protocol (same instance ordering, limits and liveness). State
+//! that LMCache keeps per key or per request id lives here: rolling-hash sessions, pending store
+//! and retrieve transfers keyed by `(instance, key)`, and prefetch jobs (LOOKUP results that
+//! QUERY_PREFETCH_STATUS hands out exactly once).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::wire::{self, IpcKey, LmRequest, Op, SlotDesc};
+use crate::hashing::{chunk_hashes, ChunkHash};
+use crate::modules::NodeContext;
+use crate::protocol::{
+    BlockAllocationRecord, ChunkRange, RegisterRequest, Request, Response, WireLayout, WireSlot,
+};
+use crate::server::dispatch;
+use crate::transport::ReplySink;
+
+/// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
+/// so these instances are released by UNREGISTER or by the reaper).
+pub const FRONTEND_CONNECTION_ID: u64 = u64::MAX - 1;
+/// Most rolling-hash sessions, prefetch jobs and pending transfers kept (each map).
+pub const MAX_FRONTEND_ENTRIES: usize = 65_536;
+
+/// Identity of an LMCache key for the pending maps (LMCache compares all fields but
+/// `request_id`; the last chunk hash stands for the token prefix).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct KeyId {
+    instance: u64,
+    model: String,
+    world_size: u32,
+    worker: Option<u32>,
+    salt: String,
+    start: u64,
+    end: u64,
+    last_hash: Option<ChunkHash>,
+}
+
+/// Waits for the single response of one native request.
+struct WaitSink {
+    slot: Mutex<Option<Response>>,
+    ready: Condvar,
+}
+
+impl ReplySink for WaitSink {
+    fn send(
+        &self,
+        _request_id: u64,
+        _opcode: u16,
+        resp: &Response,
+        _fd: Option<std::os::fd::BorrowedFd<'_>>,
+    ) {
+        *self.slot.lock() = Some(resp.clone());
+        self.ready.notify_one();
+    }
+    fn connection_id(&self) -> u64 {
+        FRONTEND_CONNECTION_ID
+    }
+    fn can_pass_fd(&self) -> bool {
+        false
+    }
+}
+
+/// Outcome of one LMCache request: the reply payload frame, or `None` for "no frame" (LMCache's
+/// reply to handlers that return None).
+pub type Reply = Option<Vec<u8>>;
+
+/// The LMCache semantics layer. Invariant: every map is bounded by [`MAX_FRONTEND_ENTRIES`].
+pub struct LmFrontend {
+    ctx: Arc<NodeContext>,
+    hashes: Mutex<HashMap<String, Vec<ChunkHash>>>,
+    pending_writes: Mutex<HashMap<KeyId, u64>>,
+    pending_reads: Mutex<HashMap<KeyId, u64>>,
+    prefetch: Mutex<HashMap<String, u32>>,
+}
+
+fn bounded_insert<K: std::hash::Hash + Eq + Clone, V>(
+    m: &mut HashMap<K, V>,
+    k: K,
+    v: V,
+) -> Option<V> {
+    if m.len() >= MAX_FRONTEND_ENTRIES && !m.contains_key(&k) {
+        // Forget an arbitrary entry rather than grow without bound (a client that never ends
+        // its sessions); any locks it stood for are covered by the node's TTL safety nets.
+        if let Some(victim) = m.keys().next().cloned() {
+            m.remove(&victim);
+        }
+    }
+    m.insert(k, v)
+}
+
+impl LmFrontend {
+    /// A frontend over a running node's context.
+    pub fn new(ctx: Arc<NodeContext>) -> LmFrontend {
+        LmFrontend {
+            ctx,
+            hashes: Mutex::default(),
+            pending_writes: Mutex::default(),
+            pending_reads: Mutex::default(),
+            prefetch: Mutex::default(),
+        }
+    }
+
+    /// Runs one native request through the dispatcher and waits for its response.
+    fn call(&self, req: Request) -> Response {
+        let sink = Arc::new(WaitSink {
+            slot: Mutex::new(None),
+            ready: Condvar::new(),
+        });
+        let dyn_sink: Arc<dyn ReplySink> = sink.clone();
+        dispatch::dispatch(&self.ctx, &dyn_sink, 0, req, &mut Vec::new());
+        let mut slot = sink.slot.lock();
+        while slot.is_none() {
+            sink.ready.wait(&mut slot);
+        }
+        slot.take().expect("checked")
+    }
+
+    fn chunk(&self) -> u64 {
+        u64::from(self.ctx.config.chunk_tokens)
+    }
+
+    /// Rolling hashes of the chunks `[start/C, end/C)` of `key`, using (and extending) the
+    /// request's cached hashes like LMCache's sessions; `Err` if the range is not chunk-aligned.
+    fn range_hashes(&self, key: &IpcKey) -> Result<(u32, Vec<ChunkHash>), String> {
+        let c = self.chunk();
+        if !key.start.is_multiple_of(c) || !key.end.is_multiple_of(c) || key.start > key.end {
+            return Err(format!(
+                "range [{}, {}) is not aligned to {c}-token chunks",
+                key.start, key.end
+            ));
+        }
+        let (first, last) = ((key.start / c) as usize, (key.end / c) as usize);
+        if (key.token_ids.len() as u64) < key.end {
+            return Err(format!(
+                "range end {} beyond {} tokens",
+                key.end,
+                key.token_ids.len()
+            ));
+        }
+        let mut cache = self.hashes.lock();
+        if let Some(h) = cache.get(&key.request_id) {
+            if h.len() >= last {
+                return Ok((first as u32, h[first..last].to_vec()));
+            }
+        }
+        let all = chunk_hashes(&key.token_ids, self.ctx.config.chunk_tokens);
+        let out = all[first..last.min(all.len())].to_vec();
+        if !key.request_id.is_empty() {
+            bounded_insert(&mut cache, key.request_id.clone(), all);
+        }
+        Ok((first as u32, out))
+    }
+
+    fn key_id(key: &IpcKey, instance: u64, hashes: &[ChunkHash]) -> KeyId {
+        KeyId {
+            instance,
+            model: key.model_name.clone(),
+            world_size: key.world_size,
+            worker: key.worker_id,
+            salt: key.cache_salt.clone(),
+            start: key.start,
+            end: key.end,
+            last_hash: hashes.last().copied(),
+        }
+    }
+
+    fn worker_range(key: &IpcKey, first: u32, hashes: Vec<ChunkHash>) -> ChunkRange {
+        ChunkRange {
+            model: key.model_name.clone(),
+            world_size: key.world_size,
+            worker_id: Some(key.worker_id.unwrap_or(0)),
+            cache_salt: key.cache_salt.clone(),
+            first_chunk: first,
+            chunk_hashes: hashes,
+        }
+    }
+
+    fn slots(slots: &[WireSlot], layout: &WireLayout) -> Vec<SlotDesc> {
+        slots
+            .iter()
+            .map(|s| SlotDesc {
+                offset: s.offset,
+                length: s.length,
+                shape: layout.shape.clone(),
+                dtype: layout.dtype.clone(),
+            })
+            .collect()
+    }
+
+    /// The well-typed negative answer for `op` (used when a request fails): never silence.
+    pub fn negative_reply(&self, op: Op) -> Reply {
+        match op {
+            Op::GetChunkSize => Some(wire::encode_uint(self.chunk())),
+            Op::GetExperimental => Some(wire::encode_str_list(&[])),
+            Op::Noop => Some(wire::encode_str("OK")),
+            Op::Ping | Op::CommitRetrieve => Some(wire::encode_bool(true)),
+            Op::CommitStore => Some(wire::encode_bool(false)),
+            Op::PrepareStore => Some(wire::encode_prepare_store_reply(Some((&[], &[])))),
+            Op::PrepareRetrieve => Some(wire::encode_prepare_retrieve_reply(None)),
+            Op::QueryPrefetchStatus | Op::WaitPrefetchStatus | Op::QueryPrefetchLookupHits => {
+                Some(wire::encode_uint(0))
+            }
+            Op::RegisterEngineDriven => Some(wire::encode_register_reply("", 0)),
+            Op::Store | Op::Retrieve => Some(wire::encode_bin_bool(&[0u8; 64], false)),
+            _ => None,
+        }
+    }
+
+    /// Executes one decoded request and returns its reply frame.
+    pub fn handle(&self, req: LmRequest) -> Reply {
+        match req {
+            LmRequest::GetChunkSize => Some(wire::encode_uint(self.chunk())),
+            LmRequest::GetExperimental => Some(wire::encode_str_list(&[])),
+            LmRequest::Noop => Some(wire::encode_str("OK")),
+            LmRequest::Ping { instance_id } => {
+                self.call(Request::Ping { instance_id });
+                Some(wire::encode_bool(true))
+            }
+            LmRequest::RegisterEngineDriven(p) => self.register(p),
+            LmRequest::UnregisterEngineDriven { instance_id } => {
+                self.forget_instance(instance_id);
+                self.call(Request::Unregister { instance_id });
+                None
+            }
+            LmRequest::PrepareStore { key, instance_id } => self.prepare_store(&key, instance_id),
+            LmRequest::CommitStore {
+                key,
+                instance_id,
+                cpu_data,
+            } => self.commit_store(&key, instance_id, &cpu_data),
+            LmRequest::PrepareRetrieve { key, instance_id } => {
+                self.prepare_retrieve(&key, instance_id)
+            }
+            LmRequest::CommitRetrieve { key, instance_id } => {
+                if let Ok((_, hashes)) = self.range_hashes(&key) {
+                    let id = Self::key_id(&key, instance_id, &hashes);
+                    if let Some(t) = self.pending_reads.lock().remove(&id) {
+                        self.call(Request::CommitRetrieve {
+                            instance_id,
+                            transfer_id: t,
+                        });
+                    }
+                }
+                Some(wire::encode_bool(true))
+            }
+            LmRequest::Lookup { key, tp_size } => {
+                self.lookup(&key, tp_size);
+                None
+            }
+            LmRequest::QueryPrefetchStatus { request_id }
+            | LmRequest::WaitPrefetchStatus { request_id, .. } => {
+                // Lookups complete synchronously (no L2 yet): the job is ready, handed out once.
+                let hits = self.prefetch.lock().remove(&request_id).unwrap_or(0);
+                Some(wire::encode_uint(u64::from(hits)))
+            }
+            LmRequest::QueryPrefetchLookupHits { request_id } => {
+                let hits = self.prefetch.lock().get(&request_id).copied().unwrap_or(0);
+                Some(wire::encode_uint(u64::from(hits)))
+            }
+            LmRequest::FreeLookupLocks { key, .. } => {
+                let c = self.chunk();
+                self.call(Request::FreeLookupLocks {
+                    request_id: key.request_id.clone(),
+                    start_chunk: (key.start / c) as u32,
+                    end_chunk: key.end.div_ceil(c).min(u64::from(u32::MAX)) as u32,
+                });
+                None
+            }
+            LmRequest::EndSession { request_id } => {
+                self.hashes.lock().remove(&request_id);
+                self.call(Request::EndSession { request_id });
+                None
+            }
+            LmRequest::ReportBlockAllocation {
+                instance_id,
+                model_name,
+                records,
+            } => {
+                let records = records
+                    .into_iter()
+                    .map(|r| BlockAllocationRecord {
+                        req_id: r.req_id,
+                        new_block_ids: r.new_block_ids,
+                        new_token_ids: r.new_token_ids.into_iter().map(|t| t as u32).collect(),
+                    })
+                    .collect();
+                self.call(Request::ReportBlockAllocation {
+                    instance_id,
+                    model: model_name,
+                    records,
+                });
+                None
+            }
+            LmRequest::Clear { force } => {
+                // kvnode's CLEAR is always safe: in-flight objects are freed when their
+                // transfer ends, so `force` changes nothing about memory a client may touch.
+                if force == Some(false) {
+                    tracing::debug!(
+                        "CLEAR without force: in-flight objects are deferred, as always"
+                    );
+                }
+                self.call(Request::Clear);
+                None
+            }
+            LmRequest::Unsupported { op, name } => {
+                tracing::warn!(
+                    op = %name,
+                    "LMCache request not supported by kvnode (GPU CUDA-IPC, CacheBlend, P2P or Q-cache path); \
+                     answering negatively. Use the engine-driven transfer mode \
+                     (LMCACHE_MP_TRANSFER_MODE=engine_driven)"
+                );
+                self.negative_reply(op)
+            }
+        }
+    }
+
+    fn register(&self, p: wire::RegisterPayload) -> Reply {
+        let resp = self.call(Request::Register(RegisterRequest {
+            instance_id: p.instance_id,
+            model: p.model_name,
+            world_size: p.world_size,
+            block_size: p.block_size,
+            num_layers: p.num_layers,
+            hidden_dim: p.hidden_dim_size,
+            dtype: p.dtype_str,
+            use_mla: p.use_mla,
+        }));
+        match resp {
+            Response::Registered(r) => Some(wire::encode_register_reply(&r.shm_name, r.pool_bytes)),
+            other => {
+                tracing::warn!(instance = p.instance_id, response = ?other, "LMCache registration refused");
+                self.negative_reply(Op::RegisterEngineDriven)
+            }
+        }
+    }
+
+    fn forget_instance(&self, instance: u64) {
+        self.pending_writes
+            .lock()
+            .retain(|k, _| k.instance != instance);
+        self.pending_reads
+            .lock()
+            .retain(|k, _| k.instance != instance);
+    }
+
+    fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> Reply {
+        let (first, hashes) = match self.range_hashes(key) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(instance = instance_id, error = %e, "PREPARE_STORE refused");
+                return self.negative_reply(Op::PrepareStore);
+            }
+        };
+        if hashes.is_empty() {
+            return Some(wire::encode_prepare_store_reply(Some((&[], &[]))));
+        }
+        let id = Self::key_id(key, instance_id, &hashes);
+        let range = Self::worker_range(key, first, hashes);
+        match self.call(Request::PrepareStore { instance_id, range }) {
+            Response::StorePrepared {
+                transfer_id,
+                slots,
+                chunk_indices,
+                layout,
+            } => {
+                if transfer_id != 0 {
+                    // A repeated prepare of the same key replaces the older reservation, which
+                    // is freed (LMCache overwrote and leaked it: W7).
+                    if let Some(old) =
+                        bounded_insert(&mut self.pending_writes.lock(), id, transfer_id)
+                    {
+                        self.call(Request::AbortStore {
+                            instance_id,
+                            transfer_id: old,
+                        });
+                    }
+                }
+                let descs = Self::slots(&slots, &layout);
+                Some(wire::encode_prepare_store_reply(Some((
+                    &descs,
+                    &chunk_indices,
+                ))))
+            }
+            other => {
+                tracing::warn!(instance = instance_id, response = ?other, "PREPARE_STORE failed");
+                self.negative_reply(Op::PrepareStore)
+            }
+        }
+    }
+
+    fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> Reply {
+        let Ok((_, hashes)) = self.range_hashes(key) else {
+            return Some(wire::encode_bool(false));
+        };
+        let pending = self
+            .pending_writes
+            .lock()
+            .remove(&Self::key_id(key, instance_id, &hashes));
+        if !cpu_data.is_empty() {
+            tracing::warn!(
+                instance = instance_id,
+                bytes = cpu_data.len(),
+                "COMMIT_STORE with inline (pickle) data: kvnode serves the shared-memory path only; \
+                 the client could not open the pool segment. Answering false."
+            );
+            if let Some(t) = pending {
+                self.call(Request::AbortStore {
+                    instance_id,
+                    transfer_id: t,
+                });
+            }
+            return Some(wire::encode_bool(false));
+        }
+        let Some(transfer_id) = pending else {
+            return Some(wire::encode_bool(false));
+        };
+        let ok = matches!(
+            self.call(Request::CommitStore {
+                instance_id,
+                transfer_id
+            }),
+            Response::StoreCommitted { .. }
+        );
+        Some(wire::encode_bool(ok))
+    }
+
+    fn prepare_retrieve(&self, key: &IpcKey, instance_id: u64) -> Reply {
+        let (first, hashes) = match self.range_hashes(key) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(instance = instance_id, error = %e, "PREPARE_RETRIEVE refused");
+                return self.negative_reply(Op::PrepareRetrieve);
+            }
+        };
+        if hashes.is_empty() {
+            return Some(wire::encode_prepare_retrieve_reply(Some(&[])));
+        }
+        let id = Self::key_id(key, instance_id, &hashes);
+        let range = Self::worker_range(key, first, hashes);
+        match self.call(Request::PrepareRetrieve {
+            instance_id,
+            range,
+            lookup_session: Some(key.request_id.clone()),
+        }) {
+            Response::RetrievePrepared {
+                hit: true,
+                transfer_id,
+                slots,
+                layout,
+            } => {
+                if let Some(old) = bounded_insert(&mut self.pending_reads.lock(), id, transfer_id) {
+                    self.call(Request::CommitRetrieve {
+                        instance_id,
+                        transfer_id: old,
+                    });
+                }
+                let descs = Self::slots(&slots, &layout);
+                Some(wire::encode_prepare_retrieve_reply(Some(&descs)))
+            }
+            Response::RetrievePrepared { hit: false, .. } => {
+                Some(wire::encode_prepare_retrieve_reply(None))
+            }
+            other => {
+                tracing::warn!(instance = instance_id, response = ?other, "PREPARE_RETRIEVE failed");
+                self.negative_reply(Op::PrepareRetrieve)
+            }
+        }
+    }
+
+    fn lookup(&self, key: &IpcKey, tp_size: u32) {
+        // LMCache answers 0 when no worker of this (model, world size) registered a layout.
+        let hits = if self
+            .ctx
+            .layouts
+            .get(&key.model_name, key.world_size)
+            .is_none()
+        {
+            0
+        } else {
+            let hashes = chunk_hashes(&key.token_ids, self.ctx.config.chunk_tokens);
+            if hashes.is_empty() {
+                0
+            } else {
+                bounded_insert(
+                    &mut self.hashes.lock(),
+                    key.request_id.clone(),
+                    hashes.clone(),
+                );
+                let range = ChunkRange {
+                    model: key.model_name.clone(),
+                    world_size: key.world_size,
+                    worker_id: None,
+                    cache_salt: key.cache_salt.clone(),
+                    first_chunk: 0,
+                    chunk_hashes: hashes,
+                };
+                match self.call(Request::Lookup {
+                    request_id: key.request_id.clone(),
+                    range,
+                    tp_size,
+                }) {
+                    Response::LookupHits { chunks } => chunks,
+                    other => {
+                        tracing::warn!(response = ?other, "LOOKUP failed");
+                        0
+                    }
+                }
+            }
+        };
+        bounded_insert(&mut self.prefetch.lock(), key.request_id.clone(), hits);
+    }
+}

@@ -1,0 +1,37 @@
+//! LMCache drop-in frontend: speaks LMCache's multiprocess-server wire protocol (ZMQ ROUTER,
+//! one msgpack document per frame) so unmodified LMCache clients (and vLLM through them) store
+//! and retrieve through kvnode's core, with its storage, liveness and limits.
+//!
+//! `wire` decodes and encodes frames exactly as LMCache's msgspec does; `frontend` maps each
+//! LMCache request onto the native core (sessions and per-key pending transfers live here);
+//! `server` owns the ZMQ socket on one I/O thread and runs handlers on per-identity threads.
+
+pub mod frontend;
+pub mod server;
+pub mod wire;
+
+/// Normalises an LMCache `--shm-name` the way LMCache does: strip leading `/`, add the
+/// `lmcache_l1_pool_` prefix unless present.
+pub fn shm_segment_name(name: &str) -> String {
+    let n = name.trim_start_matches('/');
+    if n.starts_with("lmcache_l1_pool_") {
+        n.to_owned()
+    } else {
+        format!("lmcache_l1_pool_{n}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shm_names_follow_lmcache() {
+        assert_eq!(
+            super::shm_segment_name("/test_pool"),
+            "lmcache_l1_pool_test_pool"
+        );
+        assert_eq!(
+            super::shm_segment_name("lmcache_l1_pool_x"),
+            "lmcache_l1_pool_x"
+        );
+    }
+}
