@@ -22,8 +22,17 @@ struct LmNode {
 
 impl Drop for LmNode {
     fn drop(&mut self) {
+        // SIGTERM first so the node unlinks its segment; SIGKILL and unlink as a fallback.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
