@@ -46,6 +46,10 @@ fn free_port() -> u16 {
 }
 
 fn start(tag: &str) -> LmNode {
+    start_with(tag, &[])
+}
+
+fn start_with(tag: &str, extra: &[&str]) -> LmNode {
     let dir = std::env::temp_dir().join(format!("kvnode-lm-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -77,6 +81,7 @@ fn start(tag: &str) -> LmNode {
         ])
         .arg("--socket")
         .arg(&socket)
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("node.log")).unwrap())
         .spawn()
@@ -551,5 +556,74 @@ fn unregister_releases_pending_and_sigterm_unlinks_the_segment() {
     assert!(
         !std::path::Path::new(&shm).exists(),
         "segment unlinked on SIGTERM"
+    );
+}
+
+#[test]
+fn silent_lmcache_worker_is_reaped_and_its_reservation_freed() {
+    let node = start_with(
+        "reap",
+        &[
+            "--worker-reap-timeout-seconds",
+            "1",
+            "--worker-registration-grace-seconds",
+            "1",
+        ],
+    );
+    let mut d = Dealer::connect(node.port);
+    let reg = RegisterPayload {
+        instance_id: 99,
+        model_name: "lm-model".into(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 8,
+        dtype_str: "float16".into(),
+        use_mla: false,
+    };
+    d.call(
+        Op::RegisterEngineDriven,
+        vec![wire::encode_register_payload(&reg)],
+    )
+    .unwrap();
+    assert_eq!(
+        d.call(Op::Ping, vec![wire::encode_uint(99)]),
+        Some(Value::Boolean(true))
+    );
+    let tokens: Vec<u32> = (0..32).collect();
+    let p = d
+        .call(
+            Op::PrepareStore,
+            vec![key(&tokens, 0, 32, Some(0), "s"), wire::encode_uint(99)],
+        )
+        .unwrap();
+    assert_eq!(
+        get(get(&p, "context"), "slots").as_array().unwrap().len(),
+        2
+    );
+    // Silence: the timer wheel reaps the worker; its reservation is freed, never published.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = common::NodeStatus::of(&node.socket);
+        if num(&st, &["liveness", "reaped"]) == 1 {
+            assert_eq!(num(&st, &["used_bytes"]), 0);
+            assert_eq!(num(&st, &["objects", "ready"]), 0);
+            assert!(st["instances"].as_array().unwrap().is_empty());
+            break;
+        }
+        assert!(Instant::now() < deadline, "not reaped: {st:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The reaped worker's commit is answered (false), not left hanging.
+    assert_eq!(
+        d.call(
+            Op::CommitStore,
+            vec![
+                key(&tokens, 0, 32, Some(0), "s"),
+                wire::encode_uint(99),
+                vec![0xc4, 0x00]
+            ]
+        ),
+        Some(Value::Boolean(false))
     );
 }

@@ -24,6 +24,20 @@ use super::frontend::LmFrontend;
 use super::wire::{self, Op};
 use crate::error::{Error, Result};
 
+/// Operations whose server-side time is tracked (logged at shutdown).
+pub const TIMED_OPS: [Op; 10] = [
+    Op::RegisterEngineDriven,
+    Op::PrepareStore,
+    Op::CommitStore,
+    Op::Lookup,
+    Op::WaitPrefetchStatus,
+    Op::PrepareRetrieve,
+    Op::CommitRetrieve,
+    Op::EndSession,
+    Op::FreeLookupLocks,
+    Op::Ping,
+];
+
 /// Requests waiting for one handler thread (beyond it, requests are answered negatively).
 pub const HANDLER_QUEUE: usize = 4096;
 /// Largest multipart request accepted (frames beyond it are refused, not decoded).
@@ -44,9 +58,23 @@ struct Handler {
     thread: OnceLock<Thread>,
 }
 
+/// Server-side time of one operation type (decode + execute + queue the reply), for isolating
+/// kvnode's own share of what a client measures.
+#[derive(Default, Debug)]
+pub struct OpTime {
+    /// Requests handled.
+    pub count: AtomicU64,
+    /// Sum of their server-side times in nanoseconds.
+    pub total_ns: AtomicU64,
+    /// Longest one in nanoseconds.
+    pub max_ns: AtomicU64,
+}
+
 /// Counters of the frontend, for logs and tests.
 #[derive(Default, Debug)]
 pub struct FrontendStats {
+    /// Server-side time per operation (indexed like [`TIMED_OPS`]).
+    pub op_time: [OpTime; TIMED_OPS.len()],
     /// Requests received.
     pub requests: AtomicU64,
     /// Requests whose payload could not be decoded (answered negatively).
@@ -138,8 +166,20 @@ impl LmServer {
         &self.shared.stats
     }
 
-    /// Stops the threads and closes the socket.
+    /// Stops the threads and closes the socket; logs the server-side time per operation.
     pub fn shutdown(self) {
+        for (op, t) in TIMED_OPS.iter().zip(&self.shared.stats.op_time) {
+            let n = t.count.load(Ordering::Relaxed);
+            if n > 0 {
+                tracing::info!(
+                    op = ?op,
+                    calls = n,
+                    mean_us = t.total_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1000.0,
+                    max_us = t.max_ns.load(Ordering::Relaxed) as f64 / 1000.0,
+                    "LMCache frontend server-side time"
+                );
+            }
+        }
         self.shared.stop.store(true, Ordering::Release);
         let _ = (&self.shared.wake_tx).write(&[1]);
         for h in &self.shared.handlers {
@@ -284,6 +324,7 @@ fn run_handler(s: &Shared, index: usize) {
             thread::park_timeout(Duration::from_millis(200));
             continue;
         };
+        let started = std::time::Instant::now();
         let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
         let reply = match wire::decode_request(req.op, &req.name, &payload) {
             Ok(r) => {
@@ -299,5 +340,12 @@ fn run_handler(s: &Shared, index: usize) {
             }
         };
         respond(s, req.identity, req.uid, req.typ, reply);
+        if let Some(i) = TIMED_OPS.iter().position(|o| *o == req.op) {
+            let ns = started.elapsed().as_nanos() as u64;
+            let t = &s.stats.op_time[i];
+            t.count.fetch_add(1, Ordering::Relaxed);
+            t.total_ns.fetch_add(ns, Ordering::Relaxed);
+            t.max_ns.fetch_max(ns, Ordering::Relaxed);
+        }
     }
 }
