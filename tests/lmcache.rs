@@ -482,6 +482,36 @@ fn lmcache_protocol_end_to_end() {
         Some(Value::Boolean(false)),
         "pickle data refused"
     );
+    // That client is now known to be in pickle mode: its retrieves are misses, not slots it
+    // would not read.
+    assert_eq!(
+        d.call(
+            Op::Lookup,
+            vec![key(&more, 0, 80, None, "r3"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    let p = d
+        .call(
+            Op::PrepareRetrieve,
+            vec![key(&more, 0, 64, Some(0), "r3"), inst.clone()],
+        )
+        .unwrap();
+    assert_eq!(get(&p, "success"), &Value::Boolean(false));
+    assert_eq!(
+        d.call(
+            Op::FreeLookupLocks,
+            vec![key(&more, 0, 80, None, "r3"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    assert_eq!(
+        num(
+            &common::NodeStatus::of(&node.socket),
+            &["objects", "read_locked"]
+        ),
+        0
+    );
     // Unaligned range: negative, not a hang.
     let p = d
         .call(
@@ -497,7 +527,8 @@ fn lmcache_protocol_end_to_end() {
     assert_eq!(num(&st, &["objects", "ready"]), 4);
     assert_eq!(st["memcheck_ok"], true);
 
-    // CLEAR (0.5.6 sends force) and UNREGISTER: no reply frame.
+    // CLEAR without payload (0.5.4) and with force (0.5.6), and UNREGISTER: no reply frame.
+    assert_eq!(d.call(Op::Clear, vec![]), None);
     assert_eq!(d.call(Op::Clear, vec![wire::encode_bool(true)]), None);
     assert_eq!(d.call(Op::UnregisterEngineDriven, vec![inst.clone()]), None);
     let st = common::NodeStatus::of(&node.socket);

@@ -76,6 +76,9 @@ pub struct LmFrontend {
     pending_writes: Mutex<HashMap<KeyId, u64>>,
     pending_reads: Mutex<HashMap<KeyId, u64>>,
     prefetch: Mutex<HashMap<String, u32>>,
+    /// Instances that sent pickled tensors (they could not open the segment): their retrieves
+    /// are answered as misses, since they would look for the bytes inline.
+    pickle_instances: Mutex<HashMap<u64, ()>>,
 }
 
 fn bounded_insert<K: std::hash::Hash + Eq + Clone, V>(
@@ -102,6 +105,7 @@ impl LmFrontend {
             pending_writes: Mutex::default(),
             pending_reads: Mutex::default(),
             prefetch: Mutex::default(),
+            pickle_instances: Mutex::default(),
         }
     }
 
@@ -340,6 +344,7 @@ impl LmFrontend {
     }
 
     fn forget_instance(&self, instance: u64) {
+        self.pickle_instances.lock().remove(&instance);
         self.pending_writes
             .lock()
             .retain(|k, _| k.instance != instance);
@@ -414,6 +419,7 @@ impl LmFrontend {
                     transfer_id: t,
                 });
             }
+            bounded_insert(&mut self.pickle_instances.lock(), instance_id, ());
             return Some(wire::encode_bool(false));
         }
         let Some(transfer_id) = pending else {
@@ -437,6 +443,13 @@ impl LmFrontend {
                 return self.negative_reply(Op::PrepareRetrieve);
             }
         };
+        if self.pickle_instances.lock().contains_key(&instance_id) {
+            tracing::warn!(
+                instance = instance_id,
+                "PREPARE_RETRIEVE from a pickle-mode client: answering a miss (shared memory only)"
+            );
+            return Some(wire::encode_prepare_retrieve_reply(None));
+        }
         if hashes.is_empty() {
             return Some(wire::encode_prepare_retrieve_reply(Some(&[])));
         }
