@@ -165,6 +165,20 @@ fn key(tokens: &[u32], start: u64, end: u64, worker: Option<u32>, req: &str) -> 
     )
 }
 
+/// An engine-driven registration of the test model: 2 layers, hidden 8, chunk 16.
+fn registration(instance_id: u64, dtype: &str) -> RegisterPayload {
+    RegisterPayload {
+        instance_id,
+        model_name: "lm-model".into(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 8,
+        dtype_str: dtype.into(),
+        use_mla: false,
+    }
+}
+
 fn get<'a>(v: &'a Value, k: &str) -> &'a Value {
     v.as_map()
         .unwrap_or_else(|| panic!("map expected, got {v}"))
@@ -197,16 +211,7 @@ fn lmcache_protocol_end_to_end() {
     );
 
     // Register: the reply names the shm segment and its size; duplicate registration is identical.
-    let reg = RegisterPayload {
-        instance_id: 1234567890123,
-        model_name: "lm-model".into(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 8,
-        dtype_str: "bfloat16".into(),
-        use_mla: false,
-    };
+    let reg = registration(1234567890123, "bfloat16");
     let r1 = d
         .call(
             Op::RegisterEngineDriven,
@@ -540,16 +545,7 @@ fn lmcache_protocol_end_to_end() {
 fn unregister_releases_pending_and_sigterm_unlinks_the_segment() {
     let mut node = start("unreg");
     let mut d = Dealer::connect(node.port);
-    let reg = RegisterPayload {
-        instance_id: 7,
-        model_name: "lm-model".into(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 8,
-        dtype_str: "float32".into(),
-        use_mla: false,
-    };
+    let reg = registration(7, "float32");
     d.call(
         Op::RegisterEngineDriven,
         vec![wire::encode_register_payload(&reg)],
@@ -602,16 +598,7 @@ fn silent_lmcache_worker_is_reaped_and_its_reservation_freed() {
         ],
     );
     let mut d = Dealer::connect(node.port);
-    let reg = RegisterPayload {
-        instance_id: 99,
-        model_name: "lm-model".into(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 8,
-        dtype_str: "float16".into(),
-        use_mla: false,
-    };
+    let reg = registration(99, "float16");
     d.call(
         Op::RegisterEngineDriven,
         vec![wire::encode_register_payload(&reg)],
