@@ -436,6 +436,45 @@ fn lmcache_protocol_end_to_end() {
         0
     );
 
+    // vLLM frees up to its block-aligned hit (24 tokens = 1.5 chunks): the straddling chunk 1
+    // stays locked, so a retrieve of [16, 64) still hits.
+    assert_eq!(
+        d.call(
+            Op::Lookup,
+            vec![key(&more, 0, 80, None, "r4"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    assert_eq!(
+        d.call(
+            Op::FreeLookupLocks,
+            vec![key(&more, 0, 24, None, "r4"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    let p = d
+        .call(
+            Op::PrepareRetrieve,
+            vec![key(&more, 16, 64, Some(0), "r4"), inst.clone()],
+        )
+        .unwrap();
+    assert_eq!(get(&p, "success"), &Value::Boolean(true));
+    assert_eq!(
+        d.call(
+            Op::CommitRetrieve,
+            vec![key(&more, 16, 64, Some(0), "r4"), inst.clone()]
+        ),
+        Some(Value::Boolean(true))
+    );
+    assert_eq!(d.call(Op::EndSession, vec![wire::encode_str("r4")]), None);
+    assert_eq!(
+        num(
+            &common::NodeStatus::of(&node.socket),
+            &["objects", "read_locked"]
+        ),
+        0
+    );
+
     // Management.
     assert_eq!(
         d.call(Op::Ping, vec![inst.clone()]),

@@ -233,6 +233,19 @@ fn lookup_locks_prefix_and_retrieve_consumes_them() {
     assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
     c.end_session("A").unwrap();
     c.end_session("B").unwrap();
+    // A repeated LOOKUP with the same id releases the old session's locks; END_SESSION releases
+    // whatever a session still holds (no leak left to the TTL).
+    assert_eq!(c.lookup("dup", &all_ranks, 1).unwrap(), 3);
+    assert_eq!(c.lookup("dup", &all_ranks, 1).unwrap(), 3);
+    assert_eq!(num(&node.status(), &["objects", "read_locked"]), 3);
+    let s = node.status();
+    assert_eq!(
+        num(&s, &["objects", "read_locked"]),
+        3,
+        "one session's worth, not two"
+    );
+    c.end_session("dup").unwrap();
+    assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
     c.end_session("never-existed").unwrap();
     assert_eq!(
         num(&node.status(), &["sessions"]),

@@ -268,10 +268,13 @@ impl LmFrontend {
             }
             LmRequest::FreeLookupLocks { key, .. } => {
                 let c = self.chunk();
+                // Both ends round down, like LMCache: vLLM frees up to its own block-aligned hit,
+                // and the chunk straddling that boundary stays locked for the retrieve.
+                let clamp = |v: u64| (v / c).min(u64::from(u32::MAX)) as u32;
                 self.call(Request::FreeLookupLocks {
                     request_id: key.request_id.clone(),
-                    start_chunk: (key.start / c) as u32,
-                    end_chunk: key.end.div_ceil(c).min(u64::from(u32::MAX)) as u32,
+                    start_chunk: clamp(key.start),
+                    end_chunk: clamp(key.end),
                 });
                 None
             }
@@ -466,7 +469,8 @@ impl LmFrontend {
                 slots,
                 layout,
             } => {
-                if let Some(old) = bounded_insert(&mut self.pending_reads.lock(), id, transfer_id) {
+                let replaced = bounded_insert(&mut self.pending_reads.lock(), id, transfer_id);
+                if let Some(old) = replaced {
                     self.call(Request::CommitRetrieve {
                         instance_id,
                         transfer_id: old,

@@ -108,24 +108,38 @@ impl SessionTable {
         old
     }
 
-    /// Removes sessions idle since before `cutoff_ms`; returns them (their locks are left to the
-    /// read TTL, as a retrieve may still be using them).
-    pub fn expire(&self, cutoff_ms: u64) -> usize {
-        let mut n = 0;
+    /// Removes sessions idle since before `cutoff_ms` and returns them, so the caller releases
+    /// the locks they still hold (a retrieve that used them has already consumed its share).
+    pub fn expire(&self, cutoff_ms: u64) -> Vec<Session> {
+        let mut out = Vec::new();
         for s in &self.shards {
             let mut m = s.lock();
-            let before = m.len();
-            m.retain(|_, v| v.last_used_ms >= cutoff_ms);
-            n += before - m.len();
+            let stale: Vec<String> = m
+                .iter()
+                .filter(|(_, v)| v.last_used_ms < cutoff_ms)
+                .map(|(k, _)| k.clone())
+                .collect();
+            out.extend(stale.iter().filter_map(|k| m.remove(k)));
         }
-        self.count.fetch_sub(n, Ordering::Relaxed);
-        n
+        self.count.fetch_sub(out.len(), Ordering::Relaxed);
+        out
+    }
+}
+
+/// Releases every lock a session still holds (session replaced, ended or expired): locks that
+/// nobody will retrieve or free any more must not wait for the TTL (LMCache leaked them, W7).
+pub fn release_session(ctx: &NodeContext, s: &Session) {
+    for held in s.locked.iter().flatten() {
+        if held.remaining > 0 {
+            ctx.storage
+                .finish_read(&[(held.key, held.lease)], held.remaining - 1);
+        }
     }
 }
 
 /// LOOKUP: prefix hit count over all ranks, locking the hit prefix with `1 + extra` locks per key.
-/// A repeated lookup with the same request id replaces the session (its chunks stay locked until
-/// retrieved, freed or expired, as in LMCache).
+/// A repeated lookup with the same request id replaces the session and releases the locks the
+/// old one still held (LMCache leaked them: W7).
 pub fn lookup(
     ctx: &NodeContext,
     request_id: &str,
@@ -176,7 +190,7 @@ pub fn lookup(
         extra,
     );
     let hit = locked.len() as u32;
-    ctx.sessions.insert(
+    let replaced = ctx.sessions.insert(
         request_id,
         Session {
             namespace,
@@ -198,6 +212,9 @@ pub fn lookup(
             last_used_ms: ctx.now_ms(),
         },
     );
+    if let Some(old) = replaced {
+        release_session(ctx, &old);
+    }
     Ok(Response::LookupHits { chunks: hit })
 }
 
@@ -254,9 +271,11 @@ pub fn consume(
     }
 }
 
-/// END_SESSION: forgets the session and refreshes recency of all its chunks (every rank).
+/// END_SESSION: forgets the session, releases any lookup locks it still holds, and refreshes
+/// recency of all its chunks (every rank).
 pub fn end_session(ctx: &NodeContext, request_id: &str) -> Result<Response> {
     if let Some(s) = ctx.sessions.remove(request_id) {
+        release_session(ctx, &s);
         let keys: Vec<StorageKey> = s
             .hashes
             .iter()

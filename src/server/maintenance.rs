@@ -70,9 +70,12 @@ fn run(ctx: &NodeContext) {
             let cutoff = ctx
                 .now_ms()
                 .saturating_sub(ctx.config.session_ttl_secs.saturating_mul(1000));
-            let n = ctx.sessions.expire(cutoff);
-            if n > 0 {
-                tracing::debug!(sessions = n, "idle lookup sessions dropped");
+            let expired = ctx.sessions.expire(cutoff);
+            for s in &expired {
+                crate::modules::lookup::release_session(ctx, s);
+            }
+            if !expired.is_empty() {
+                tracing::debug!(sessions = expired.len(), "idle lookup sessions dropped");
             }
         }
     }
