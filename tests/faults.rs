@@ -291,3 +291,47 @@ fn second_node_on_same_socket_is_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
     assert!(node.client().noop().is_ok(), "the first node keeps serving");
 }
+
+#[test]
+fn prepared_transfers_that_are_never_committed_expire() {
+    let dir = std::env::temp_dir().join(format!("kvnode-ttl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("ttl.toml");
+    std::fs::write(
+        &cfg,
+        "write_ttl_secs = 1\nread_ttl_secs = 1\n[limits]\nmax_pending_transfers = 2\n",
+    )
+    .unwrap();
+    let node = NodeProc::start("ttl", &["--config", cfg.to_str().unwrap()]);
+    let mut c = node.client();
+    let len = c.register(&reg(1)).unwrap().object_bytes as usize;
+    let stored = range(&tokens(1, 1));
+    let d = payloads(&stored, len);
+    c.store(1, &stored, &[&d[0]]).unwrap();
+    // Two prepared transfers whose commits never come (the client stays alive and pings).
+    c.prepare_store(1, &range(&tokens(2, 2))).unwrap();
+    c.prepare_retrieve(1, &stored, None).unwrap().unwrap();
+    assert_eq!(
+        c.prepare_store(1, &range(&tokens(3, 1))).unwrap_err().kind,
+        ErrorKind::LimitExceeded
+    );
+    c.ping(Some(1)).unwrap();
+    let s = node.wait_status("expiry of the forgotten transfers", |s| {
+        num(s, &["pending_writes"]) == 0 && num(s, &["pending_reads"]) == 0
+    });
+    assert_eq!(
+        num(&s, &["objects", "write_reserved"]),
+        0,
+        "the forgotten reservation is freed"
+    );
+    assert_eq!(num(&s, &["objects", "read_locked"]), 0);
+    assert_eq!(
+        num(&s, &["objects", "ready"]),
+        1,
+        "never published, committed data kept"
+    );
+    assert_eq!(s["memcheck_ok"], true);
+    // The instance can prepare again.
+    assert!(c.prepare_store(1, &range(&tokens(3, 1))).is_ok());
+    let _ = std::fs::remove_dir_all(&dir);
+}

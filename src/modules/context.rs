@@ -255,6 +255,45 @@ impl NodeContext {
         Ok(inst)
     }
 
+    /// The TTL safety net for prepared transfers that are never committed (a client that timed
+    /// out or failed mid-copy but stays alive): stores older than the write TTL are aborted and
+    /// freed, retrieves older than the read TTL are released, so they neither hold memory nor
+    /// count against the per-instance pending limit. Returns (writes, reads) expired.
+    pub fn expire_pending(&self) -> (usize, usize) {
+        let now = self.now_ms();
+        let write_ttl = self.config.write_ttl_secs.saturating_mul(1000);
+        let read_ttl = self.config.read_ttl_secs.saturating_mul(1000);
+        let (mut w, mut r) = (0, 0);
+        for inst in self.instances.all() {
+            let mut p = inst.pending.lock();
+            let stale_w: Vec<u64> = p
+                .writes
+                .iter()
+                .filter(|(_, x)| now.saturating_sub(x.created_ms) >= write_ttl)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in stale_w {
+                if let Some(x) = p.writes.remove(&id) {
+                    self.storage.abort_write(&x.items);
+                    w += 1;
+                }
+            }
+            let stale_r: Vec<u64> = p
+                .reads
+                .iter()
+                .filter(|(_, x)| now.saturating_sub(x.created_ms) >= read_ttl)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in stale_r {
+                if let Some(x) = p.reads.remove(&id) {
+                    self.storage.finish_read(&x.keys, 0);
+                    r += 1;
+                }
+            }
+        }
+        (w, r)
+    }
+
     /// Releases an instance (unregister, reaping, disconnect): marks it released, removes it from
     /// the table, **deletes and frees** its pending writes (never publishes them), unlocks its
     /// pending reads and drops its layout reference. Idempotent.

@@ -27,6 +27,8 @@ pub struct Job {
 pub struct PendingWrite {
     /// Reserved objects, in chunk order.
     pub items: Vec<(StorageKey, Grant)>,
+    /// Node-clock millisecond of the PREPARE (for the TTL safety net).
+    pub created_ms: u64,
 }
 
 /// A prepared retrieve: the `(key, lease)` pairs whose read locks COMMIT_RETRIEVE releases.
@@ -34,6 +36,8 @@ pub struct PendingWrite {
 pub struct PendingRead {
     /// Read-locked keys with the lease of their lock, in chunk order.
     pub keys: Vec<(StorageKey, u64)>,
+    /// Node-clock millisecond of the PREPARE (for the TTL safety net).
+    pub created_ms: u64,
 }
 
 /// Pending transfers of one instance. Invariant: every reservation listed here is

@@ -164,7 +164,13 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
         0
     } else {
         let id = ctx.next_transfer_id();
-        pending.writes.insert(id, PendingWrite { items });
+        pending.writes.insert(
+            id,
+            PendingWrite {
+                items,
+                created_ms: ctx.now_ms(),
+            },
+        );
         id
     };
     drop(pending);
@@ -253,7 +259,13 @@ fn prepare_retrieve(
         .map(|(k, g)| (k, g.lease))
         .collect();
     let transfer_id = ctx.next_transfer_id();
-    pending.reads.insert(transfer_id, PendingRead { keys });
+    pending.reads.insert(
+        transfer_id,
+        PendingRead {
+            keys,
+            created_ms: ctx.now_ms(),
+        },
+    );
     Ok(Response::RetrievePrepared {
         hit: true,
         transfer_id,

@@ -59,6 +59,14 @@ fn run(ctx: &NodeContext) {
         }
         if last_ttl.elapsed() >= ttl_every {
             last_ttl = Instant::now();
+            let (pw, pr) = ctx.expire_pending();
+            if pw + pr > 0 {
+                tracing::warn!(
+                    expired_prepared_stores = pw,
+                    expired_prepared_retrieves = pr,
+                    "prepared transfers never committed: released by the TTL safety net"
+                );
+            }
             let (w, r) = ctx.storage.expire_locks(ctx.storage.now_ms());
             if w + r > 0 {
                 tracing::warn!(
