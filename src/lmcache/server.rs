@@ -333,7 +333,12 @@ fn run_handler(s: &Shared, index: usize) {
                 if matches!(r, wire::LmRequest::Unsupported { .. }) {
                     s.stats.unsupported.fetch_add(1, Ordering::Relaxed);
                 }
-                s.frontend.handle(r)
+                // A bug must not leave the client waiting for its whole timeout.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.frontend.handle(r)))
+                    .unwrap_or_else(|_| {
+                        tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
+                        s.frontend.negative_reply(req.op)
+                    })
             }
             Err(e) => {
                 tracing::warn!(op = %req.name, error = %e, "malformed LMCache request: answering negatively");

@@ -13,11 +13,23 @@ use crate::storage::{pack_kv_rank, Grant, KeyError, StorageKey};
 /// Runs one queued job and sends its response.
 pub fn execute(ctx: &NodeContext, inst: &Arc<Instance>, job: Job) {
     let opcode = job.request.opcode();
-    let resp = match run(ctx, inst, job.request) {
-        Ok(r) => r,
-        Err(e) => {
+    // A bug must not leave the client without an answer or the instance stuck as "scheduled":
+    // a panic becomes a typed Internal error and the caller carries on.
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(ctx, inst, job.request)));
+    let resp = match outcome {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
             tracing::debug!(instance = inst.id, error = %e, "transfer request failed");
             Response::error(&e)
+        }
+        Err(_) => {
+            tracing::error!(
+                instance = inst.id,
+                opcode,
+                "transfer handler panicked (bug); answered with an internal error"
+            );
+            Response::error(&Error::internal("handler panicked; see the node log"))
         }
     };
     if matches!(resp, Response::Error { .. }) {
