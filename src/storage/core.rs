@@ -227,12 +227,17 @@ impl StorageCore {
         let _g = self.gate.read();
         let mut results: Vec<Result<Grant, KeyError>> = Vec::with_capacity(keys.len());
         let mut absent = Vec::with_capacity(keys.len());
+        let mut seen: std::collections::HashSet<
+            StorageKey,
+            std::hash::BuildHasherDefault<super::index::FingerprintHasher>,
+        > = std::collections::HashSet::with_capacity_and_hasher(keys.len(), Default::default());
         for (i, k) in keys.iter().enumerate() {
             let shard = self.shard(k).lock();
             match shard.map.get(k) {
                 None => {
-                    // Duplicate keys inside one batch: only the first is reserved.
-                    if absent.iter().any(|&j: &usize| keys[j] == *k) {
+                    // Duplicate keys inside one batch: only the first is reserved (a set, so a
+                    // 64k-chunk batch stays linear).
+                    if !seen.insert(*k) {
                         results.push(Err(KeyError::KeyNotWritable));
                     } else {
                         absent.push(i);

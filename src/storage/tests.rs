@@ -492,3 +492,13 @@ fn concurrent_operations_keep_the_books_balanced() {
     assert_eq!(c.used_bytes(), 0);
     assert!(c.memcheck().ok);
 }
+
+#[test]
+fn duplicate_keys_in_one_batch_reserve_once() {
+    let c = core(16 * MIB);
+    let r = c.reserve_write(&[key(1), key(2), key(1)], MIB, false);
+    assert!(r[0].is_ok() && r[1].is_ok());
+    assert_eq!(r[2], Err(KeyError::KeyNotWritable));
+    assert_eq!(c.counts().write_reserved, 2);
+    check(&c);
+}
