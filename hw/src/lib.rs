@@ -22,18 +22,27 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("kvnode-hw only supports Linux");
 
+mod block;
 mod error;
 mod fdpass;
 mod pool;
+mod pread_engine;
 mod region;
 mod shm;
 mod sys;
+mod uring;
 
+#[cfg(test)]
+mod block_tests;
+
+pub use block::{open_direct, open_engine, BlockEngine, BlockIo, EngineKind, BLOCK_ALIGN};
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
+pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};
 pub use sys::hugepages_free_2m;
+pub use uring::UringEngine;
 
 /// Serializes tests that create hugetlb-capable pools or change
 /// `nr_hugepages`, so that one test's reservation cannot skew another's
