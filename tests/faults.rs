@@ -212,15 +212,11 @@ fn garbage_bytes_get_an_error_and_other_clients_keep_working() {
 
 #[test]
 fn limits_are_enforced_with_typed_errors() {
-    let dir = std::env::temp_dir().join(format!("kvnode-limits-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("limits.toml");
-    std::fs::write(
-        &cfg,
+    let node = NodeProc::start_with_config(
+        "limits",
         "[limits]\nmax_instances = 2\nmax_pending_transfers = 2\nmax_chunks_per_request = 8\nmax_sessions = 1\n",
-    )
-    .unwrap();
-    let node = NodeProc::start("limits", &["--config", cfg.to_str().unwrap()]);
+        &[],
+    );
     let mut c = node.client();
     c.register(&reg(1)).unwrap();
     c.register(&reg(2)).unwrap();
@@ -256,7 +252,6 @@ fn limits_are_enforced_with_typed_errors() {
         matches!(e.kind, ErrorKind::OutOfMemory | ErrorKind::LimitExceeded),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -294,15 +289,11 @@ fn second_node_on_same_socket_is_refused() {
 
 #[test]
 fn prepared_transfers_that_are_never_committed_expire() {
-    let dir = std::env::temp_dir().join(format!("kvnode-ttl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("ttl.toml");
-    std::fs::write(
-        &cfg,
+    let node = NodeProc::start_with_config(
+        "ttl",
         "write_ttl_secs = 1\nread_ttl_secs = 1\n[limits]\nmax_pending_transfers = 2\n",
-    )
-    .unwrap();
-    let node = NodeProc::start("ttl", &["--config", cfg.to_str().unwrap()]);
+        &[],
+    );
     let mut c = node.client();
     let len = c.register(&reg(1)).unwrap().object_bytes as usize;
     let stored = range(&tokens(1, 1));
@@ -333,5 +324,4 @@ fn prepared_transfers_that_are_never_committed_expire() {
     assert_eq!(s["memcheck_ok"], true);
     // The instance can prepare again.
     assert!(c.prepare_store(1, &range(&tokens(3, 1))).is_ok());
-    let _ = std::fs::remove_dir_all(&dir);
 }

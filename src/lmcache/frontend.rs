@@ -196,8 +196,10 @@ impl LmFrontend {
             .collect()
     }
 
-    /// The well-typed negative answer for `op` (used when a request fails): never silence.
-    pub fn negative_reply(&self, op: Op) -> Reply {
+    /// The answer for `op` that needs no state: the full answer for the trivial operations
+    /// (chunk size, NOOP, GET_EXPERIMENTAL), otherwise the well-typed negative answer (empty
+    /// slots, a miss, `false`, `0`) used when a request fails or is not served: never silence.
+    pub fn stateless_reply(&self, op: Op) -> Reply {
         match op {
             Op::GetChunkSize => Some(wire::encode_uint(self.chunk())),
             Op::GetExperimental => Some(wire::encode_str_list(&[])),
@@ -321,7 +323,7 @@ impl LmFrontend {
                      answering negatively. Use the engine-driven transfer mode \
                      (LMCACHE_MP_TRANSFER_MODE=engine_driven)"
                 );
-                self.negative_reply(op)
+                self.stateless_reply(op)
             }
         }
     }
@@ -341,7 +343,7 @@ impl LmFrontend {
             Response::Registered(r) => Some(wire::encode_register_reply(&r.shm_name, r.pool_bytes)),
             other => {
                 tracing::warn!(instance = p.instance_id, response = ?other, "LMCache registration refused");
-                self.negative_reply(Op::RegisterEngineDriven)
+                self.stateless_reply(Op::RegisterEngineDriven)
             }
         }
     }
@@ -361,7 +363,7 @@ impl LmFrontend {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_STORE refused");
-                return self.negative_reply(Op::PrepareStore);
+                return self.stateless_reply(Op::PrepareStore);
             }
         };
         if hashes.is_empty() {
@@ -396,7 +398,7 @@ impl LmFrontend {
             }
             other => {
                 tracing::warn!(instance = instance_id, response = ?other, "PREPARE_STORE failed");
-                self.negative_reply(Op::PrepareStore)
+                self.stateless_reply(Op::PrepareStore)
             }
         }
     }
@@ -443,7 +445,7 @@ impl LmFrontend {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_RETRIEVE refused");
-                return self.negative_reply(Op::PrepareRetrieve);
+                return self.stateless_reply(Op::PrepareRetrieve);
             }
         };
         if self.pickle_instances.lock().contains_key(&instance_id) {
@@ -484,7 +486,7 @@ impl LmFrontend {
             }
             other => {
                 tracing::warn!(instance = instance_id, response = ?other, "PREPARE_RETRIEVE failed");
-                self.negative_reply(Op::PrepareRetrieve)
+                self.stateless_reply(Op::PrepareRetrieve)
             }
         }
     }

@@ -168,8 +168,16 @@ impl LmServer {
         &self.shared.stats
     }
 
-    /// Stops the threads and closes the socket; logs the server-side time per operation.
+    /// Stops the threads and closes the socket; logs the counters and the server-side time per
+    /// operation.
     pub fn shutdown(self) {
+        let st = &self.shared.stats;
+        tracing::info!(
+            requests = st.requests.load(Ordering::Relaxed),
+            malformed = st.malformed.load(Ordering::Relaxed),
+            unsupported = st.unsupported.load(Ordering::Relaxed),
+            "LMCache frontend stopping"
+        );
         for (op, t) in TIMED_OPS.iter().zip(&self.shared.stats.op_time) {
             let n = t.count.load(Ordering::Relaxed);
             if n > 0 {
@@ -270,7 +278,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>) {
     };
     let quick = match op {
         Op::GetChunkSize | Op::Noop | Op::GetExperimental if payload.is_empty() => {
-            s.frontend.negative_reply(op)
+            s.frontend.stateless_reply(op)
         }
         _ => None,
     };
@@ -281,7 +289,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>) {
     if total > MAX_REQUEST_BYTES {
         tracing::warn!(op = %name, bytes = total, "LMCache request larger than the limit: refused");
         s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-        respond(s, identity, uid, typ, s.frontend.negative_reply(op));
+        respond(s, identity, uid, typ, s.frontend.stateless_reply(op));
         return;
     }
     let h = handler_for(&identity, s.handlers.len());
@@ -306,7 +314,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>) {
                 req.identity,
                 req.uid,
                 req.typ,
-                s.frontend.negative_reply(req.op),
+                s.frontend.stateless_reply(req.op),
             );
         }
     }
@@ -337,13 +345,13 @@ fn run_handler(s: &Shared, index: usize) {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.frontend.handle(r)))
                     .unwrap_or_else(|_| {
                         tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
-                        s.frontend.negative_reply(req.op)
+                        s.frontend.stateless_reply(req.op)
                     })
             }
             Err(e) => {
                 tracing::warn!(op = %req.name, error = %e, "malformed LMCache request: answering negatively");
                 s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                s.frontend.negative_reply(req.op)
+                s.frontend.stateless_reply(req.op)
             }
         };
         respond(s, req.identity, req.uid, req.typ, reply);

@@ -337,6 +337,22 @@ mod tests {
         }
     }
 
+    /// A LOOKUP of `chunks` copies of the hash `[fill; 32]`.
+    fn lookup(id: &str, fill: u8, chunks: usize) -> Request {
+        Request::Lookup {
+            request_id: id.into(),
+            range: ChunkRange {
+                model: "m".into(),
+                world_size: 1,
+                worker_id: None,
+                cache_salt: String::new(),
+                first_chunk: 0,
+                chunk_hashes: vec![[fill; 32]; chunks],
+            },
+            tp_size: 1,
+        }
+    }
+
     fn read_all(bytes: &[u8]) -> Result<Option<Request>, FrameError> {
         let mut src = PlainSource(bytes);
         let mut buf = AlignedVec::new();
@@ -366,18 +382,7 @@ mod tests {
         for id in 0..5 {
             bytes.extend(encode_request(id, &sample()).unwrap());
         }
-        let big = Request::Lookup {
-            request_id: "big".into(),
-            range: ChunkRange {
-                model: "m".into(),
-                world_size: 1,
-                worker_id: None,
-                cache_salt: String::new(),
-                first_chunk: 0,
-                chunk_hashes: vec![[9; 32]; 10_000],
-            },
-            tp_size: 1,
-        };
+        let big = lookup("big", 9, 10_000);
         bytes.extend(encode_request(99, &big).unwrap());
         // Deliver in odd-sized pieces to exercise every boundary.
         struct Trickle<'a>(&'a [u8], usize);
@@ -519,18 +524,7 @@ mod tests {
 
     #[test]
     fn oversized_payloads_cannot_be_encoded() {
-        let big = Request::Lookup {
-            request_id: "r".into(),
-            range: ChunkRange {
-                model: "m".into(),
-                world_size: 1,
-                worker_id: None,
-                cache_salt: String::new(),
-                first_chunk: 0,
-                chunk_hashes: vec![[0; 32]; (MAX_PAYLOAD_BYTES as usize / 32) + 1],
-            },
-            tp_size: 1,
-        };
+        let big = lookup("r", 0, (MAX_PAYLOAD_BYTES as usize / 32) + 1);
         assert!(matches!(
             encode_request(1, &big),
             Err(FrameError::Oversized { .. })

@@ -61,6 +61,18 @@ impl NodeProc {
         node
     }
 
+    /// Starts a node whose configuration file holds `toml` (written into the node's own
+    /// directory, removed with it), plus `extra` flags.
+    pub fn start_with_config(tag: &str, toml: &str, extra: &[&str]) -> NodeProc {
+        let cfg = std::env::temp_dir().join(format!("kvnode-it-{}-{tag}.toml", std::process::id()));
+        std::fs::write(&cfg, toml).unwrap();
+        let mut args = vec!["--config", cfg.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let node = NodeProc::start(tag, &args);
+        let _ = std::fs::remove_file(&cfg); // read at start-up
+        node
+    }
+
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
