@@ -44,6 +44,129 @@ impl Default for Limits {
     }
 }
 
+/// When committed objects are written to the L2 disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WritePolicy {
+    /// Every committed object is written behind (asynchronously) as soon as it is committed.
+    Always,
+    /// Objects are written when the background eviction pass is about to drop them from L1.
+    OnEvict,
+}
+
+impl WritePolicy {
+    /// Stable name: `"always"` or `"on-evict"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WritePolicy::Always => "always",
+            WritePolicy::OnEvict => "on-evict",
+        }
+    }
+
+    /// Parses `always` or `on-evict`.
+    pub fn parse(s: &str) -> Result<WritePolicy> {
+        match s.to_ascii_lowercase().as_str() {
+            "always" | "all" => Ok(WritePolicy::Always),
+            "on-evict" | "on_evict" | "evict" => Ok(WritePolicy::OnEvict),
+            other => Err(Error::invalid(format!(
+                "L2 write policy must be always or on-evict (got {other:?})"
+            ))),
+        }
+    }
+}
+
+/// The L2 disk tier. Invariant after [`NodeConfig::validate`]: disabled (`path` empty) or
+/// `bytes`, `queue_depth`, `max_prefetch_objects`, `write_queue` and `batch_objects` are > 0 and
+/// `engine` names an engine.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct L2Config {
+    /// A directory (the data file `kvnode-l2.dat` is created in it), an existing data file, or a
+    /// block device. Empty: no L2 tier.
+    pub path: PathBuf,
+    /// Bytes of the data file (a block device uses at most this much of itself).
+    pub bytes: u64,
+    /// `auto` (io_uring, else pread), `uring` or `pread`.
+    pub engine: String,
+    /// When objects are written to L2.
+    pub write_policy: WritePolicy,
+    /// io_uring queue depth (I/Os in flight per ring).
+    pub queue_depth: u32,
+    /// Kernel-side submission polling for the io_uring rings.
+    pub sqpoll: bool,
+    /// Extent size on disk (a multiple of 2 MiB); 0 = chosen from the file size.
+    pub extent_bytes: u64,
+    /// Objects being loaded from L2 into L1 at once, node-wide (prefetch bound).
+    pub max_prefetch_objects: usize,
+    /// Committed objects waiting for write-behind (beyond it they are skipped and counted).
+    pub write_queue: usize,
+    /// Objects per write-behind batch.
+    pub batch_objects: usize,
+}
+
+impl Default for L2Config {
+    fn default() -> Self {
+        L2Config {
+            path: PathBuf::new(),
+            bytes: 8 << 30,
+            engine: "auto".into(),
+            write_policy: WritePolicy::Always,
+            queue_depth: 64,
+            sqpoll: false,
+            extent_bytes: 0,
+            max_prefetch_objects: 1024,
+            write_queue: 65_536,
+            batch_objects: 64,
+        }
+    }
+}
+
+impl L2Config {
+    /// Whether the tier is configured.
+    pub fn enabled(&self) -> bool {
+        !self.path.as_os_str().is_empty()
+    }
+
+    /// The engine named by `engine` (`None` = auto).
+    pub fn engine_kind(&self) -> Result<Option<kvnode_hw::EngineKind>> {
+        match self.engine.to_ascii_lowercase().as_str() {
+            "auto" => Ok(None),
+            "uring" | "io_uring" | "io-uring" => Ok(Some(kvnode_hw::EngineKind::Uring)),
+            "pread" => Ok(Some(kvnode_hw::EngineKind::Pread)),
+            other => Err(Error::invalid(format!(
+                "L2 engine must be one of uring, pread, auto (got {other:?})"
+            ))),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        self.engine_kind()?;
+        for (name, v) in [
+            ("l2.bytes", self.bytes),
+            ("l2.queue_depth", u64::from(self.queue_depth)),
+            ("l2.max_prefetch_objects", self.max_prefetch_objects as u64),
+            ("l2.write_queue", self.write_queue as u64),
+            ("l2.batch_objects", self.batch_objects as u64),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(format!("{name} must be > 0")));
+            }
+        }
+        if self.queue_depth > 4096 {
+            return Err(Error::invalid("l2.queue_depth must be <= 4096"));
+        }
+        if !self.extent_bytes.is_multiple_of(2 << 20) {
+            return Err(Error::invalid(
+                "l2.extent_bytes must be a multiple of 2 MiB",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Everything `kvnode serve` needs. Invariant after [`NodeConfig::validate`]: sizes non-zero,
 /// `registration_grace >= reap_timeout` when reaping is on.
 #[derive(Debug, Clone, Deserialize)]
@@ -83,6 +206,8 @@ pub struct NodeConfig {
     pub low_watermark: f64,
     /// Limits.
     pub limits: Limits,
+    /// The L2 disk tier (`[l2]` in TOML).
+    pub l2: L2Config,
 }
 
 /// The default socket path: `$XDG_RUNTIME_DIR/kvnode.sock`, else `/tmp/kvnode.sock`.
@@ -112,6 +237,7 @@ impl Default for NodeConfig {
             high_watermark: 0.95,
             low_watermark: 0.85,
             limits: Limits::default(),
+            l2: L2Config::default(),
         }
     }
 }
@@ -153,6 +279,7 @@ impl NodeConfig {
             ));
         }
         self.page_preference()?;
+        self.l2.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

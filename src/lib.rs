@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod hashing;
+pub mod l2;
 pub mod liveness;
 pub mod lmcache;
 pub mod modules;

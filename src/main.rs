@@ -72,6 +72,47 @@ struct ServeArgs {
     /// Log filter (tracing EnvFilter syntax), e.g. info or kvnode=debug.
     #[arg(long, default_value = "info")]
     log: String,
+    #[command(flatten)]
+    l2: L2Args,
+}
+
+/// The L2 disk tier flags, shared by `serve` and `lmcache-server`.
+#[derive(clap::Args)]
+struct L2Args {
+    /// L2 disk tier: a directory (data file kvnode-l2.dat inside), a data file or a block device.
+    #[arg(long)]
+    l2_path: Option<PathBuf>,
+    /// L2 size, e.g. 64GiB (default 8GiB, or the config file's).
+    #[arg(long, value_parser = size_arg)]
+    l2_size: Option<u64>,
+    /// L2 block engine: uring, pread or auto (io_uring, falling back to pread).
+    #[arg(long, value_parser = ["uring", "pread", "auto"])]
+    l2_engine: Option<String>,
+    /// When objects go to L2: always (write-behind on commit) or on-evict.
+    #[arg(long, value_parser = ["always", "on-evict"])]
+    l2_write_policy: Option<String>,
+}
+
+impl L2Args {
+    /// Applies the flags given on top of `cfg`.
+    fn apply(&self, cfg: &mut kvnode::config::L2Config) -> Result<(), String> {
+        if let Some(p) = &self.l2_path {
+            cfg.path = p.clone();
+        }
+        if let Some(v) = self.l2_size {
+            cfg.bytes = v;
+        }
+        if let Some(v) = &self.l2_engine {
+            cfg.engine = v.clone();
+        }
+        if let Some(v) = &self.l2_write_policy {
+            cfg.write_policy = kvnode::config::WritePolicy::parse(v).map_err(|e| e.to_string())?;
+        }
+        if !cfg.enabled() && (self.l2_size.is_some() || self.l2_engine.is_some()) {
+            return Err("--l2-size/--l2-engine need --l2-path".into());
+        }
+        Ok(())
+    }
 }
 
 /// The LMCache server flags that matter (same names as LMCache's), plus kvnode's own.
@@ -143,6 +184,8 @@ struct LmcacheArgs {
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, default_value = "info")]
     log: String,
+    #[command(flatten)]
+    l2: L2Args,
 }
 
 fn init_logs(filter: &str) -> Result<(), String> {
@@ -196,7 +239,7 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| format!("kvnode_{}", a.port)),
     );
-    let cfg = NodeConfig {
+    let mut cfg = NodeConfig {
         socket: a.socket.clone().unwrap_or_default(),
         shm_name: shm,
         pool_bytes: (a.l1_size_gb * (1u64 << 30) as f64) as u64,
@@ -209,6 +252,7 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
         workers: a.max_workers.unwrap_or(0),
         ..NodeConfig::default()
     };
+    a.l2.apply(&mut cfg.l2)?;
     let handlers = cfg.worker_threads();
     let signals = install_signals()?;
     let node = Node::start(cfg).map_err(|e| e.to_string())?;
@@ -266,6 +310,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if let Some(v) = args.workers {
         cfg.workers = v;
     }
+    args.l2.apply(&mut cfg.l2)?;
     if cfg.reap_timeout_secs > 0.0 && cfg.reap_timeout_secs < 30.0 {
         tracing::warn!(
             reap_timeout_secs = cfg.reap_timeout_secs,

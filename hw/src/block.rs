@@ -147,6 +147,62 @@ pub trait BlockEngine: Send + Sync {
 /// for open (e.g. `EINVAL` where the filesystem has no `O_DIRECT`),
 /// `fallocate` (e.g. `ENOSPC`) or `ftruncate` failures.
 pub fn open_direct(path: &Path, size: u64) -> HwResult<File> {
+    open_direct_with(path, size, true)
+}
+
+/// [`open_direct`] without reserving space: a shorter file is extended
+/// sparsely (`ftruncate`), so later writes may fail with `ENOSPC` when the
+/// file system fills up. For callers that prefer a smaller working cache to
+/// failing at start-up when `fallocate` reports `ENOSPC`.
+///
+/// Invariant of the result: as [`open_direct`].
+pub fn open_direct_sparse(path: &Path, size: u64) -> HwResult<File> {
+    open_direct_with(path, size, false)
+}
+
+/// Opens an existing block device read-write with `O_DIRECT` and returns it
+/// with its size in bytes (rounded down to [`BLOCK_ALIGN`]).
+///
+/// Errors: `Invalid` if `path` is not a block device; `Os` for open/seek.
+pub fn open_block_device(path: &Path) -> HwResult<(File, u64)> {
+    use std::io::Seek;
+    use std::os::unix::fs::FileTypeExt;
+    let meta = std::fs::metadata(path).map_err(|e| HwError::os("stat", e))?;
+    if !meta.file_type().is_block_device() {
+        return Err(HwError::Invalid(format!(
+            "{} is not a block device",
+            path.display()
+        )));
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| HwError::os("open(O_DIRECT)", e))?;
+    let size = file
+        .seek(std::io::SeekFrom::End(0))
+        .map_err(|e| HwError::os("lseek(SEEK_END)", e))?;
+    Ok((file, size & !(BLOCK_ALIGN - 1)))
+}
+
+/// Takes an exclusive, non-blocking `flock` on `file` (held until every
+/// duplicate of the descriptor is closed), so two nodes never share one data
+/// file or device.
+///
+/// Errors: `Os { op: "flock", .. }` with `EWOULDBLOCK` if another process
+/// holds it.
+pub fn lock_exclusive(file: &File) -> HwResult<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(HwError::os("flock", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn open_direct_with(path: &Path, size: u64, reserve: bool) -> HwResult<File> {
     if size & (BLOCK_ALIGN - 1) != 0 || size > i64::MAX as u64 {
         return Err(HwError::Invalid(format!(
             "data file size {size} is not a multiple of {BLOCK_ALIGN}"
@@ -166,6 +222,9 @@ pub fn open_direct(path: &Path, size: u64) -> HwResult<File> {
             "{} is {cur} bytes, larger than the {size} requested; refusing to truncate it",
             path.display()
         )));
+    } else if cur < size && !reserve {
+        file.set_len(size)
+            .map_err(|e| HwError::os("ftruncate", e))?;
     } else if cur < size {
         use std::os::fd::AsRawFd;
         // SAFETY: fallocate on an fd we own; no memory is passed.

@@ -35,13 +35,16 @@ mod uring;
 #[cfg(test)]
 mod block_tests;
 
-pub use block::{open_direct, open_engine, BlockEngine, BlockIo, EngineKind, BLOCK_ALIGN};
+pub use block::{
+    lock_exclusive, open_block_device, open_direct, open_direct_sparse, open_engine, BlockEngine,
+    BlockIo, EngineKind, BLOCK_ALIGN,
+};
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};
-pub use sys::hugepages_free_2m;
+pub use sys::{hugepages_free_2m, process_cpu_seconds};
 pub use uring::UringEngine;
 
 /// Serializes tests that create hugetlb-capable pools or change

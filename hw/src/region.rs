@@ -196,6 +196,22 @@ impl PoolRegion {
         Ok(())
     }
 
+    /// Calls `f` with a shared view of `[offset, offset+len)` (checksums of
+    /// committed objects without copying them).
+    ///
+    /// Invariant: the view is in bounds or `OutOfBounds` is returned and `f`
+    /// is not called. The caller must guarantee nobody writes the range while
+    /// `f` runs (the node only does this for committed, read-locked slots:
+    /// clients write only into slots they reserved and have not committed).
+    pub fn with_bytes<R>(&self, offset: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> HwResult<R> {
+        let src = self.range(offset, len)?;
+        // SAFETY: src..src+len is inside the live mapping (checked by range);
+        // the caller guarantees the range is not written while `f` runs, so
+        // the shared slice is not aliased by a mutable access.
+        let bytes = unsafe { std::slice::from_raw_parts(src.cast_const(), len as usize) };
+        Ok(f(bytes))
+    }
+
     /// Sets `len` bytes at `offset` to `byte`.
     ///
     /// Invariant: either the whole range is in bounds and is filled, or

@@ -96,7 +96,9 @@ pub struct NodeContext {
     /// Configuration in force.
     pub config: NodeConfig,
     /// The shared memory pool.
-    pub pool: SharedPool,
+    pub pool: Arc<SharedPool>,
+    /// The L2 disk tier, when configured.
+    pub l2: Option<crate::l2::L2Tier>,
     /// Index, allocator and state machine.
     pub storage: StorageCore,
     /// `(model, salt)` interning.
@@ -122,10 +124,22 @@ pub struct NodeContext {
 }
 
 impl NodeContext {
-    /// Builds the context around an already created pool.
-    pub fn new(config: NodeConfig, pool: SharedPool) -> NodeContext {
+    /// Builds the context around an already created pool. With an L2 tier, the last
+    /// [`crate::l2::tier::STAGING_BYTES`] of the pool are the tier's (never handed to clients);
+    /// `namespaces` must be the table the tier's recovery interned into.
+    pub fn new(
+        config: NodeConfig,
+        pool: Arc<SharedPool>,
+        namespaces: Namespaces,
+        l2: Option<crate::l2::L2Tier>,
+    ) -> NodeContext {
+        let reserved = if l2.is_some() {
+            crate::l2::tier::STAGING_BYTES
+        } else {
+            0
+        };
         let storage = StorageCore::new(
-            pool.len(),
+            pool.len() - reserved,
             StorageConfig {
                 write_ttl: std::time::Duration::from_secs(config.write_ttl_secs),
                 read_ttl: std::time::Duration::from_secs(config.read_ttl_secs),
@@ -136,7 +150,8 @@ impl NodeContext {
         );
         NodeContext {
             storage,
-            namespaces: Namespaces::default(),
+            namespaces,
+            l2,
             instances: InstanceTable::new(config.limits.max_instances),
             layouts: LayoutRegistry::default(),
             sessions: SessionTable::new(config.limits.max_sessions),
@@ -150,6 +165,16 @@ impl NodeContext {
             pool,
             config,
         }
+    }
+
+    /// The consistency check of every tier: L1 (index vs allocator) and the L2 index.
+    pub fn memcheck(&self) -> crate::storage::core::MemcheckReport {
+        let mut r = self.storage.memcheck();
+        if let Some(Err(p)) = self.l2.as_ref().map(|l2| l2.check()) {
+            r.ok = false;
+            r.problems.push(format!("L2 index: {p}"));
+        }
+        r
     }
 
     /// Milliseconds since the node started (liveness clock).

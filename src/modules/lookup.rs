@@ -181,14 +181,15 @@ pub fn lookup(
     }
     let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
     let extra = extra_readers(tp_size, range.world_size);
-    // Keys are built one chunk at a time; locking stops at the first gap.
-    let locked = ctx.storage.lock_prefix(
-        range
-            .chunk_hashes
-            .iter()
-            .map(|h| chunk_keys(namespace, range.world_size, h)),
-        extra,
-    );
+    // Keys are built one chunk at a time; locking stops at the first gap (in every tier).
+    let chunks = range
+        .chunk_hashes
+        .iter()
+        .map(|h| chunk_keys(namespace, range.world_size, h));
+    let locked = match &ctx.l2 {
+        None => ctx.storage.lock_prefix(chunks, extra),
+        Some(l2) => lock_prefix_tiered(ctx, l2, chunks, extra),
+    };
     let hit = locked.len() as u32;
     let replaced = ctx.sessions.insert(
         request_id,
@@ -216,6 +217,75 @@ pub fn lookup(
         release_session(ctx, &old);
     }
     Ok(Response::LookupHits { chunks: hit })
+}
+
+/// [`StorageCore::lock_prefix`](crate::storage::StorageCore::lock_prefix) over L1 and L2: a
+/// chunk counts when each of its keys is read-locked in L1 or is on L2; the L2-only keys of the
+/// counted prefix are then loaded into L1 (prefetch, published with the same `1 + extra` locks),
+/// and the prefix is cut at the first chunk whose load failed. Every lock taken for chunks
+/// beyond the final prefix is released, so the result has the same meaning as in L1 alone.
+fn lock_prefix_tiered(
+    ctx: &NodeContext,
+    l2: &crate::l2::L2Tier,
+    chunks: impl Iterator<Item = Vec<StorageKey>>,
+    extra: u32,
+) -> Vec<Vec<(StorageKey, u64)>> {
+    // Per chunk, per key: the lease of an L1 lock, or None for "on L2, to load".
+    let mut plan: Vec<Vec<(StorageKey, Option<u64>)>> = Vec::new();
+    for chunk in chunks {
+        let got = ctx.storage.reserve_read(&chunk, extra);
+        let complete = chunk
+            .iter()
+            .zip(&got)
+            .all(|(k, r)| r.is_ok() || l2.contains(k));
+        let entry: Vec<(StorageKey, Option<u64>)> = chunk
+            .iter()
+            .zip(&got)
+            .map(|(k, r)| (*k, r.as_ref().ok().map(|g| g.lease)))
+            .collect();
+        if !complete {
+            release(ctx, &entry, extra);
+            break;
+        }
+        plan.push(entry);
+    }
+    let to_load: Vec<StorageKey> = plan
+        .iter()
+        .flatten()
+        .filter(|(_, l)| l.is_none())
+        .map(|(k, _)| *k)
+        .collect();
+    if !to_load.is_empty() {
+        let leases = l2.load(&ctx.storage, &to_load, extra);
+        let mut loaded = to_load.iter().zip(leases);
+        for (k, lease) in plan.iter_mut().flatten().filter(|(_, l)| l.is_none()) {
+            let (lk, l) = loaded.next().expect("one result per key to load");
+            debug_assert_eq!(k, lk);
+            *lease = l;
+        }
+    }
+    let hit = plan
+        .iter()
+        .position(|c| c.iter().any(|(_, l)| l.is_none()))
+        .unwrap_or(plan.len());
+    for chunk in plan.drain(hit..) {
+        release(ctx, &chunk, extra);
+    }
+    plan.into_iter()
+        .map(|c| {
+            c.into_iter()
+                .map(|(k, l)| (k, l.expect("in the hit prefix")))
+                .collect()
+        })
+        .collect()
+}
+
+fn release(ctx: &NodeContext, entry: &[(StorageKey, Option<u64>)], extra: u32) {
+    let taken: Vec<(StorageKey, u64)> = entry
+        .iter()
+        .filter_map(|(k, l)| l.map(|l| (*k, l)))
+        .collect();
+    ctx.storage.finish_read(&taken, extra);
 }
 
 /// FREE_LOOKUP_LOCKS: releases the session's locks on chunks `[start, end)` clipped to the hit

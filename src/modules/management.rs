@@ -52,6 +52,10 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
         Request::Clear => {
             let (deleted, deferred) = ctx.storage.clear();
             tracing::info!(deleted, deferred, "cache cleared");
+            if let Some(l2) = &ctx.l2 {
+                let (removed, pending) = l2.clear().map_err(|e| e.context("clearing L2"))?;
+                tracing::info!(removed, pending, "L2 cleared");
+            }
             Ok(Response::Cleared { deleted, deferred })
         }
         Request::Status => {
@@ -61,7 +65,7 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
                 .map_err(|e| Error::internal(format!("status serialisation: {e}")))
         }
         Request::Memcheck => {
-            let r = ctx.storage.memcheck();
+            let r = ctx.memcheck();
             if !r.ok {
                 tracing::error!(problems = ?r.problems, "memcheck failed");
             }

@@ -102,6 +102,8 @@ pub struct StatusReport {
     pub shard_executed: Vec<u64>,
     /// Allocator size classes: (class bytes, live slots, slabs).
     pub size_classes: Vec<(u64, usize, usize)>,
+    /// The L2 disk tier (`null` when not configured).
+    pub l2: Option<crate::l2::L2Status>,
 }
 
 /// Builds the report (runs memcheck; not for the hot path).
@@ -132,7 +134,7 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
             }
         })
         .collect();
-    let mem = ctx.storage.memcheck();
+    let mem = ctx.memcheck();
     let ev = ctx.storage.eviction_counters();
     StatusReport {
         version: env!("CARGO_PKG_VERSION"),
@@ -165,5 +167,6 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
         errors: ctx.counters.errors.load(Ordering::Relaxed),
         shard_executed: ctx.shards.executed(),
         size_classes: ctx.storage.class_stats(),
+        l2: ctx.l2.as_ref().map(|l2| l2.status()),
     }
 }

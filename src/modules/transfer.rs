@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::context::NodeContext;
 use super::instances::{Instance, Job, PendingRead, PendingWrite};
+use crate::config::WritePolicy;
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{ChunkRange, Request, Response, WireSlot};
 use crate::storage::{pack_kv_rank, Grant, KeyError, StorageKey};
@@ -208,7 +209,21 @@ fn count_ok<T, E>(results: &[std::result::Result<T, E>]) -> u32 {
 
 fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
     let w = take_pending_write(inst, transfer_id)?;
-    let published = count_ok(&ctx.storage.finish_write(&w.items));
+    let results = ctx.storage.finish_write(&w.items);
+    let published = count_ok(&results);
+    if let Some(l2) = ctx
+        .l2
+        .as_ref()
+        .filter(|l2| l2.policy() == WritePolicy::Always)
+    {
+        l2.queue.push(
+            w.items
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|((k, _), _)| *k),
+        );
+    }
     ctx.storage.assert_consistent();
     Ok(Response::StoreCommitted { published })
 }
@@ -245,7 +260,11 @@ fn prepare_retrieve(
             super::lookup::consume(ctx, session, range.first_chunk, &found);
             r
         }
-        None => ctx.storage.reserve_read(&keys, 0),
+        None => {
+            let mut r = ctx.storage.reserve_read(&keys, 0);
+            load_missing_from_l2(ctx, &keys, &mut r);
+            r
+        }
     };
     let layout = NodeContext::wire_layout(&inst.layout);
     if results.iter().any(Result::is_err) {
@@ -284,6 +303,36 @@ fn prepare_retrieve(
         slots,
         layout,
     })
+}
+
+/// A retrieve without a lookup session: keys missing from L1 but present on L2 are loaded
+/// (read-locked once, like the L1 hits) so the all-or-nothing check sees them. Nothing is loaded
+/// when some missing key is not on L2 at all (the retrieve misses anyway).
+fn load_missing_from_l2(
+    ctx: &NodeContext,
+    keys: &[StorageKey],
+    results: &mut [std::result::Result<Grant, KeyError>],
+) {
+    let Some(l2) = &ctx.l2 else { return };
+    let missing: Vec<usize> = (0..keys.len())
+        .filter(|&i| results[i] == Err(KeyError::KeyNotExist))
+        .collect();
+    if missing.is_empty() || !missing.iter().all(|&i| l2.contains(&keys[i])) {
+        return;
+    }
+    let want: Vec<StorageKey> = missing.iter().map(|&i| keys[i]).collect();
+    let leases = l2.load(&ctx.storage, &want, 0);
+    let granted = ctx.storage.read_locked_slots(&want);
+    for ((&i, lease), g) in missing.iter().zip(leases).zip(granted) {
+        match (lease, g) {
+            (Some(lease), Ok(g)) if g.lease == lease => results[i] = Ok(g),
+            // Cannot happen while we hold the lock; never leak it if it does.
+            (Some(lease), _) => {
+                ctx.storage.finish_read(&[(keys[i], lease)], 0);
+            }
+            (None, _) => {}
+        }
+    }
 }
 
 fn commit_retrieve(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {

@@ -15,9 +15,11 @@ use kvnode_hw::{PoolOptions, SharedPool};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
+use crate::l2::L2Tier;
 use crate::liveness::Liveness;
 use crate::modules::shards::ShardPool;
 use crate::modules::NodeContext;
+use crate::storage::Namespaces;
 use crate::transport::uds;
 
 /// A running node. Dropping it without [`Node::shutdown`] leaves threads running (the process
@@ -45,14 +47,33 @@ impl Node {
             bytes = pool.len(),
             "pool ready"
         );
+        let socket = config.socket.clone();
+        let pool = Arc::new(pool);
+        let namespaces = Namespaces::default();
+        let l2 = if config.l2.enabled() {
+            if pool.len() < 2 * crate::l2::tier::STAGING_BYTES {
+                return Err(Error::invalid(format!(
+                    "the pool ({} bytes) is too small for an L2 tier (needs {} bytes of staging)",
+                    pool.len(),
+                    crate::l2::tier::STAGING_BYTES
+                )));
+            }
+            let staging = pool.len() - crate::l2::tier::STAGING_BYTES;
+            Some(
+                L2Tier::open(&config.l2, pool.clone(), staging, &namespaces)
+                    .map_err(|e| e.context("opening the L2 tier"))?,
+            )
+        } else {
+            None
+        };
         let listener = if config.socket.as_os_str().is_empty() {
             None
         } else {
             Some(uds::bind(&config.socket, config.socket_mode)?)
         };
-        let socket = config.socket.clone();
-        let ctx = Arc::new(NodeContext::new(config, pool));
+        let ctx = Arc::new(NodeContext::new(config, pool, namespaces, l2));
         let mut threads = ShardPool::spawn(&ctx)?;
+        threads.extend(crate::l2::writer::spawn(&ctx)?);
         threads.extend(Liveness::spawn(&ctx)?);
         threads.push(maintenance::spawn(&ctx)?);
         if let Some(listener) = listener {

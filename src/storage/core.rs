@@ -371,9 +371,32 @@ impl StorageCore {
     /// reservations are freed instead and reported `KeyNotExist`. Keys are given in chunk order;
     /// they get recency stamps in reverse so later chunks are evicted before earlier ones.
     pub fn finish_write(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
+        self.publish(items, None)
+            .into_iter()
+            .map(|r| r.map(|_| ()))
+            .collect()
+    }
+
+    /// [`StorageCore::finish_write`] that also takes `1 + extra` read locks on each published
+    /// object in the same step (L2 prefetch: the loaded object cannot be evicted between its
+    /// publication and the lookup that locks it). Returns each object's lease for the unlock.
+    pub fn finish_write_locked(
+        &self,
+        items: &[(StorageKey, Grant)],
+        extra: u32,
+    ) -> Vec<Result<u64, KeyError>> {
+        self.publish(items, Some(extra))
+    }
+
+    fn publish(
+        &self,
+        items: &[(StorageKey, Grant)],
+        lock_extra: Option<u32>,
+    ) -> Vec<Result<u64, KeyError>> {
         let _g = self.gate.read();
         let n = items.len() as u64;
         let base = self.next_stamps(n);
+        let read_deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
         items
             .iter()
             .enumerate()
@@ -394,10 +417,38 @@ impl StorageCore {
                 }
                 e.state = ObjectState::Ready;
                 e.lock_deadline_ms = 0;
+                if let Some(extra) = lock_extra {
+                    e.readers = 1 + extra;
+                    e.lock_deadline_ms = read_deadline;
+                }
                 e.stamp = base + (n - 1 - i as u64);
+                let lease = e.lease;
                 shard.sync_recency(k);
-                Ok(())
+                Ok(lease)
             })
+            .collect()
+    }
+
+    /// The oldest evictable objects (least recently used first) whose slots add up to at least
+    /// `bytes` (or all of them): what the next eviction passes would take. Takes no lock on the
+    /// objects; callers that act on them (L2 demotion) lock them first.
+    pub fn eviction_candidates(&self, bytes: u64) -> Vec<StorageKey> {
+        let mut all: Vec<(u64, StorageKey, u64)> = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            all.extend(shard.recency.iter().filter_map(|(stamp, k)| {
+                shard.map.get(k).map(|e| (*stamp, *k, e.slot.class_bytes))
+            }));
+        }
+        all.sort_unstable_by_key(|c| c.0);
+        let mut total = 0u64;
+        all.into_iter()
+            .take_while(|c| {
+                let more = total < bytes;
+                total += c.2;
+                more
+            })
+            .map(|c| c.1)
             .collect()
     }
 

@@ -1,0 +1,724 @@
+//! On-disk format of the L2 disk tier.
+//!
+//! Layout of the L2 file (regular file opened `O_DIRECT`, or a block device):
+//!
+//! - bytes `0..BLOCK`: the [`Superblock`];
+//! - extent `i` covers `[EXTENT_BASE + i * extent_bytes, EXTENT_BASE + (i + 1) * extent_bytes)`;
+//! - each extent starts with one [`ExtentHeader`] block, followed by slots of a fixed
+//!   `stride`: slot `j` starts at `extent_start + BLOCK + j * stride` and is one
+//!   [`SlotHeader`] block followed by `stride - BLOCK` payload bytes.
+//!
+//! Every block starts with the same 20-byte prefix, all little-endian:
+//!
+//! | bytes  | field                                                          |
+//! |--------|----------------------------------------------------------------|
+//! | 0..8   | magic (`u64`)                                                  |
+//! | 8..16  | checksum: xxh3_64 of the whole block with these 8 bytes zeroed |
+//! | 16..20 | version (`u32`, [`FORMAT_VERSION`])                            |
+//!
+//! The kind-specific body starts at byte [`BODY`]; the rest of the block is zero.
+
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+/// Size of every header block and the alignment unit of all on-disk offsets.
+pub const BLOCK: usize = 4096;
+const B: u64 = BLOCK as u64;
+/// File offset of extent 0 (2 MiB); extents are multiples of this size, so stay aligned.
+pub const EXTENT_BASE: u64 = 2 << 20;
+/// Format version written into every block; any other value decodes as `BadVersion`.
+pub const FORMAT_VERSION: u32 = 1;
+/// Magic of the superblock (`b"KVL2SUPR"` little-endian); never 0.
+pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SUPR");
+/// Magic of an extent header (`b"KVL2EXTH"` little-endian); never 0.
+pub const EXTENT_MAGIC: u64 = u64::from_le_bytes(*b"KVL2EXTH");
+/// Magic of a slot header (`b"KVL2SLOT"` little-endian); never 0.
+pub const SLOT_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SLOT");
+/// Maximum encoded length of [`SlotHeader::model`] in bytes.
+pub const MAX_MODEL_BYTES: usize = 1024;
+/// Maximum encoded length of [`SlotHeader::cache_salt`] in bytes.
+pub const MAX_SALT_BYTES: usize = 1024;
+
+const CKSUM: usize = 8;
+const VERSION: usize = 16;
+/// Byte offset where kind-specific fields start (after magic, checksum, version, padding).
+const BODY: usize = 24;
+const MIB2: u64 = 2 << 20;
+
+/// Why a block failed to decode or a header failed to encode.
+/// Invariant: decode functions report every problem through this type, never by panicking.
+#[derive(Debug, thiserror::Error, PartialEq, Eq, Clone)]
+pub enum FormatError {
+    /// The block is entirely zero: it was never written.
+    #[error("block is all zero (never written)")]
+    Empty,
+    /// The magic number does not match the expected block kind (garbage or another kind).
+    #[error("bad magic {found:#018x}")]
+    BadMagic {
+        /// Magic found at offset 0 (0 if the buffer was too short to hold one).
+        found: u64,
+    },
+    /// The block was written by an unsupported format version.
+    #[error("unsupported format version {found} (expected {FORMAT_VERSION})")]
+    BadVersion {
+        /// Version found in the block.
+        found: u32,
+    },
+    /// The header checksum does not match the block contents.
+    #[error("header checksum mismatch")]
+    BadChecksum,
+    /// A field is out of range or inconsistent, or the buffer is not `BLOCK` bytes.
+    #[error("invalid header: {0}")]
+    Invalid(String),
+    /// A variable-length field exceeds its limit.
+    #[error("field {field} is {len} bytes, max {max}")]
+    FieldTooLong {
+        /// Field name.
+        field: &'static str,
+        /// Actual length in bytes.
+        len: usize,
+        /// Maximum allowed length in bytes.
+        max: usize,
+    },
+}
+
+/// Checksum stored in [`SlotHeader::payload_checksum`]: xxh3_64 of the payload bytes.
+pub fn payload_checksum(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+/// Block 0. Invariant (checked by decode): `extent_bytes` is a non-zero multiple of
+/// 2 MiB and `file_bytes >= EXTENT_BASE + extent_bytes`. `format_id` is random per
+/// formatting; headers carrying another `format_id` are stale.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    /// Random id of this formatting of the file.
+    pub format_id: u64,
+    /// Usable size of the file in bytes.
+    pub file_bytes: u64,
+    /// Size of every extent in bytes.
+    pub extent_bytes: u64,
+}
+
+impl Superblock {
+    /// Writes the block into `out`, zero-filling unused bytes.
+    /// Panics if `out.len() != BLOCK` (a programming error).
+    pub fn encode(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), BLOCK, "superblock buffer must be BLOCK bytes");
+        out.fill(0);
+        put_u64(out, BODY, self.format_id);
+        put_u64(out, BODY + 8, self.file_bytes);
+        put_u64(out, BODY + 16, self.extent_bytes);
+        seal(out, SUPERBLOCK_MAGIC);
+    }
+
+    /// Decodes and validates a `BLOCK`-byte buffer; never panics.
+    pub fn decode(buf: &[u8]) -> Result<Superblock, FormatError> {
+        check(buf, SUPERBLOCK_MAGIC)?;
+        let sb = Superblock {
+            format_id: get_u64(buf, BODY),
+            file_bytes: get_u64(buf, BODY + 8),
+            extent_bytes: get_u64(buf, BODY + 16),
+        };
+        if sb.extent_bytes == 0 || !sb.extent_bytes.is_multiple_of(MIB2) {
+            return Err(invalid(format!(
+                "extent_bytes {} is not a non-zero multiple of 2 MiB",
+                sb.extent_bytes
+            )));
+        }
+        if EXTENT_BASE
+            .checked_add(sb.extent_bytes)
+            .is_none_or(|min| sb.file_bytes < min)
+        {
+            return Err(invalid(format!(
+                "file_bytes {} too small for one extent of {}",
+                sb.file_bytes, sb.extent_bytes
+            )));
+        }
+        Ok(sb)
+    }
+}
+
+/// First block of an extent. Invariant (checked by decode): `stride` is a multiple of
+/// `BLOCK` and at least `2 * BLOCK`. `epoch` increases on every (re)assignment of the
+/// extent, so slot headers from an older epoch are stale.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtentHeader {
+    /// `format_id` of the superblock this header was written under.
+    pub format_id: u64,
+    /// Index of the extent this header belongs to.
+    pub extent_index: u32,
+    /// Assignment epoch of the extent.
+    pub epoch: u64,
+    /// Slot stride in bytes (slot header block + payload).
+    pub stride: u64,
+}
+
+impl ExtentHeader {
+    /// Writes the block into `out`, zero-filling unused bytes.
+    /// Panics if `out.len() != BLOCK` (a programming error).
+    pub fn encode(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), BLOCK, "extent header buffer must be BLOCK bytes");
+        out.fill(0);
+        put_u64(out, BODY, self.format_id);
+        put_u64(out, BODY + 8, self.epoch);
+        put_u64(out, BODY + 16, self.stride);
+        put_u32(out, BODY + 24, self.extent_index);
+        seal(out, EXTENT_MAGIC);
+    }
+
+    /// Decodes and validates a `BLOCK`-byte buffer; never panics.
+    pub fn decode(buf: &[u8]) -> Result<ExtentHeader, FormatError> {
+        check(buf, EXTENT_MAGIC)?;
+        let h = ExtentHeader {
+            format_id: get_u64(buf, BODY),
+            epoch: get_u64(buf, BODY + 8),
+            stride: get_u64(buf, BODY + 16),
+            extent_index: get_u32(buf, BODY + 24),
+        };
+        if h.stride < 2 * B || !h.stride.is_multiple_of(B) {
+            return Err(invalid(format!(
+                "stride {} is not a multiple of {BLOCK} that is >= {}",
+                h.stride,
+                2 * B
+            )));
+        }
+        Ok(h)
+    }
+}
+
+/// Header block of one slot. Invariant (checked by encode and decode): `object_len > 0`,
+/// `model.len() <= MAX_MODEL_BYTES`, `cache_salt.len() <= MAX_SALT_BYTES`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotHeader {
+    /// `format_id` of the superblock this header was written under.
+    pub format_id: u64,
+    /// Epoch of the extent at the time of writing.
+    pub extent_epoch: u64,
+    /// File offset of this header (slot start); detects misplaced or stale blocks.
+    pub file_offset: u64,
+    /// Global write sequence number; newer wins on recovery.
+    pub seq: u64,
+    /// Hash identifying the KV chunk.
+    pub chunk_hash: [u8; 32],
+    /// KV rank of the object.
+    pub kv_rank: u32,
+    /// Object group of the object.
+    pub object_group: u32,
+    /// Model name, at most `MAX_MODEL_BYTES` bytes.
+    pub model: String,
+    /// Cache salt, at most `MAX_SALT_BYTES` bytes.
+    pub cache_salt: String,
+    /// Payload length in bytes; > 0.
+    pub object_len: u64,
+    /// [`payload_checksum`] of the first `object_len` payload bytes.
+    pub payload_checksum: u64,
+}
+
+// Slot header body offsets.
+const S_HASH: usize = BODY + 48;
+const S_RANK: usize = S_HASH + 32;
+const S_GROUP: usize = S_RANK + 4;
+const S_MODEL_LEN: usize = S_GROUP + 4;
+const S_SALT_LEN: usize = S_MODEL_LEN + 4;
+const S_STRINGS: usize = S_SALT_LEN + 4;
+const _: () = assert!(S_STRINGS + MAX_MODEL_BYTES + MAX_SALT_BYTES <= BLOCK);
+
+impl SlotHeader {
+    /// Writes the block into `out`, zero-filling unused bytes. Fails with `FieldTooLong`
+    /// for oversized strings and `Invalid` for `object_len == 0`, leaving `out` unspecified.
+    /// Panics if `out.len() != BLOCK` (a programming error).
+    pub fn encode(&self, out: &mut [u8]) -> Result<(), FormatError> {
+        assert_eq!(out.len(), BLOCK, "slot header buffer must be BLOCK bytes");
+        check_len("model", self.model.len(), MAX_MODEL_BYTES)?;
+        check_len("cache_salt", self.cache_salt.len(), MAX_SALT_BYTES)?;
+        if self.object_len == 0 {
+            return Err(invalid("object_len is 0".into()));
+        }
+        out.fill(0);
+        put_u64(out, BODY, self.format_id);
+        put_u64(out, BODY + 8, self.extent_epoch);
+        put_u64(out, BODY + 16, self.file_offset);
+        put_u64(out, BODY + 24, self.seq);
+        put_u64(out, BODY + 32, self.object_len);
+        put_u64(out, BODY + 40, self.payload_checksum);
+        out[S_HASH..S_HASH + 32].copy_from_slice(&self.chunk_hash);
+        put_u32(out, S_RANK, self.kv_rank);
+        put_u32(out, S_GROUP, self.object_group);
+        let (m, s) = (self.model.as_bytes(), self.cache_salt.as_bytes());
+        put_u32(out, S_MODEL_LEN, m.len() as u32);
+        put_u32(out, S_SALT_LEN, s.len() as u32);
+        out[S_STRINGS..S_STRINGS + m.len()].copy_from_slice(m);
+        out[S_STRINGS + m.len()..S_STRINGS + m.len() + s.len()].copy_from_slice(s);
+        seal(out, SLOT_MAGIC);
+        Ok(())
+    }
+
+    /// Decodes and validates a `BLOCK`-byte buffer; never panics.
+    pub fn decode(buf: &[u8]) -> Result<SlotHeader, FormatError> {
+        check(buf, SLOT_MAGIC)?;
+        let model_len = get_u32(buf, S_MODEL_LEN) as usize;
+        let salt_len = get_u32(buf, S_SALT_LEN) as usize;
+        check_len("model", model_len, MAX_MODEL_BYTES)?;
+        check_len("cache_salt", salt_len, MAX_SALT_BYTES)?;
+        // Both lengths are bounded, so this stays inside the block (see const assert).
+        let model = get_str("model", &buf[S_STRINGS..S_STRINGS + model_len])?;
+        let salt_at = S_STRINGS + model_len;
+        let cache_salt = get_str("cache_salt", &buf[salt_at..salt_at + salt_len])?;
+        let object_len = get_u64(buf, BODY + 32);
+        if object_len == 0 {
+            return Err(invalid("object_len is 0".into()));
+        }
+        let mut chunk_hash = [0u8; 32];
+        chunk_hash.copy_from_slice(&buf[S_HASH..S_HASH + 32]);
+        Ok(SlotHeader {
+            format_id: get_u64(buf, BODY),
+            extent_epoch: get_u64(buf, BODY + 8),
+            file_offset: get_u64(buf, BODY + 16),
+            seq: get_u64(buf, BODY + 24),
+            chunk_hash,
+            kv_rank: get_u32(buf, S_RANK),
+            object_group: get_u32(buf, S_GROUP),
+            model,
+            cache_salt,
+            object_len,
+            payload_checksum: get_u64(buf, BODY + 40),
+        })
+    }
+}
+
+/// Slot stride for an object: one header block plus `object_len` rounded up to a
+/// multiple of `BLOCK`. Always a multiple of `BLOCK` and `>= BLOCK` (saturates near `u64::MAX`).
+pub fn stride_for(object_len: u64) -> u64 {
+    object_len.div_ceil(B).saturating_mul(B).saturating_add(B)
+}
+
+/// Number of whole extents that fit after `EXTENT_BASE`; 0 if none or if
+/// `extent_bytes == 0`, capped at `u32::MAX`.
+pub fn extent_count(file_bytes: u64, extent_bytes: u64) -> u32 {
+    let n = file_bytes
+        .saturating_sub(EXTENT_BASE)
+        .checked_div(extent_bytes)
+        .unwrap_or(0);
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// File offset of extent `index` (its header block). Caller guarantees the result
+/// fits in `u64` (true for any index below `extent_count`).
+pub fn extent_offset(extent_bytes: u64, index: u32) -> u64 {
+    EXTENT_BASE + u64::from(index) * extent_bytes
+}
+
+/// Number of slots of `stride` bytes that fit in an extent after its header block;
+/// 0 if `stride == 0`, capped at `u32::MAX`.
+pub fn slots_per_extent(extent_bytes: u64, stride: u64) -> u32 {
+    let n = extent_bytes
+        .saturating_sub(B)
+        .checked_div(stride)
+        .unwrap_or(0);
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// File offset of slot `slot` of extent `extent` (its header block; payload is at
+/// `+ BLOCK`). Aligned to `BLOCK` when `extent_bytes` and `stride` are. Caller
+/// guarantees `slot < slots_per_extent` and `extent < extent_count`.
+pub fn slot_offset(extent_bytes: u64, extent: u32, stride: u64, slot: u32) -> u64 {
+    extent_offset(extent_bytes, extent) + B + u64::from(slot) * stride
+}
+
+/// Default extent size for a file: 256 MiB, at most a quarter of the space after
+/// `EXTENT_BASE` rounded down to a multiple of 2 MiB, at least 2 MiB. Returns 0 if
+/// not even one 2 MiB extent fits. A non-zero result always passes `Superblock::decode`.
+pub fn default_extent_bytes(file_bytes: u64) -> u64 {
+    let avail = file_bytes.saturating_sub(EXTENT_BASE);
+    if avail < MIB2 {
+        return 0;
+    }
+    (avail / 4 / MIB2 * MIB2).clamp(MIB2, 256 << 20)
+}
+
+// ---- helpers ----
+
+fn invalid(msg: String) -> FormatError {
+    FormatError::Invalid(msg)
+}
+
+fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), FormatError> {
+    if len > max {
+        return Err(FormatError::FieldTooLong { field, len, max });
+    }
+    Ok(())
+}
+
+fn get_str(field: &str, bytes: &[u8]) -> Result<String, FormatError> {
+    String::from_utf8(bytes.to_vec()).map_err(|e| invalid(format!("{field} is not UTF-8: {e}")))
+}
+
+fn put_u64(out: &mut [u8], at: usize, v: u64) {
+    out[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put_u32(out: &mut [u8], at: usize, v: u32) {
+    out[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Callers only read fixed offsets inside a buffer already checked to be `BLOCK` bytes.
+fn get_u64(buf: &[u8], at: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&buf[at..at + 8]);
+    u64::from_le_bytes(b)
+}
+
+fn get_u32(buf: &[u8], at: usize) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&buf[at..at + 4]);
+    u32::from_le_bytes(b)
+}
+
+/// xxh3_64 of a `BLOCK`-byte buffer with the checksum field read as zero.
+fn block_checksum(buf: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&buf[..CKSUM]);
+    h.update(&[0u8; 8]);
+    h.update(&buf[CKSUM + 8..]);
+    h.digest()
+}
+
+/// Writes magic, version and (last) the checksum into an encoded block.
+fn seal(out: &mut [u8], magic: u64) {
+    put_u64(out, 0, magic);
+    put_u32(out, VERSION, FORMAT_VERSION);
+    let sum = block_checksum(out);
+    put_u64(out, CKSUM, sum);
+}
+
+/// Common decode checks, in order: length, all-zero, magic, version, checksum.
+fn check(buf: &[u8], magic: u64) -> Result<(), FormatError> {
+    if buf.len() != BLOCK {
+        return Err(invalid(format!(
+            "block is {} bytes, expected {BLOCK}",
+            buf.len()
+        )));
+    }
+    if buf.iter().all(|&b| b == 0) {
+        return Err(FormatError::Empty);
+    }
+    let found = get_u64(buf, 0);
+    if found != magic {
+        return Err(FormatError::BadMagic { found });
+    }
+    let found = get_u32(buf, VERSION);
+    if found != FORMAT_VERSION {
+        return Err(FormatError::BadVersion { found });
+    }
+    if get_u64(buf, CKSUM) != block_checksum(buf) {
+        return Err(FormatError::BadChecksum);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn slot() -> SlotHeader {
+        SlotHeader {
+            format_id: 0xdead_beef_1234,
+            extent_epoch: 7,
+            file_offset: slot_offset(256 * MIB, 3, stride_for(3 * MIB), 2),
+            seq: 99,
+            chunk_hash: [0xab; 32],
+            kv_rank: 1,
+            object_group: 2,
+            model: "meta-llama/Llama-3-8B".into(),
+            cache_salt: "sält".into(),
+            object_len: 3 * MIB,
+            payload_checksum: payload_checksum(b"payload"),
+        }
+    }
+
+    fn encoded(h: &SlotHeader) -> Vec<u8> {
+        let mut buf = vec![0xffu8; BLOCK];
+        h.encode(&mut buf).unwrap();
+        buf
+    }
+
+    /// Re-seals arbitrary bytes so they pass magic/version/checksum checks.
+    fn forge(mut buf: Vec<u8>, magic: u64) -> Vec<u8> {
+        seal(&mut buf, magic);
+        buf
+    }
+
+    #[test]
+    fn superblock_round_trip() {
+        let sb = Superblock {
+            format_id: 42,
+            file_bytes: 10 << 30,
+            extent_bytes: 256 * MIB,
+        };
+        let mut buf = vec![0xffu8; BLOCK];
+        sb.encode(&mut buf);
+        assert_eq!(Superblock::decode(&buf), Ok(sb));
+    }
+
+    #[test]
+    fn extent_header_round_trip() {
+        let h = ExtentHeader {
+            format_id: 42,
+            extent_index: u32::MAX,
+            epoch: u64::MAX,
+            stride: stride_for(3 * MIB),
+        };
+        let mut buf = vec![0xffu8; BLOCK];
+        h.encode(&mut buf);
+        assert_eq!(ExtentHeader::decode(&buf), Ok(h));
+    }
+
+    #[test]
+    fn slot_header_round_trip_incl_max_strings() {
+        let h = slot();
+        assert_eq!(SlotHeader::decode(&encoded(&h)), Ok(h));
+        let mut big = slot();
+        big.model = "m".repeat(MAX_MODEL_BYTES);
+        big.cache_salt = "é".repeat(MAX_SALT_BYTES / 2);
+        assert_eq!(SlotHeader::decode(&encoded(&big)), Ok(big));
+    }
+
+    #[test]
+    fn all_zero_is_empty() {
+        let z = vec![0u8; BLOCK];
+        assert_eq!(Superblock::decode(&z), Err(FormatError::Empty));
+        assert_eq!(ExtentHeader::decode(&z), Err(FormatError::Empty));
+        assert_eq!(SlotHeader::decode(&z), Err(FormatError::Empty));
+    }
+
+    #[test]
+    fn wrong_kind_is_bad_magic() {
+        let buf = encoded(&slot());
+        assert_eq!(
+            ExtentHeader::decode(&buf),
+            Err(FormatError::BadMagic { found: SLOT_MAGIC })
+        );
+    }
+
+    #[test]
+    fn wrong_length_rejected() {
+        let buf = encoded(&slot());
+        for len in [0, 1, BLOCK - 1, BLOCK + 1] {
+            let mut b = buf.clone();
+            b.resize(len, 0);
+            assert!(matches!(
+                SlotHeader::decode(&b),
+                Err(FormatError::Invalid(_))
+            ));
+            assert!(matches!(
+                Superblock::decode(&b),
+                Err(FormatError::Invalid(_))
+            ));
+            assert!(matches!(
+                ExtentHeader::decode(&b),
+                Err(FormatError::Invalid(_))
+            ));
+        }
+    }
+
+    #[test]
+    #[should_panic]
+    fn encode_wrong_length_panics() {
+        let _ = slot().encode(&mut [0u8; 100]);
+    }
+
+    #[test]
+    fn encode_rejects_bad_fields() {
+        let mut buf = vec![0u8; BLOCK];
+        let mut h = slot();
+        h.model = "x".repeat(MAX_MODEL_BYTES + 1);
+        assert_eq!(
+            h.encode(&mut buf),
+            Err(FormatError::FieldTooLong {
+                field: "model",
+                len: MAX_MODEL_BYTES + 1,
+                max: MAX_MODEL_BYTES
+            })
+        );
+        let mut h = slot();
+        h.cache_salt = "x".repeat(MAX_SALT_BYTES + 1);
+        assert!(matches!(
+            h.encode(&mut buf),
+            Err(FormatError::FieldTooLong {
+                field: "cache_salt",
+                ..
+            })
+        ));
+        let mut h = slot();
+        h.object_len = 0;
+        assert!(matches!(h.encode(&mut buf), Err(FormatError::Invalid(_))));
+    }
+
+    #[test]
+    fn version_and_checksum_errors() {
+        let mut buf = encoded(&slot());
+        buf[VERSION] = 2;
+        assert_eq!(
+            SlotHeader::decode(&buf),
+            Err(FormatError::BadVersion { found: 2 })
+        );
+        let mut buf = encoded(&slot());
+        buf[BLOCK - 1] ^= 1;
+        assert_eq!(SlotHeader::decode(&buf), Err(FormatError::BadChecksum));
+    }
+
+    #[test]
+    fn every_bit_flip_detected() {
+        let buf = encoded(&slot());
+        for bit in 0..BLOCK * 8 {
+            let mut b = buf.clone();
+            b[bit / 8] ^= 1 << (bit % 8);
+            assert!(SlotHeader::decode(&b).is_err(), "bit {bit} undetected");
+        }
+    }
+
+    #[test]
+    fn field_sanity_after_valid_checksum() {
+        let bad = |mut b: Vec<u8>, at: usize, v: u64, magic: u64| {
+            put_u64(&mut b, at, v);
+            forge(b, magic)
+        };
+        let sb = {
+            let mut b = vec![0u8; BLOCK];
+            Superblock {
+                format_id: 1,
+                file_bytes: EXTENT_BASE + 2 * MIB,
+                extent_bytes: 2 * MIB,
+            }
+            .encode(&mut b);
+            b
+        };
+        assert!(Superblock::decode(&sb).is_ok());
+        for (at, v) in [
+            (BODY + 16, 3 * MIB),
+            (BODY + 16, 0),
+            (BODY + 8, EXTENT_BASE),
+        ] {
+            let b = bad(sb.clone(), at, v, SUPERBLOCK_MAGIC);
+            assert!(matches!(
+                Superblock::decode(&b),
+                Err(FormatError::Invalid(_))
+            ));
+        }
+        let eh = {
+            let mut b = vec![0u8; BLOCK];
+            ExtentHeader {
+                format_id: 1,
+                extent_index: 0,
+                epoch: 1,
+                stride: 2 * B,
+            }
+            .encode(&mut b);
+            b
+        };
+        for v in [B, 0, 2 * B + 1] {
+            let b = bad(eh.clone(), BODY + 16, v, EXTENT_MAGIC);
+            assert!(matches!(
+                ExtentHeader::decode(&b),
+                Err(FormatError::Invalid(_))
+            ));
+        }
+        let sh = encoded(&slot());
+        let b = bad(sh.clone(), BODY + 32, 0, SLOT_MAGIC);
+        assert!(matches!(
+            SlotHeader::decode(&b),
+            Err(FormatError::Invalid(_))
+        ));
+        let mut b = sh.clone();
+        put_u32(&mut b, S_MODEL_LEN, 5000);
+        assert!(matches!(
+            SlotHeader::decode(&forge(b, SLOT_MAGIC)),
+            Err(FormatError::FieldTooLong { .. })
+        ));
+        let mut b = sh;
+        b[S_STRINGS] = 0xff;
+        assert!(matches!(
+            SlotHeader::decode(&forge(b, SLOT_MAGIC)),
+            Err(FormatError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn geometry_examples() {
+        assert_eq!(stride_for(3 * MIB), 3 * MIB + B);
+        assert_eq!(stride_for(1), 2 * B);
+        assert_eq!(stride_for(B), 2 * B);
+        assert_eq!(stride_for(B + 1), 3 * B);
+        assert_eq!(slots_per_extent(256 * MIB, stride_for(3 * MIB)), 85);
+        assert_eq!(slots_per_extent(256 * MIB, 0), 0);
+        assert_eq!(
+            extent_count(EXTENT_BASE + 10 * 256 * MIB + 5, 256 * MIB),
+            10
+        );
+        assert_eq!(extent_count(MIB, 256 * MIB), 0);
+        assert_eq!(extent_count(u64::MAX, 2 * MIB), u32::MAX);
+        assert_eq!(extent_offset(256 * MIB, 0), EXTENT_BASE);
+        assert_eq!(extent_offset(256 * MIB, 2), EXTENT_BASE + 512 * MIB);
+        let stride = stride_for(3 * MIB);
+        assert_eq!(
+            slot_offset(256 * MIB, 1, stride, 0),
+            EXTENT_BASE + 256 * MIB + B
+        );
+        for slot in 0..85 {
+            let off = slot_offset(256 * MIB, 4, stride, slot);
+            assert_eq!(off % B, 0);
+            assert!(off + stride <= extent_offset(256 * MIB, 5));
+        }
+        assert_eq!(default_extent_bytes(0), 0);
+        assert_eq!(default_extent_bytes(EXTENT_BASE + MIB), 0);
+        assert_eq!(default_extent_bytes(EXTENT_BASE + 2 * MIB), 2 * MIB);
+        assert_eq!(default_extent_bytes(EXTENT_BASE + 20 * MIB), 4 * MIB);
+        assert_eq!(default_extent_bytes(1 << 40), 256 * MIB);
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2 * BLOCK)) {
+            let _ = Superblock::decode(&bytes);
+            let _ = ExtentHeader::decode(&bytes);
+            let _ = SlotHeader::decode(&bytes);
+        }
+
+        #[test]
+        fn forged_blocks_never_panic(bytes in proptest::collection::vec(any::<u8>(), BLOCK)) {
+            let _ = Superblock::decode(&forge(bytes.clone(), SUPERBLOCK_MAGIC));
+            let _ = ExtentHeader::decode(&forge(bytes.clone(), EXTENT_MAGIC));
+            let _ = SlotHeader::decode(&forge(bytes, SLOT_MAGIC));
+        }
+
+        #[test]
+        fn slot_round_trip_and_bit_flips(
+            model in "\\PC{0,64}",
+            salt in "\\PC{0,64}",
+            seq: u64,
+            object_len in 1u64..,
+            bit in 0..BLOCK * 8,
+        ) {
+            let h = SlotHeader { model, cache_salt: salt, seq, object_len, ..slot() };
+            let mut b = encoded(&h);
+            prop_assert_eq!(SlotHeader::decode(&b), Ok(h));
+            b[bit / 8] ^= 1 << (bit % 8);
+            prop_assert!(SlotHeader::decode(&b).is_err());
+        }
+
+        #[test]
+        fn default_extent_bytes_valid(file_bytes: u64) {
+            let e = default_extent_bytes(file_bytes);
+            if e != 0 {
+                let sb = Superblock { format_id: 1, file_bytes, extent_bytes: e };
+                let mut b = vec![0u8; BLOCK];
+                sb.encode(&mut b);
+                prop_assert_eq!(Superblock::decode(&b), Ok(sb));
+                prop_assert!(extent_count(file_bytes, e) >= 1);
+            }
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! The L2 disk tier: committed L1 objects written behind to local NVMe (a data file opened
+//! `O_DIRECT`, or a block device) straight from their pool slots, loaded back into L1 slots by
+//! prefetch when a lookup finds them only on disk, and rebuilt from on-disk headers at start-up.
+//!
+//! * [`format`]: the on-disk layout (superblock, extent headers, slot headers, checksums).
+//! * [`space`]: the in-memory index and space manager (extents, fixed-stride slots, LRU).
+//! * [`tier`]: [`L2Tier`], the I/O around both: open/recover, write-behind batches, loads.
+//! * [`writer`]: the write-behind thread and its bounded queue.
+
+pub mod format;
+pub mod space;
+pub mod tier;
+pub mod writer;
+
+pub use tier::{L2Status, L2Tier};

@@ -1,0 +1,916 @@
+//! [`L2Tier`]: opening and recovering the data file, write-behind batches (pool slot -> disk with
+//! no copy), prefetch loads (disk -> a fresh L1 slot, checksum verified before publication), and
+//! clearing.
+//!
+//! Headers are staged in a small node-private area at the end of the pool (clients never get
+//! offsets there), so every I/O, header or payload, goes through the registered pool buffers.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kvnode_hw::{BlockEngine, BlockIo, EngineKind, HwError, SharedPool, BLOCK_ALIGN};
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use super::format::{
+    default_extent_bytes, extent_count, extent_offset, payload_checksum, slot_offset,
+    slots_per_extent, ExtentHeader, FormatError, SlotHeader, Superblock, BLOCK,
+};
+use super::space::{L2Index, RecoverOutcome, ReserveError};
+use super::writer::WriteQueue;
+use crate::config::{L2Config, WritePolicy};
+use crate::error::{Error, ErrorKind, Result};
+use crate::storage::{Grant, KeyError, Namespaces, StorageCore, StorageKey};
+
+/// Bytes at the end of the pool reserved for staging headers (512 blocks of 4 KiB).
+pub const STAGING_BYTES: u64 = 2 << 20;
+/// Name of the data file created inside an L2 directory.
+pub const DATA_FILE: &str = "kvnode-l2.dat";
+
+const BLOCK_U64: u64 = BLOCK as u64;
+
+/// Node-private 4 KiB blocks of the pool used to stage headers. Invariant: every block is in
+/// `free` or held by exactly one caller between `take` and `give`.
+struct Staging {
+    free: Mutex<Vec<u64>>,
+}
+
+impl Staging {
+    fn new(base: u64, bytes: u64) -> Staging {
+        Staging {
+            free: Mutex::new(
+                (0..bytes / BLOCK_U64)
+                    .map(|i| base + i * BLOCK_U64)
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Up to `n` blocks (fewer when others hold them).
+    fn take(&self, n: usize) -> Vec<u64> {
+        let mut f = self.free.lock();
+        let k = n.min(f.len());
+        let at = f.len() - k;
+        f.split_off(at)
+    }
+
+    fn give(&self, blocks: Vec<u64>) {
+        self.free.lock().extend(blocks);
+    }
+}
+
+/// Counters reported in STATUS. Invariant: monotonic.
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    writes: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+    errors: AtomicU64,
+    corrupt: AtomicU64,
+    evictions: AtomicU64,
+    skipped: AtomicU64,
+}
+
+/// The `l2` object of STATUS. Field names are a public contract.
+#[derive(Debug, Clone, Serialize)]
+pub struct L2Status {
+    /// Data file or device in use.
+    pub path: String,
+    /// Block engine: `uring` or `pread`.
+    pub engine: &'static str,
+    /// `always` or `on-evict`.
+    pub write_policy: &'static str,
+    /// Size of the data file (or the part of the device) in use.
+    pub bytes: u64,
+    /// Bytes of slots holding or receiving objects.
+    pub used_bytes: u64,
+    /// Objects readable from L2.
+    pub objects: u64,
+    /// Objects loaded from L2 into L1 (prefetch hits).
+    pub hits: u64,
+    /// Objects written to L2.
+    pub writes: u64,
+    /// Device errors (ENOSPC, EIO, short transfers); each dropped its object from L2.
+    pub errors: u64,
+    /// Objects whose payload failed its checksum when loaded (dropped, never served).
+    pub corrupt: u64,
+    /// Objects evicted from L2 to make room.
+    pub evictions: u64,
+    /// Objects not written: write-behind queue full, too large for an extent, or no space.
+    pub skipped: u64,
+    /// Payload bytes written.
+    pub bytes_written: u64,
+    /// Payload bytes loaded.
+    pub bytes_read: u64,
+    /// Objects found on disk at start-up.
+    pub recovered: u64,
+    /// Objects waiting in the write-behind queue.
+    pub queued: usize,
+    /// Extent size on disk.
+    pub extent_bytes: u64,
+}
+
+/// The L2 tier. Invariants: an object is readable from L2 only after both its header and its
+/// payload were written successfully; a payload is published into L1 only after its checksum
+/// matched; a slot being written or loaded is never reused (the index pins it); the data file is
+/// flocked by this node for its whole life.
+pub struct L2Tier {
+    write_engine: Box<dyn BlockEngine>,
+    read_engine: Box<dyn BlockEngine>,
+    pool: Arc<SharedPool>,
+    staging: Staging,
+    index: Mutex<L2Index<StorageKey>>,
+    file_bytes: u64,
+    extent_bytes: u64,
+    format_id: AtomicU64,
+    seq: AtomicU64,
+    prefetching: AtomicUsize,
+    max_prefetch: usize,
+    batch_objects: usize,
+    counters: Counters,
+    recovered: u64,
+    path: PathBuf,
+    policy: WritePolicy,
+    /// Write-behind queue (drained by the writer thread).
+    pub queue: WriteQueue,
+    _lock: File,
+}
+
+fn hw(context: &str) -> impl FnOnce(HwError) -> Error + '_ {
+    move |e| Error::from(e).context(context)
+}
+
+fn round_block(n: u64) -> u64 {
+    n.div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN
+}
+
+/// A fresh format id: random, never 0.
+fn random_format_id() -> u64 {
+    let mut b = [0u8; 8];
+    let from_os = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .is_ok();
+    let mut id = u64::from_le_bytes(b);
+    if !from_os {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        id = t ^ (u64::from(std::process::id()) << 32);
+    }
+    id.max(1)
+}
+
+/// Opens the data file or device named by the config: returns it and its usable size.
+fn open_data(cfg: &L2Config) -> Result<(File, u64, PathBuf)> {
+    use std::os::unix::fs::FileTypeExt;
+    let p = &cfg.path;
+    let meta = match std::fs::metadata(p) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::invalid(format!("L2 path {}: {e}", p.display()))),
+    };
+    let file_path = match &meta {
+        Some(m) if m.file_type().is_block_device() => {
+            let (f, dev_bytes) =
+                kvnode_hw::open_block_device(p).map_err(hw("opening the L2 device"))?;
+            let bytes = dev_bytes.min(cfg.bytes) & !((2 << 20) - 1);
+            return Ok((f, bytes, p.clone()));
+        }
+        Some(m) if m.is_dir() => p.join(DATA_FILE),
+        Some(m) if m.is_file() => p.clone(),
+        Some(_) => {
+            return Err(Error::invalid(format!(
+                "L2 path {} is neither a directory, a file nor a block device",
+                p.display()
+            )))
+        }
+        None => {
+            std::fs::create_dir_all(p).map_err(|e| {
+                Error::invalid(format!("creating L2 directory {}: {e}", p.display()))
+            })?;
+            p.join(DATA_FILE)
+        }
+    };
+    let bytes = cfg.bytes & !((2 << 20) - 1);
+    let file = match kvnode_hw::open_direct(&file_path, bytes) {
+        Ok(f) => f,
+        Err(HwError::Os {
+            op: "fallocate",
+            source,
+        }) if source.raw_os_error() == Some(libc::ENOSPC) => {
+            tracing::warn!(
+                path = %file_path.display(),
+                bytes,
+                "not enough free space to reserve the L2 file; using a sparse file (writes that \
+                 find the disk full fail per object and are counted as errors)"
+            );
+            kvnode_hw::open_direct_sparse(&file_path, bytes).map_err(hw("opening the L2 file"))?
+        }
+        Err(HwError::Invalid(m)) => {
+            return Err(Error::invalid(format!(
+                "{m} (pass the size the file was created with, or remove it)"
+            )))
+        }
+        Err(e) => return Err(hw("opening the L2 file")(e)),
+    };
+    Ok((file, bytes, file_path))
+}
+
+fn make_engine(
+    kind: Option<EngineKind>,
+    pool: &Arc<SharedPool>,
+    file: &File,
+    cfg: &L2Config,
+) -> Result<Box<dyn BlockEngine>> {
+    let dup = || {
+        file.try_clone().map_err(|e| {
+            Error::from(HwError::Os {
+                op: "dup",
+                source: e,
+            })
+        })
+    };
+    if cfg.sqpoll && kind != Some(EngineKind::Pread) {
+        match kvnode_hw::UringEngine::new(pool.clone(), dup()?, cfg.queue_depth, true) {
+            Ok(e) => return Ok(Box::new(e)),
+            Err(e) if kind.is_some() => return Err(hw("io_uring with SQPOLL")(e)),
+            Err(e) => tracing::warn!(error = %e, "io_uring SQPOLL unavailable"),
+        }
+    }
+    kvnode_hw::open_engine(kind, pool.clone(), dup()?, cfg.queue_depth)
+        .map_err(hw("starting the L2 block engine"))
+}
+
+/// One planned object write of a batch.
+struct PlannedWrite {
+    key: StorageKey,
+    slot: super::space::SlotRef,
+    checksum: u64,
+    len: u64,
+    extent_ok: bool,
+}
+
+impl L2Tier {
+    /// Opens (creating if needed) the data file or device, takes its lock, starts the engines,
+    /// and rebuilds the index from the on-disk headers (or formats an empty tier).
+    /// `staging_base` is the pool offset of [`STAGING_BYTES`] reserved for the tier.
+    /// Namespaces found on disk are interned into `namespaces`.
+    pub fn open(
+        cfg: &L2Config,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+    ) -> Result<L2Tier> {
+        let (file, file_bytes, path) = open_data(cfg)?;
+        kvnode_hw::lock_exclusive(&file).map_err(|e| {
+            Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
+        })?;
+        let write_engine = make_engine(cfg.engine_kind()?, &pool, &file, cfg)?;
+        let read_engine = make_engine(Some(write_engine.kind()), &pool, &file, cfg)?;
+        let mut extent_bytes = if cfg.extent_bytes > 0 {
+            cfg.extent_bytes
+        } else {
+            default_extent_bytes(file_bytes)
+        };
+        let mut tier = L2Tier {
+            write_engine,
+            read_engine,
+            staging: Staging::new(staging_base, STAGING_BYTES),
+            pool,
+            index: Mutex::new(L2Index::new(0, 1)),
+            file_bytes,
+            extent_bytes,
+            format_id: AtomicU64::new(0),
+            seq: AtomicU64::new(1),
+            prefetching: AtomicUsize::new(0),
+            max_prefetch: cfg.max_prefetch_objects,
+            batch_objects: cfg.batch_objects.min(STAGING_BYTES as usize / BLOCK / 4),
+            counters: Counters::default(),
+            recovered: 0,
+            path,
+            policy: cfg.write_policy,
+            queue: WriteQueue::new(cfg.write_queue),
+            _lock: file,
+        };
+        let sb_block = tier.read_blocks(&[0]).pop().expect("one block");
+        let existing = match sb_block.map(|b| Superblock::decode(&b)) {
+            Ok(Ok(sb))
+                if sb.file_bytes == file_bytes
+                    && (cfg.extent_bytes == 0 || cfg.extent_bytes == sb.extent_bytes) =>
+            {
+                extent_bytes = sb.extent_bytes;
+                Some(sb.format_id)
+            }
+            Ok(Ok(sb)) => {
+                tracing::warn!(
+                    old_bytes = sb.file_bytes,
+                    old_extent_bytes = sb.extent_bytes,
+                    file_bytes,
+                    extent_bytes,
+                    "L2 geometry changed: starting with an empty tier"
+                );
+                None
+            }
+            Ok(Err(FormatError::Empty)) => None,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "L2 superblock unreadable: starting with an empty tier");
+                None
+            }
+            Err(e) => return Err(e.context("reading the L2 superblock")),
+        };
+        if extent_bytes == 0 || extent_count(file_bytes, extent_bytes) == 0 {
+            return Err(Error::invalid(format!(
+                "L2 size {file_bytes} bytes is too small for one extent (need at least {} bytes)",
+                super::format::EXTENT_BASE + (2 << 20)
+            )));
+        }
+        tier.extent_bytes = extent_bytes;
+        *tier.index.get_mut() = L2Index::new(extent_count(file_bytes, extent_bytes), extent_bytes);
+        match existing {
+            Some(format_id) => {
+                tier.format_id.store(format_id, Ordering::Relaxed);
+                tier.recover(namespaces)?;
+            }
+            None => tier.format()?,
+        }
+        tracing::info!(
+            path = %tier.path.display(),
+            engine = tier.write_engine.kind().as_str(),
+            bytes = file_bytes,
+            extent_bytes,
+            recovered = tier.recovered,
+            write_policy = tier.policy.as_str(),
+            "L2 tier ready"
+        );
+        Ok(tier)
+    }
+
+    /// Writes a new superblock with a fresh format id: every header written before is ignored
+    /// from now on (an empty tier).
+    fn format(&self) -> Result<()> {
+        let id = random_format_id();
+        let mut b = vec![0u8; BLOCK];
+        Superblock {
+            format_id: id,
+            file_bytes: self.file_bytes,
+            extent_bytes: self.extent_bytes,
+        }
+        .encode(&mut b);
+        self.write_blocks(&[(0, b)]).pop().expect("one block")?;
+        self.write_engine
+            .sync()
+            .map_err(hw("syncing the L2 superblock"))?;
+        self.format_id.store(id, Ordering::Release);
+        Ok(())
+    }
+
+    /// Reads 4 KiB blocks at `file_offsets` through the staging area.
+    fn read_blocks(&self, file_offsets: &[u64]) -> Vec<Result<Vec<u8>>> {
+        let mut out = Vec::with_capacity(file_offsets.len());
+        for part in file_offsets.chunks(64) {
+            let blocks = self.staging.take(part.len());
+            if blocks.len() < part.len() {
+                self.staging.give(blocks);
+                out.extend(part.iter().map(|_| {
+                    Err(Error::new(
+                        ErrorKind::LimitExceeded,
+                        "L2 staging area exhausted",
+                    ))
+                }));
+                continue;
+            }
+            let ios: Vec<BlockIo> = part
+                .iter()
+                .zip(&blocks)
+                .map(|(&f, &b)| BlockIo {
+                    pool_offset: b,
+                    file_offset: f,
+                    len: BLOCK_U64,
+                })
+                .collect();
+            for (r, &b) in self.read_engine.read_batch(&ios).into_iter().zip(&blocks) {
+                out.push(r.map_err(hw("reading an L2 header")).and_then(|_| {
+                    let mut buf = vec![0u8; BLOCK];
+                    self.pool
+                        .region()
+                        .read_at(b, &mut buf)
+                        .map_err(Error::from)?;
+                    Ok(buf)
+                }));
+            }
+            self.staging.give(blocks);
+        }
+        out
+    }
+
+    /// Writes 4 KiB blocks `(file_offset, bytes)` through the staging area.
+    fn write_blocks(&self, items: &[(u64, Vec<u8>)]) -> Vec<Result<()>> {
+        let mut out = Vec::with_capacity(items.len());
+        for part in items.chunks(64) {
+            let blocks = self.staging.take(part.len());
+            if blocks.len() < part.len() {
+                self.staging.give(blocks);
+                out.extend(part.iter().map(|_| {
+                    Err(Error::new(
+                        ErrorKind::LimitExceeded,
+                        "L2 staging area exhausted",
+                    ))
+                }));
+                continue;
+            }
+            let mut ios = Vec::with_capacity(part.len());
+            for ((f, bytes), &b) in part.iter().zip(&blocks) {
+                self.pool
+                    .region()
+                    .write_at(b, bytes)
+                    .expect("staging block in the pool");
+                ios.push(BlockIo {
+                    pool_offset: b,
+                    file_offset: *f,
+                    len: BLOCK_U64,
+                });
+            }
+            out.extend(
+                self.write_engine
+                    .write_batch(&ios)
+                    .into_iter()
+                    .map(|r| r.map(|_| ()).map_err(hw("writing an L2 header"))),
+            );
+            self.staging.give(blocks);
+        }
+        out
+    }
+
+    /// Rebuilds the index from extent and slot headers (payloads are verified when loaded).
+    fn recover(&mut self, namespaces: &Namespaces) -> Result<()> {
+        let format_id = self.format_id.load(Ordering::Relaxed);
+        let extents = extent_count(self.file_bytes, self.extent_bytes);
+        let offsets: Vec<u64> = (0..extents)
+            .map(|e| extent_offset(self.extent_bytes, e))
+            .collect();
+        let mut assigned = Vec::new();
+        for (e, block) in self.read_blocks(&offsets).into_iter().enumerate() {
+            let block = block.map_err(|err| err.context("reading L2 extent headers"))?;
+            match ExtentHeader::decode(&block) {
+                Ok(h) if h.format_id == format_id && h.extent_index == e as u32 => {
+                    match self
+                        .index
+                        .get_mut()
+                        .recover_extent(e as u32, h.epoch, h.stride)
+                    {
+                        Ok(()) => assigned.push((e as u32, h)),
+                        Err(err) => {
+                            tracing::warn!(extent = e, error = %err, "L2 extent header rejected")
+                        }
+                    }
+                }
+                Ok(_) | Err(FormatError::Empty) => {}
+                Err(err) => {
+                    tracing::warn!(extent = e, error = %err, "L2 extent header damaged: extent treated as free")
+                }
+            }
+        }
+        let (mut inserted, mut rejected, mut max_seq) = (0u64, 0u64, 0u64);
+        for (e, h) in assigned {
+            let n = slots_per_extent(self.extent_bytes, h.stride);
+            let offsets: Vec<u64> = (0..n)
+                .map(|j| slot_offset(self.extent_bytes, e, h.stride, j))
+                .collect();
+            for (j, block) in self.read_blocks(&offsets).into_iter().enumerate() {
+                let block = block.map_err(|err| err.context("reading L2 slot headers"))?;
+                let Ok(s) = SlotHeader::decode(&block) else {
+                    continue; // never written or torn: the slot is free
+                };
+                if s.format_id != format_id
+                    || s.extent_epoch != h.epoch
+                    || s.file_offset != offsets[j]
+                {
+                    continue; // left over from an earlier format or assignment
+                }
+                let Ok(namespace) = namespaces.intern(&s.model, &s.cache_salt) else {
+                    rejected += 1;
+                    continue;
+                };
+                let key = StorageKey {
+                    chunk_hash: s.chunk_hash,
+                    kv_rank: s.kv_rank,
+                    object_group: s.object_group,
+                    namespace,
+                };
+                let outcome = self.index.get_mut().recover_entry(
+                    key,
+                    j as u32,
+                    e,
+                    s.object_len,
+                    s.payload_checksum,
+                    s.seq,
+                );
+                match outcome {
+                    RecoverOutcome::Inserted => inserted += 1,
+                    RecoverOutcome::ReplacedOlder | RecoverOutcome::KeptNewer => {}
+                    RecoverOutcome::Rejected(_) => rejected += 1,
+                }
+                max_seq = max_seq.max(s.seq);
+            }
+        }
+        let index = self.index.get_mut();
+        index.finish_recovery();
+        self.recovered = index.stats().objects;
+        self.seq.store(max_seq + 1, Ordering::Relaxed);
+        if rejected > 0 {
+            tracing::warn!(rejected, "L2 recovery rejected some slot headers");
+        }
+        tracing::debug!(inserted, objects = self.recovered, "L2 index rebuilt");
+        Ok(())
+    }
+
+    /// The write policy in force.
+    pub fn policy(&self) -> WritePolicy {
+        self.policy
+    }
+
+    /// The engine in use.
+    pub fn engine_kind(&self) -> EngineKind {
+        self.write_engine.kind()
+    }
+
+    /// Whether `key` is readable from L2.
+    pub fn contains(&self, key: &StorageKey) -> bool {
+        self.index.lock().contains(key)
+    }
+
+    /// Objects per write batch.
+    pub fn batch_objects(&self) -> usize {
+        self.batch_objects
+    }
+
+    /// Writes committed L1 objects to L2 (those not already there): each is read-locked in L1
+    /// for the duration of its write, so its slot is neither freed nor reused under the I/O.
+    /// Returns the number written.
+    pub fn persist(
+        &self,
+        storage: &StorageCore,
+        namespaces: &Namespaces,
+        keys: &[StorageKey],
+    ) -> u64 {
+        let mut written = 0;
+        for part in keys.chunks(self.batch_objects) {
+            let todo: Vec<StorageKey> = {
+                let index = self.index.lock();
+                part.iter()
+                    .filter(|k| !index.contains(k))
+                    .copied()
+                    .collect()
+            };
+            if todo.is_empty() {
+                continue;
+            }
+            let grants = storage.reserve_read(&todo, 0);
+            let locked: Vec<(StorageKey, Grant)> = todo
+                .iter()
+                .zip(grants)
+                .filter_map(|(k, g)| g.ok().map(|g| (*k, g)))
+                .collect();
+            written += self.write_locked(namespaces, &locked);
+            let leases: Vec<(StorageKey, u64)> =
+                locked.iter().map(|(k, g)| (*k, g.lease)).collect();
+            storage.finish_read(&leases, 0);
+        }
+        written
+    }
+
+    /// Writes read-locked objects (at most `batch_objects`): extent headers of newly assigned
+    /// extents first, then each object's header and payload in one batch.
+    fn write_locked(&self, namespaces: &Namespaces, items: &[(StorageKey, Grant)]) -> u64 {
+        let format_id = self.format_id.load(Ordering::Acquire);
+        let mut extent_headers: Vec<(u32, u64, Vec<u8>)> = Vec::new();
+        let mut plans: Vec<PlannedWrite> = Vec::new();
+        let mut slot_headers: Vec<Vec<u8>> = Vec::new();
+        for (key, grant) in items {
+            let Some((model, cache_salt)) = namespaces.name(key.namespace) else {
+                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            let len = grant.slot.len;
+            let checksum =
+                match self
+                    .pool
+                    .region()
+                    .with_bytes(grant.slot.offset, len, payload_checksum)
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::error!(error = %e, "L1 slot outside the pool (bug)");
+                        continue;
+                    }
+                };
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let reservation = match self.index.lock().reserve(*key, len, seq) {
+                Ok(r) => r,
+                Err(ReserveError::Exists) => continue,
+                Err(e) => {
+                    tracing::debug!(error = %e, "object not written to L2");
+                    self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            self.counters
+                .evictions
+                .fetch_add(reservation.evicted.len() as u64, Ordering::Relaxed);
+            if let Some((extent, epoch, stride)) = reservation.new_extent {
+                let mut b = vec![0u8; BLOCK];
+                ExtentHeader {
+                    format_id,
+                    extent_index: extent,
+                    epoch,
+                    stride,
+                }
+                .encode(&mut b);
+                extent_headers.push((extent, extent_offset(self.extent_bytes, extent), b));
+            }
+            let header = SlotHeader {
+                format_id,
+                extent_epoch: reservation.slot.epoch,
+                file_offset: reservation.slot.file_offset,
+                seq,
+                chunk_hash: key.chunk_hash,
+                kv_rank: key.kv_rank,
+                object_group: key.object_group,
+                model,
+                cache_salt,
+                object_len: len,
+                payload_checksum: checksum,
+            };
+            let mut b = vec![0u8; BLOCK];
+            if let Err(e) = header.encode(&mut b) {
+                tracing::debug!(error = %e, "object key does not fit an L2 header");
+                let _ = self.index.lock().abort(*key, reservation.slot);
+                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            slot_headers.push(b);
+            plans.push(PlannedWrite {
+                key: *key,
+                slot: reservation.slot,
+                checksum,
+                len,
+                extent_ok: true,
+            });
+            let _ = grant;
+        }
+        // Extent headers first, so a slot is never written into an extent whose header says
+        // otherwise (a crash in between leaves at worst an extent with no readable slots).
+        if !extent_headers.is_empty() {
+            let writes: Vec<(u64, Vec<u8>)> = extent_headers
+                .iter()
+                .map(|(_, off, b)| (*off, b.clone()))
+                .collect();
+            for ((extent, _, _), r) in extent_headers.iter().zip(self.write_blocks(&writes)) {
+                if let Err(e) = r {
+                    tracing::warn!(extent, error = %e, "L2 extent header write failed");
+                    for p in plans.iter_mut().filter(|p| p.slot.extent == *extent) {
+                        p.extent_ok = false;
+                    }
+                }
+            }
+        }
+        let grants: std::collections::HashMap<StorageKey, Grant> = items.iter().copied().collect();
+        let blocks = self.staging.take(plans.len());
+        let mut ios = Vec::with_capacity(plans.len() * 2);
+        for ((p, hdr), &b) in plans.iter().zip(&slot_headers).zip(&blocks) {
+            self.pool
+                .region()
+                .write_at(b, hdr)
+                .expect("staging block in the pool");
+            ios.push(BlockIo {
+                pool_offset: b,
+                file_offset: p.slot.file_offset,
+                len: BLOCK_U64,
+            });
+            ios.push(BlockIo {
+                pool_offset: grants[&p.key].slot.offset,
+                file_offset: p.slot.file_offset + BLOCK_U64,
+                len: round_block(p.len),
+            });
+        }
+        let staged = blocks.len();
+        let results = if staged < plans.len() {
+            Vec::new() // staging exhausted (cannot happen with one writer): everything below aborts
+        } else {
+            self.write_engine.write_batch(&ios)
+        };
+        self.staging.give(blocks);
+        let mut written = 0;
+        for (i, p) in plans.iter().enumerate() {
+            let io_ok = match (results.get(2 * i), results.get(2 * i + 1)) {
+                (Some(Ok(_)), Some(Ok(_))) => Ok(()),
+                (Some(Err(e)), _) | (_, Some(Err(e))) => Err(e.to_string()),
+                _ => Err("not submitted".to_owned()),
+            };
+            let mut index = self.index.lock();
+            match io_ok {
+                Ok(()) if p.extent_ok => {
+                    if index.commit(p.key, p.slot, p.checksum).is_ok() {
+                        written += 1;
+                        self.counters.writes.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .bytes_written
+                            .fetch_add(p.len, Ordering::Relaxed);
+                    }
+                }
+                other => {
+                    let _ = index.abort(p.key, p.slot);
+                    drop(index);
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        error = other
+                            .err()
+                            .as_deref()
+                            .unwrap_or("extent header not written"),
+                        file_offset = p.slot.file_offset,
+                        "L2 write failed: object kept in L1 only"
+                    );
+                }
+            }
+        }
+        written
+    }
+
+    /// Loads objects that are on L2 but not in L1 into fresh L1 slots and publishes them with
+    /// `1 + extra` read locks. Returns, per key, the lease of the lock taken, or `None` when the
+    /// key was not loaded (not on L2, L1 full, prefetch bound reached, device error, corrupt
+    /// payload: the last two also drop it from L2). At most `max_prefetch_objects` objects are
+    /// in flight node-wide; keys beyond the budget are not loaded (callers cut their prefix there).
+    pub fn load(&self, storage: &StorageCore, keys: &[StorageKey], extra: u32) -> Vec<Option<u64>> {
+        let mut out = vec![None; keys.len()];
+        let budget = self.acquire_prefetch(keys.len());
+        if budget == 0 {
+            return out;
+        }
+        let keys = &keys[..budget];
+        let located: Vec<Option<super::space::Located>> = {
+            let mut index = self.index.lock();
+            keys.iter().map(|k| index.pin(k)).collect()
+        };
+        // Reserve L1 slots, grouped by object length (one allocator call per group).
+        let mut grants: Vec<Option<Grant>> = vec![None; keys.len()];
+        let mut lens: Vec<u64> = located.iter().flatten().map(|l| l.object_len).collect();
+        lens.sort_unstable();
+        lens.dedup();
+        for len in lens {
+            let idx: Vec<usize> = (0..keys.len())
+                .filter(|&i| located[i].as_ref().is_some_and(|l| l.object_len == len))
+                .collect();
+            let group: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
+            for (&i, r) in idx.iter().zip(storage.reserve_write(&group, len, false)) {
+                match r {
+                    Ok(g) => grants[i] = Some(g),
+                    Err(KeyError::OutOfMemory) => {
+                        tracing::debug!("L1 full: L2 object not loaded")
+                    }
+                    Err(_) => {} // written or being written in L1 meanwhile
+                }
+            }
+        }
+        let plan: Vec<usize> = (0..keys.len()).filter(|&i| grants[i].is_some()).collect();
+        let ios: Vec<BlockIo> = plan
+            .iter()
+            .map(|&i| {
+                let l = located[i].as_ref().expect("granted implies located");
+                BlockIo {
+                    pool_offset: grants[i].expect("planned").slot.offset,
+                    file_offset: l.slot.file_offset + BLOCK_U64,
+                    len: round_block(l.object_len),
+                }
+            })
+            .collect();
+        let results = self.read_engine.read_batch(&ios);
+        let mut loaded = 0u64;
+        for (&i, r) in plan.iter().zip(results) {
+            let l = located[i].as_ref().expect("planned");
+            let g = grants[i].expect("planned");
+            let verdict = r.map_err(|e| e.to_string()).and_then(|_| {
+                let sum = self
+                    .pool
+                    .region()
+                    .with_bytes(g.slot.offset, l.object_len, payload_checksum)
+                    .map_err(|e| e.to_string())?;
+                if sum == l.checksum {
+                    Ok(())
+                } else {
+                    Err(String::new())
+                }
+            });
+            match verdict {
+                Ok(()) => {
+                    if let Some(Ok(lease)) =
+                        storage.finish_write_locked(&[(keys[i], g)], extra).pop()
+                    {
+                        out[i] = Some(lease);
+                        loaded += 1;
+                        self.counters
+                            .bytes_read
+                            .fetch_add(l.object_len, Ordering::Relaxed);
+                    }
+                }
+                Err(why) => {
+                    storage.abort_write(&[(keys[i], g)]);
+                    self.index.lock().remove(&keys[i]);
+                    if why.is_empty() {
+                        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            file_offset = l.slot.file_offset,
+                            "L2 object failed its checksum: dropped, not served"
+                        );
+                    } else {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %why, file_offset = l.slot.file_offset, "L2 read failed: object dropped from L2");
+                    }
+                }
+            }
+        }
+        {
+            let mut index = self.index.lock();
+            for (k, l) in keys.iter().zip(&located) {
+                if let Some(l) = l {
+                    let _ = index.unpin(k, l.slot);
+                }
+            }
+        }
+        self.counters.hits.fetch_add(loaded, Ordering::Relaxed);
+        self.prefetching.fetch_sub(budget, Ordering::AcqRel);
+        out
+    }
+
+    /// Takes up to `want` units of the node-wide prefetch budget.
+    fn acquire_prefetch(&self, want: usize) -> usize {
+        let mut cur = self.prefetching.load(Ordering::Acquire);
+        loop {
+            let n = want.min(self.max_prefetch.saturating_sub(cur));
+            if n == 0 {
+                return 0;
+            }
+            match self.prefetching.compare_exchange_weak(
+                cur,
+                cur + n,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return n,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Drops every object from L2 and makes the drop durable: a new format id is written, so
+    /// headers written before are ignored at the next start. Objects being written or loaded are
+    /// dropped when their I/O ends. Returns (removed now, deferred).
+    pub fn clear(&self) -> Result<(u64, u64)> {
+        let r = self.index.lock().clear();
+        self.format()?;
+        Ok(r)
+    }
+
+    /// `fdatasync` of the data file (completed writes become durable across power loss).
+    pub fn sync(&self) -> Result<()> {
+        self.write_engine.sync().map_err(hw("syncing the L2 file"))
+    }
+
+    /// Index invariant check (part of MEMCHECK).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        self.index.lock().check()
+    }
+
+    /// The STATUS object.
+    pub fn status(&self) -> L2Status {
+        let s = self.index.lock().stats();
+        let c = &self.counters;
+        L2Status {
+            path: self.path.display().to_string(),
+            engine: self.write_engine.kind().as_str(),
+            write_policy: self.policy.as_str(),
+            bytes: self.file_bytes,
+            used_bytes: s.used_bytes,
+            objects: s.objects,
+            hits: c.hits.load(Ordering::Relaxed),
+            writes: c.writes.load(Ordering::Relaxed),
+            errors: c.errors.load(Ordering::Relaxed),
+            corrupt: c.corrupt.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            skipped: c.skipped.load(Ordering::Relaxed) + self.queue.dropped(),
+            bytes_written: c.bytes_written.load(Ordering::Relaxed),
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            recovered: self.recovered,
+            queued: self.queue.len(),
+            extent_bytes: self.extent_bytes,
+        }
+    }
+
+    /// Path of the data file or device.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
