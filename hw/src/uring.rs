@@ -209,9 +209,13 @@ impl UringEngine {
             let want = if inflight > 0 { 1 } else { 0 };
             match st.ring.submit_and_wait(want) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e) if transient(&e) => {}
                 Err(e) => {
                     fatal = Some(e);
+                    // Stop submitting, but never return while the kernel may still move
+                    // bytes into or out of pool memory the caller will reuse.
+                    pending.clear();
+                    drain(&mut st.ring, gen, &mut inflight);
                     break;
                 }
             }
@@ -275,6 +279,39 @@ impl UringEngine {
             });
         }
         results.into_iter().map(|r| r.expect("filled")).collect()
+    }
+}
+
+fn transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+    )
+}
+
+/// Waits until every SQE of batch `gen` still in flight has completed (results discarded: the
+/// batch failed). If the ring cannot even wait any more, the process aborts: returning would let
+/// the kernel write into pool slots that are about to be reused.
+fn drain(ring: &mut IoUring<squeue::Entry, cqueue::Entry>, gen: u64, inflight: &mut usize) {
+    let mut failures = 0u32;
+    while *inflight > 0 {
+        match ring.submit_and_wait(1) {
+            Ok(_) => failures = 0,
+            Err(e) if transient(&e) => {}
+            Err(e) => {
+                failures += 1;
+                if failures > 1000 {
+                    tracing::error!(error = %e, inflight = *inflight, "io_uring cannot reap in-flight I/O: aborting to protect pool memory");
+                    std::process::abort();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        for cqe in ring.completion() {
+            if cqe.user_data() >> 32 == gen {
+                *inflight -= 1;
+            }
+        }
     }
 }
 

@@ -12,4 +12,7 @@ pub mod space;
 pub mod tier;
 pub mod writer;
 
+#[cfg(test)]
+mod tests;
+
 pub use tier::{L2Status, L2Tier};

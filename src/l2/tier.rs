@@ -264,12 +264,23 @@ impl L2Tier {
         staging_base: u64,
         namespaces: &Namespaces,
     ) -> Result<L2Tier> {
+        Self::open_wrapped(cfg, pool, staging_base, namespaces, &|e| e)
+    }
+
+    /// [`L2Tier::open`] with each block engine passed through `wrap` (fault-injection tests).
+    pub fn open_wrapped(
+        cfg: &L2Config,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+        wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
+    ) -> Result<L2Tier> {
         let (file, file_bytes, path) = open_data(cfg)?;
         kvnode_hw::lock_exclusive(&file).map_err(|e| {
             Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
         })?;
-        let write_engine = make_engine(cfg.engine_kind()?, &pool, &file, cfg)?;
-        let read_engine = make_engine(Some(write_engine.kind()), &pool, &file, cfg)?;
+        let write_engine = wrap(make_engine(cfg.engine_kind()?, &pool, &file, cfg)?);
+        let read_engine = wrap(make_engine(Some(write_engine.kind()), &pool, &file, cfg)?);
         let mut extent_bytes = if cfg.extent_bytes > 0 {
             cfg.extent_bytes
         } else {
@@ -907,6 +918,11 @@ impl L2Tier {
             queued: self.queue.len(),
             extent_bytes: self.extent_bytes,
         }
+    }
+
+    /// Staging blocks not in use (all of them whenever no I/O is running).
+    pub fn staging_free(&self) -> usize {
+        self.staging.free.lock().len()
     }
 
     /// Path of the data file or device.

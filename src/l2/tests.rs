@@ -1,0 +1,349 @@
+//! Fault injection below the tier: a block engine that fails, shortens or corrupts I/Os on
+//! demand, driving `persist` and `load` directly. Each fault must be counted, drop only the
+//! affected objects from L2, leave L1 intact (no leaked reservation or lock) and return every
+//! staging block.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use kvnode_hw::{
+    BlockEngine, BlockIo, EngineKind, HwError, HwResult, PagePreference, PoolOptions, SharedPool,
+};
+
+use super::tier::{L2Tier, STAGING_BYTES};
+use crate::config::L2Config;
+use crate::storage::{Namespaces, StorageConfig, StorageCore, StorageKey};
+
+/// What the faulty engine does to the payload-sized I/Os (headers, 4 KiB, always pass).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u32)]
+enum Fault {
+    None = 0,
+    /// Every other payload write fails with EIO.
+    EveryOtherWrite = 1,
+    /// Every payload write fails with ENOSPC.
+    AllWrites = 2,
+    /// Payload reads fail with EIO.
+    ReadEio = 3,
+    /// Payload reads succeed but one byte in the pool is flipped afterwards (a bad disk).
+    ReadFlip = 4,
+}
+
+struct FaultyEngine {
+    inner: Box<dyn BlockEngine>,
+    pool: Arc<SharedPool>,
+    fault: Arc<AtomicU32>,
+}
+
+const HEADER: u64 = 4096;
+
+impl BlockEngine for FaultyEngine {
+    fn kind(&self) -> EngineKind {
+        self.inner.kind()
+    }
+
+    fn write_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
+        let fault = self.fault.load(Ordering::Relaxed);
+        let mut out = self.inner.write_batch(ios);
+        let mut n = 0;
+        for (io, r) in ios.iter().zip(out.iter_mut()) {
+            if io.len == HEADER {
+                continue;
+            }
+            n += 1;
+            let errno = match fault {
+                f if f == Fault::AllWrites as u32 => Some(libc::ENOSPC),
+                f if f == Fault::EveryOtherWrite as u32 && n % 2 == 0 => Some(libc::EIO),
+                _ => None,
+            };
+            if let Some(errno) = errno {
+                *r = Err(HwError::Os {
+                    op: "write_fixed",
+                    source: std::io::Error::from_raw_os_error(errno),
+                });
+            }
+        }
+        out
+    }
+
+    fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
+        let fault = self.fault.load(Ordering::Relaxed);
+        let mut out = self.inner.read_batch(ios);
+        for (io, r) in ios.iter().zip(out.iter_mut()) {
+            if io.len == HEADER {
+                continue;
+            }
+            if fault == Fault::ReadEio as u32 {
+                *r = Err(HwError::Os {
+                    op: "read_fixed",
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                });
+            } else if fault == Fault::ReadFlip as u32 {
+                let mut b = [0u8; 1];
+                let at = io.pool_offset + 17;
+                self.pool.region().read_at(at, &mut b).unwrap();
+                self.pool.region().write_at(at, &[b[0] ^ 0xff]).unwrap();
+            }
+        }
+        out
+    }
+
+    fn sync(&self) -> HwResult<()> {
+        self.inner.sync()
+    }
+}
+
+struct Rig {
+    _dir: tempdir::Dir,
+    storage: StorageCore,
+    namespaces: Namespaces,
+    tier: L2Tier,
+    pool: Arc<SharedPool>,
+    fault: Arc<AtomicU32>,
+}
+
+mod tempdir {
+    /// A directory removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+const OBJ: u64 = 64 << 10;
+
+fn rig(tag: &str, engine: &str) -> Rig {
+    rig_with(tag, engine, 1024)
+}
+
+fn rig_with(tag: &str, engine: &str, max_prefetch_objects: usize) -> Rig {
+    let dir = std::env::temp_dir().join(format!("kvnode-l2unit-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let pool = Arc::new(
+        SharedPool::create(&PoolOptions {
+            bytes: 8 << 20,
+            prefer: PagePreference::Pages4K,
+            prefault: true,
+            name: "l2-unit".into(),
+            posix_shm_name: None,
+        })
+        .unwrap(),
+    );
+    let staging = pool.len() - STAGING_BYTES;
+    let namespaces = Namespaces::default();
+    let fault = Arc::new(AtomicU32::new(Fault::None as u32));
+    let cfg = L2Config {
+        path: dir.clone(),
+        bytes: 32 << 20,
+        engine: engine.into(),
+        max_prefetch_objects,
+        ..L2Config::default()
+    };
+    let (p, f) = (pool.clone(), fault.clone());
+    let wrap = move |inner: Box<dyn BlockEngine>| -> Box<dyn BlockEngine> {
+        Box::new(FaultyEngine {
+            inner,
+            pool: p.clone(),
+            fault: f.clone(),
+        })
+    };
+    let tier = L2Tier::open_wrapped(&cfg, pool.clone(), staging, &namespaces, &wrap).unwrap();
+    Rig {
+        _dir: tempdir::Dir(dir),
+        storage: StorageCore::new(staging, StorageConfig::default()),
+        namespaces,
+        tier,
+        pool,
+        fault,
+    }
+}
+
+impl Rig {
+    fn keys(&self, n: u8) -> Vec<StorageKey> {
+        let ns = self.namespaces.intern("m", "").unwrap();
+        (0..n)
+            .map(|i| StorageKey {
+                chunk_hash: [i; 32],
+                kv_rank: 0,
+                object_group: 0,
+                namespace: ns,
+            })
+            .collect()
+    }
+
+    /// Stores each key in L1 with bytes derived from its hash.
+    fn store(&self, keys: &[StorageKey]) {
+        let grants: Vec<_> = self
+            .storage
+            .reserve_write(keys, OBJ, false)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        for (k, g) in keys.iter().zip(&grants) {
+            self.pool
+                .region()
+                .fill_at(g.slot.offset, OBJ, k.chunk_hash[0] ^ 0xa5)
+                .unwrap();
+        }
+        let items: Vec<_> = keys.iter().copied().zip(grants).collect();
+        assert!(self.storage.finish_write(&items).iter().all(Result::is_ok));
+    }
+
+    /// Drops every L1 copy (as if evicted), so loads must come from L2.
+    fn drop_l1(&self) {
+        let ready = self.storage.counts().ready;
+        assert_eq!(self.storage.clear(), (ready, 0));
+    }
+
+    fn check_clean(&self) {
+        let m = self.storage.memcheck();
+        assert!(m.ok, "{:?}", m.problems);
+        self.tier.check().unwrap();
+        let c = self.storage.counts();
+        assert_eq!(
+            (c.write_reserved, c.read_locked),
+            (0, 0),
+            "nothing leaked in L1"
+        );
+        assert_eq!(self.tier.staging_free() as u64, STAGING_BYTES / 4096);
+    }
+
+    fn bytes_ok(&self, key: &StorageKey) -> bool {
+        let g = self
+            .storage
+            .reserve_read(&[*key], 0)
+            .pop()
+            .unwrap()
+            .unwrap();
+        let ok = self
+            .pool
+            .region()
+            .with_bytes(g.slot.offset, OBJ, |b| {
+                b.iter().all(|&x| x == key.chunk_hash[0] ^ 0xa5)
+            })
+            .unwrap();
+        self.storage.finish_read(&[(*key, g.lease)], 0);
+        ok
+    }
+}
+
+fn both(f: impl Fn(&str)) {
+    f("uring");
+    f("pread");
+}
+
+#[test]
+fn write_then_load_round_trip() {
+    both(|engine| {
+        let r = rig(&format!("rt-{engine}"), engine);
+        let keys = r.keys(10);
+        r.store(&keys);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 10);
+        assert_eq!(
+            r.tier.persist(&r.storage, &r.namespaces, &keys),
+            0,
+            "already on L2"
+        );
+        r.drop_l1();
+        let leases = r.tier.load(&r.storage, &keys, 0);
+        assert!(leases.iter().all(Option::is_some));
+        let unlock: Vec<_> = keys
+            .iter()
+            .copied()
+            .zip(leases.into_iter().flatten())
+            .collect();
+        r.storage.finish_read(&unlock, 0);
+        assert!(keys.iter().all(|k| r.bytes_ok(k)));
+        let s = r.tier.status();
+        assert_eq!((s.writes, s.hits, s.errors, s.corrupt), (10, 10, 0, 0));
+        r.check_clean();
+    });
+}
+
+#[test]
+fn failed_writes_are_counted_and_leave_l1_intact() {
+    both(|engine| {
+        let r = rig(&format!("wfail-{engine}"), engine);
+        let keys = r.keys(8);
+        r.store(&keys);
+        r.fault
+            .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
+        let s = r.tier.status();
+        assert_eq!((s.writes, s.errors, s.objects), (4, 4, 4));
+        r.fault.store(Fault::AllWrites as u32, Ordering::Relaxed);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 0);
+        assert_eq!(r.tier.status().errors, 8);
+        assert!(keys.iter().all(|k| r.bytes_ok(k)), "L1 keeps serving");
+        r.check_clean();
+        // Once the device recovers, the failed objects are written on the next attempt.
+        r.fault.store(Fault::None as u32, Ordering::Relaxed);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
+        assert_eq!(r.tier.status().objects, 8);
+        r.check_clean();
+    });
+}
+
+#[test]
+fn read_errors_and_corruption_drop_objects_and_never_publish() {
+    both(|engine| {
+        let r = rig(&format!("rfail-{engine}"), engine);
+        let keys = r.keys(6);
+        r.store(&keys);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 6);
+        r.drop_l1();
+        r.fault.store(Fault::ReadEio as u32, Ordering::Relaxed);
+        assert!(r
+            .tier
+            .load(&r.storage, &keys[..3], 0)
+            .iter()
+            .all(Option::is_none));
+        r.fault.store(Fault::ReadFlip as u32, Ordering::Relaxed);
+        assert!(r
+            .tier
+            .load(&r.storage, &keys[3..5], 0)
+            .iter()
+            .all(Option::is_none));
+        let s = r.tier.status();
+        assert_eq!((s.errors, s.corrupt, s.objects, s.hits), (3, 2, 1, 0));
+        assert!(!r.storage.contains_ready(&keys[0]) && !r.storage.contains_ready(&keys[3]));
+        r.check_clean();
+        // The healthy one still loads.
+        r.fault.store(Fault::None as u32, Ordering::Relaxed);
+        let l = r.tier.load(&r.storage, &keys[5..], 2);
+        let lease = l[0].expect("loads");
+        r.storage.finish_read(&[(keys[5], lease)], 2);
+        assert!(r.bytes_ok(&keys[5]));
+        r.check_clean();
+    });
+}
+
+#[test]
+fn prefetch_bound_and_missing_keys() {
+    let r = rig_with("bound", "pread", 3);
+    let keys = r.keys(5);
+    r.store(&keys[..4]);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys[..4]), 4);
+    r.drop_l1();
+    // Budget 3: only the first three keys are loaded; the rest are left for a later call.
+    let l = r.tier.load(&r.storage, &keys, 0);
+    assert_eq!(
+        l.iter().map(Option::is_some).collect::<Vec<_>>(),
+        [true, true, true, false, false]
+    );
+    let unlock: Vec<_> = keys
+        .iter()
+        .copied()
+        .zip(l)
+        .filter_map(|(k, x)| x.map(|x| (k, x)))
+        .collect();
+    r.storage.finish_read(&unlock, 0);
+    // The budget is returned: the fourth loads now; the fifth was never on L2.
+    let l = r.tier.load(&r.storage, &keys[3..], 0);
+    assert!(l[0].is_some() && l[1].is_none());
+    r.storage.finish_read(&[(keys[3], l[0].unwrap())], 0);
+    assert_eq!(r.tier.status().hits, 4);
+    r.check_clean();
+}
