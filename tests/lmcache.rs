@@ -684,3 +684,105 @@ fn silent_lmcache_worker_is_reaped_and_its_reservation_freed() {
         Some(Value::Boolean(false))
     );
 }
+
+#[test]
+fn lmcache_clients_get_l2_hits_after_a_restart() {
+    let l2 = std::env::temp_dir().join(format!("kvnode-lm-l2-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&l2);
+    let l2_args = ["--l2-path", l2.to_str().unwrap(), "--l2-size", "64MiB"];
+    let reg = registration(5, "float32");
+    let inst = wire::encode_uint(reg.instance_id);
+    let tokens: Vec<u32> = (0..64).collect(); // 4 chunks
+    let obj = 2 * 2 * 16 * 8 * 4;
+    {
+        let node = start_with("l2a", &l2_args);
+        let mut d = Dealer::connect(node.port);
+        let r = d
+            .call(
+                Op::RegisterEngineDriven,
+                vec![wire::encode_register_payload(&reg)],
+            )
+            .unwrap();
+        let pool = kvnode_hw::PoolMapping::open_posix_shm(
+            &node.shm,
+            get(&r, "pool_size").as_u64().unwrap(),
+        )
+        .unwrap();
+        let p = d
+            .call(
+                Op::PrepareStore,
+                vec![key(&tokens, 0, 64, Some(0), "s"), inst.clone()],
+            )
+            .unwrap();
+        let slots = get(get(&p, "context"), "slots").as_array().unwrap().clone();
+        for (i, slot) in slots.iter().enumerate() {
+            pool.region()
+                .fill_at(get(slot, "offset").as_u64().unwrap(), obj, 40 + i as u8)
+                .unwrap();
+        }
+        assert_eq!(
+            d.call(
+                Op::CommitStore,
+                vec![
+                    key(&tokens, 0, 64, Some(0), "s"),
+                    inst.clone(),
+                    vec![0xc4, 0x00]
+                ]
+            ),
+            Some(Value::Boolean(true))
+        );
+        // Dropping the node stops it with SIGTERM, which drains the write-behind queue.
+    }
+    let node = start_with("l2b", &l2_args);
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(num(&st, &["l2", "recovered"]), 4, "{st:#}");
+    let mut d = Dealer::connect(node.port);
+    let r = d
+        .call(
+            Op::RegisterEngineDriven,
+            vec![wire::encode_register_payload(&reg)],
+        )
+        .unwrap();
+    let pool =
+        kvnode_hw::PoolMapping::open_posix_shm(&node.shm, get(&r, "pool_size").as_u64().unwrap())
+            .unwrap();
+    assert_eq!(
+        d.call(
+            Op::Lookup,
+            vec![key(&tokens, 0, 64, None, "r"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    assert_eq!(
+        d.call(Op::QueryPrefetchStatus, vec![wire::encode_str("r")]),
+        Some(Value::from(4)),
+        "all four chunks found on L2 and prefetched"
+    );
+    let p = d
+        .call(
+            Op::PrepareRetrieve,
+            vec![key(&tokens, 0, 64, Some(0), "r"), inst.clone()],
+        )
+        .unwrap();
+    assert_eq!(get(&p, "success"), &Value::Boolean(true));
+    let rslots = get(get(&p, "context"), "slots").as_array().unwrap().clone();
+    for (i, slot) in rslots.iter().enumerate() {
+        let mut buf = vec![0u8; obj as usize];
+        pool.region()
+            .read_at(get(slot, "offset").as_u64().unwrap(), &mut buf)
+            .unwrap();
+        assert!(buf.iter().all(|b| *b == 40 + i as u8), "chunk {i} from L2");
+    }
+    assert_eq!(
+        d.call(
+            Op::CommitRetrieve,
+            vec![key(&tokens, 0, 64, Some(0), "r"), inst.clone()]
+        ),
+        Some(Value::Boolean(true))
+    );
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(num(&st, &["l2", "hits"]), 4);
+    assert_eq!(num(&st, &["objects", "read_locked"]), 0, "no lock leaked");
+    drop(node);
+    let _ = std::fs::remove_dir_all(&l2);
+}
