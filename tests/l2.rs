@@ -454,3 +454,34 @@ fn full_l2_evicts_least_recently_used() {
     assert_eq!((l2(&s, "errors"), l2(&s, "corrupt")), (0, 0));
     assert_eq!(s["memcheck_ok"], true, "{s:#}");
 }
+
+#[test]
+fn foreign_data_is_never_overwritten() {
+    let dir = L2Dir::new("foreign");
+    let data = dir.0.join("kvnode-l2.dat");
+    let mut bytes = vec![0u8; 64 << 20];
+    bytes[..26].copy_from_slice(b"someone else's file system");
+    std::fs::write(&data, &bytes).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args([
+            "serve",
+            "--socket",
+            &format!("{}/x.sock", dir.path()),
+            "--pool-size",
+            "16MiB",
+            "--l2-path",
+            dir.path(),
+            "--l2-size",
+            "64MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a kvnode L2 tier"), "{err}");
+    assert_eq!(
+        std::fs::read(&data).unwrap()[..26],
+        bytes[..26],
+        "left untouched"
+    );
+}

@@ -252,6 +252,10 @@ struct Extent<K> {
     /// Set by `clear` on extents with in-flight entries: takes no new entries,
     /// becomes free when its last entry goes.
     draining: bool,
+    /// The on-disk extent header may not describe this assignment (its write
+    /// failed): the next reservation in the extent reports it as `new_extent`
+    /// again so the caller rewrites it.
+    needs_header: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -287,6 +291,12 @@ pub struct L2Index<K> {
     counts: Counts,
     clock: u64,
     tick: u64,
+    /// The epoch the next assignment gets: above every epoch assigned, recovered or noted,
+    /// so an epoch is never reused for a different assignment (of any extent).
+    next_epoch: u64,
+    /// Between the first `recover_entry` and `finish_recovery`: free lists are rebuilt at the
+    /// end instead of being searched per entry.
+    recovering: bool,
 }
 
 fn stride_of(object_len: u64) -> u64 {
@@ -304,6 +314,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             free: Vec::new(),
             live: 0,
             draining: false,
+            needs_header: false,
         };
         Self {
             extent_bytes,
@@ -314,6 +325,24 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             counts: Counts::default(),
             clock: 1,
             tick: 1,
+            next_epoch: 1,
+            recovering: false,
+        }
+    }
+
+    /// Recovery: makes every later assignment use an epoch above `epoch` (seen in any header
+    /// on disk, valid or stale), so stale slot headers never match a new assignment.
+    pub fn note_epoch(&mut self, epoch: u64) {
+        self.next_epoch = self.next_epoch.max(epoch.saturating_add(1));
+    }
+
+    /// The extent header written for `extent`'s current assignment was lost (the write
+    /// failed): the next reservation in it reports `new_extent` again.
+    pub fn header_lost(&mut self, extent: u32) {
+        if let Some(x) = self.extents.get_mut(extent as usize) {
+            if x.stride != 0 {
+                x.needs_header = true;
+            }
         }
     }
 
@@ -425,11 +454,13 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         let slots = self.slots_per(stride);
         let x = &mut self.extents[ext as usize];
         x.stride = stride;
-        x.epoch = x.epoch.saturating_add(1);
+        x.epoch = self.next_epoch.max(x.epoch.saturating_add(1));
+        self.next_epoch = x.epoch.saturating_add(1);
         x.occupants = vec![None; slots as usize];
         x.free = (0..slots).rev().collect();
         x.live = 0;
         x.draining = false;
+        x.needs_header = false;
         let epoch = x.epoch;
         self.strides.entry(stride).or_default().partial.insert(ext);
         (ext, epoch, stride)
@@ -499,6 +530,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         let mut evicted = Vec::new();
         let mut new_extent = None;
         let ext = if let Some(ext) = partial {
+            let x = &mut self.extents[ext as usize];
+            if std::mem::take(&mut x.needs_header) {
+                new_extent = Some((ext, x.epoch, x.stride));
+            }
             ext
         } else if let Some(ext) = self.free_extents.first().copied() {
             new_extent = Some(self.assign(ext, stride));
@@ -708,8 +743,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 x.epoch
             ));
         }
+        let next = self.next_epoch;
         self.assign(extent, stride);
+        self.next_epoch = next; // the epoch comes from disk, not from the counter
         self.extents[extent as usize].epoch = epoch;
+        self.note_epoch(epoch);
         Ok(())
     }
 
@@ -755,15 +793,8 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             self.drop_entry(&key);
             outcome = RecoverOutcome::ReplacedOlder;
         }
-        let x = &mut self.extents[extent as usize];
-        if let Some(pos) = x.free.iter().position(|&i| i == slot_index) {
-            x.free.swap_remove(pos);
-        }
-        if x.free.is_empty() {
-            if let Some(set) = self.strides.get_mut(&x.stride) {
-                set.partial.remove(&extent);
-            }
-        }
+        // Free lists are rebuilt by `finish_recovery` (searching them here is quadratic).
+        self.recovering = true;
         let stamp = (seq, self.tick);
         self.tick = self.tick.saturating_add(1);
         self.clock = self.clock.max(seq.saturating_add(1));
@@ -784,11 +815,30 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     /// Recovery: frees every assigned extent that holds no entry.
     pub fn finish_recovery(&mut self) {
         for ext in 0..self.extents.len() as u32 {
-            let x = &self.extents[ext as usize];
-            if x.stride != 0 && x.live == 0 {
+            let x = &mut self.extents[ext as usize];
+            if x.stride == 0 {
+                continue;
+            }
+            if x.live == 0 {
                 self.release_extent(ext);
+                continue;
+            }
+            if self.recovering {
+                x.free = (0..x.occupants.len() as u32)
+                    .rev()
+                    .filter(|&i| x.occupants[i as usize].is_none())
+                    .collect();
+                let stride = x.stride;
+                let partial = !x.free.is_empty() && !x.draining;
+                let set = self.strides.entry(stride).or_default();
+                if partial {
+                    set.partial.insert(ext);
+                } else {
+                    set.partial.remove(&ext);
+                }
             }
         }
+        self.recovering = false;
     }
 
     /// Current usage; O(1).
@@ -876,7 +926,13 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             }
             let live = x.occupants.iter().flatten().count();
             occupied += live;
-            if live != x.live as usize || live + x.free.len() != x.occupants.len() {
+            if live != x.live as usize {
+                return Err(format!("extent {i}: live {live} != counter {}", x.live));
+            }
+            if self.recovering {
+                continue; // free lists and partial sets are rebuilt by finish_recovery
+            }
+            if live + x.free.len() != x.occupants.len() {
                 return Err(format!(
                     "extent {i}: live {live}/{} free {}",
                     x.live,
@@ -973,7 +1029,7 @@ mod tests {
         assert_eq!(r.slot.file_offset, EXTENT_BASE + BLOCK);
         let r2 = ix.reserve(2, 4097, 0).unwrap();
         assert_eq!(r2.slot.stride, 3 * BLOCK);
-        assert_eq!(r2.new_extent, Some((1, 1, 3 * BLOCK)));
+        assert_eq!(r2.new_extent, Some((1, 2, 3 * BLOCK)), "epochs are global");
         assert_eq!(r2.slot.file_offset, EXTENT_BASE + EB + BLOCK);
         let r3 = ix.reserve(3, 4096, 0).unwrap();
         assert_eq!(r3.new_extent, None);
@@ -1068,9 +1124,9 @@ mod tests {
         // Extent 0 holds the newest stamp after this touch, so extent 1 is reclaimed.
         ix.touch(&3);
         let r = ix.reserve(21, BIG, 0).unwrap();
-        assert_eq!(r.new_extent, Some((1, 2, MIB)));
+        assert_eq!(r.new_extent, Some((1, 4, MIB)), "a fresh global epoch");
         assert_eq!(r.slot.extent, 1);
-        assert_eq!(r.slot.epoch, 2);
+        assert_eq!(r.slot.epoch, 4);
         let mut ev = r.evicted.clone();
         ev.sort();
         assert_eq!(ev, (10..17).collect::<Vec<_>>());
@@ -1079,7 +1135,7 @@ mod tests {
         // Extent 1 holds a Writing entry, extent 2 a pinned one: extent 0 is
         // the only candidate, even though it is the newest.
         let r = ix.reserve(22, BIG, 0).unwrap();
-        assert_eq!(r.new_extent, Some((0, 2, MIB)));
+        assert_eq!(r.new_extent, Some((0, 5, MIB)));
         assert_eq!(r.evicted.len(), 7);
         ok(&ix);
         assert_eq!(ix.reserve(23, BIG, 0), Err(ReserveError::NoSpace));
@@ -1164,7 +1220,7 @@ mod tests {
         );
         // Draining extents take no new entries: new reserves use free extents.
         let n = ix.reserve(20, MID, 0).unwrap();
-        assert_eq!(n.new_extent, Some((1, 2, 512 * KIB)));
+        assert_eq!(n.new_extent, Some((1, 4, 512 * KIB)));
         ok(&ix);
         ix.unpin(&11, l.slot).unwrap();
         assert_eq!(ix.stats().free_extents, 2);
@@ -1173,7 +1229,7 @@ mod tests {
         ok(&ix);
         // Reassignment bumps the epoch again.
         let again = ix.reserve(21, BIG, 0).unwrap();
-        assert_eq!(again.new_extent, Some((0, 2, MIB)));
+        assert_eq!(again.new_extent, Some((0, 5, MIB)));
         assert_eq!(ix.clear(), (0, 2));
         ix.abort(20, n.slot).unwrap();
         ix.abort(21, again.slot).unwrap();
@@ -1345,7 +1401,7 @@ mod tests {
                             prop_assert!(ix.get(v).is_none());
                         }
                         if let Some((x, epoch, stride)) = r.new_extent {
-                            prop_assert_eq!(epoch, epochs[x as usize] + 1);
+                            prop_assert!(epoch > epochs[x as usize]);
                             prop_assert_eq!(stride, r.slot.stride);
                             epochs[x as usize] = epoch;
                         }

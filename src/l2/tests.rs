@@ -27,6 +27,8 @@ enum Fault {
     ReadEio = 3,
     /// Payload reads succeed but one byte in the pool is flipped afterwards (a bad disk).
     ReadFlip = 4,
+    /// Reads of slot headers (4 KiB, past the superblock) fail with EIO.
+    HeaderReadEio = 5,
 }
 
 struct FaultyEngine {
@@ -71,6 +73,12 @@ impl BlockEngine for FaultyEngine {
         let mut out = self.inner.read_batch(ios);
         for (io, r) in ios.iter().zip(out.iter_mut()) {
             if io.len == HEADER {
+                if fault == Fault::HeaderReadEio as u32 && io.file_offset % (2 << 20) != 0 {
+                    *r = Err(HwError::Os {
+                        op: "read_fixed",
+                        source: std::io::Error::from_raw_os_error(libc::EIO),
+                    });
+                }
                 continue;
             }
             if fault == Fault::ReadEio as u32 {
@@ -94,7 +102,8 @@ impl BlockEngine for FaultyEngine {
 }
 
 struct Rig {
-    _dir: tempdir::Dir,
+    /// Removes the directory on drop (None for reopened rigs: the first one owns it).
+    dir: Option<tempdir::Dir>,
     storage: StorageCore,
     namespaces: Namespaces,
     tier: L2Tier,
@@ -121,6 +130,19 @@ fn rig(tag: &str, engine: &str) -> Rig {
 fn rig_with(tag: &str, engine: &str, max_prefetch_objects: usize) -> Rig {
     let dir = std::env::temp_dir().join(format!("kvnode-l2unit-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
+    let mut r = open_rig(dir.clone(), engine, max_prefetch_objects, Fault::None);
+    r.dir = Some(tempdir::Dir(dir));
+    r
+}
+
+/// Opens (or reopens: the tier recovers what is on disk) a rig on `dir`, with `fault` in force
+/// from the start.
+fn open_rig(
+    dir: std::path::PathBuf,
+    engine: &str,
+    max_prefetch_objects: usize,
+    fault: Fault,
+) -> Rig {
     let pool = Arc::new(
         SharedPool::create(&PoolOptions {
             bytes: 8 << 20,
@@ -133,7 +155,7 @@ fn rig_with(tag: &str, engine: &str, max_prefetch_objects: usize) -> Rig {
     );
     let staging = pool.len() - STAGING_BYTES;
     let namespaces = Namespaces::default();
-    let fault = Arc::new(AtomicU32::new(Fault::None as u32));
+    let fault = Arc::new(AtomicU32::new(fault as u32));
     let cfg = L2Config {
         path: dir.clone(),
         bytes: 32 << 20,
@@ -151,7 +173,7 @@ fn rig_with(tag: &str, engine: &str, max_prefetch_objects: usize) -> Rig {
     };
     let tier = L2Tier::open_wrapped(&cfg, pool.clone(), staging, &namespaces, &wrap).unwrap();
     Rig {
-        _dir: tempdir::Dir(dir),
+        dir: None,
         storage: StorageCore::new(staging, StorageConfig::default()),
         namespaces,
         tier,
@@ -346,4 +368,59 @@ fn prefetch_bound_and_missing_keys() {
     r.storage.finish_read(&[(keys[3], l[0].unwrap())], 0);
     assert_eq!(r.tier.status().hits, 4);
     r.check_clean();
+}
+
+#[test]
+fn concurrent_loads_of_a_shared_prefix_all_hit() {
+    let r = rig("shared", "uring");
+    let keys = r.keys(16);
+    r.store(&keys);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 16);
+    r.drop_l1();
+    // Four lookups of the same prefix at once: whoever loads a key first publishes it; the
+    // others wait for it instead of reporting a miss.
+    let results: Vec<Vec<Option<u64>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| r.tier.load(&r.storage, &keys, 0)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for leases in &results {
+        assert!(leases.iter().all(Option::is_some), "{leases:?}");
+        let unlock: Vec<_> = keys
+            .iter()
+            .copied()
+            .zip(leases.iter().flatten().copied())
+            .collect();
+        r.storage.finish_read(&unlock, 0);
+    }
+    assert_eq!(r.tier.status().hits, 16, "each object read from disk once");
+    assert!(keys.iter().all(|k| r.bytes_ok(k)));
+    r.check_clean();
+}
+
+#[test]
+fn unreadable_headers_at_start_up_are_skipped_not_fatal() {
+    let mut r = rig("hdr", "pread");
+    let keys = r.keys(5);
+    r.store(&keys);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
+    let owner = r.dir.take().expect("first rig owns the directory");
+    let dir = owner.0.clone();
+    drop(r);
+    // Reopen with every slot-header read failing: the node starts, empty, and says why.
+    let r2 = open_rig(dir.clone(), "pread", 1024, Fault::HeaderReadEio);
+    let s = r2.tier.status();
+    assert_eq!((s.recovered, s.objects), (0, 0));
+    assert!(
+        s.errors >= 5,
+        "each unreadable header block is counted: {}",
+        s.errors
+    );
+    r2.tier.check().unwrap();
+    drop(r2);
+    // A healthy reopen finds all five.
+    let r3 = open_rig(dir, "pread", 1024, Fault::None);
+    assert_eq!(r3.tier.status().recovered, 5, "{:?}", r3.tier.status());
+    drop(owner);
 }

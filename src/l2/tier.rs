@@ -136,6 +136,9 @@ pub struct L2Tier {
     policy: WritePolicy,
     /// Write-behind queue (drained by the writer thread).
     pub queue: WriteQueue,
+    /// Held shared by every write-behind batch and load, exclusively by CLEAR: an object locked
+    /// or pinned before a CLEAR can never be written or published after it.
+    clear_gate: parking_lot::RwLock<()>,
     _lock: File,
 }
 
@@ -244,6 +247,27 @@ fn make_engine(
         .map_err(hw("starting the L2 block engine"))
 }
 
+/// Waits (bounded) for a key that another request is loading or storing into L1 to become
+/// readable, then takes `1 + extra` read locks on it. `None` if it vanished or the wait ran out.
+fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<u64> {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_micros(50);
+    loop {
+        match storage
+            .reserve_read(std::slice::from_ref(key), extra)
+            .pop()?
+        {
+            Ok(g) => return Some(g.lease),
+            Err(KeyError::KeyNotReadable) if start.elapsed() < WAIT => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(5));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
 /// One planned object write of a batch.
 struct PlannedWrite {
     key: StorageKey,
@@ -304,6 +328,7 @@ impl L2Tier {
             path,
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
+            clear_gate: parking_lot::RwLock::new(()),
             _lock: file,
         };
         let sb_block = tier.read_blocks(&[0]).pop().expect("one block");
@@ -326,6 +351,13 @@ impl L2Tier {
                 None
             }
             Ok(Err(FormatError::Empty)) => None,
+            Ok(Err(FormatError::BadMagic { .. })) => {
+                return Err(Error::invalid(format!(
+                    "{} holds data that is not a kvnode L2 tier; refusing to overwrite it \
+                     (remove the file, or zero its first 4 KiB to hand it to kvnode)",
+                    tier.path.display()
+                )))
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "L2 superblock unreadable: starting with an empty tier");
                 None
@@ -463,8 +495,12 @@ impl L2Tier {
             .map(|e| extent_offset(self.extent_bytes, e))
             .collect();
         let mut assigned = Vec::new();
+        let mut unreadable = 0u64;
         for (e, block) in self.read_blocks(&offsets).into_iter().enumerate() {
-            let block = block.map_err(|err| err.context("reading L2 extent headers"))?;
+            let Ok(block) = block else {
+                unreadable += 1; // the extent is treated as free
+                continue;
+            };
             match ExtentHeader::decode(&block) {
                 Ok(h) if h.format_id == format_id && h.extent_index == e as u32 => {
                     match self
@@ -491,10 +527,14 @@ impl L2Tier {
                 .map(|j| slot_offset(self.extent_bytes, e, h.stride, j))
                 .collect();
             for (j, block) in self.read_blocks(&offsets).into_iter().enumerate() {
-                let block = block.map_err(|err| err.context("reading L2 slot headers"))?;
+                let Ok(block) = block else {
+                    unreadable += 1; // the slot is treated as free
+                    continue;
+                };
                 let Ok(s) = SlotHeader::decode(&block) else {
                     continue; // never written or torn: the slot is free
                 };
+                self.index.get_mut().note_epoch(s.extent_epoch);
                 if s.format_id != format_id
                     || s.extent_epoch != h.epoch
                     || s.file_offset != offsets[j]
@@ -530,7 +570,16 @@ impl L2Tier {
         let index = self.index.get_mut();
         index.finish_recovery();
         self.recovered = index.stats().objects;
-        self.seq.store(max_seq + 1, Ordering::Relaxed);
+        self.seq.store(max_seq.saturating_add(1), Ordering::Relaxed);
+        if unreadable > 0 {
+            self.counters
+                .errors
+                .fetch_add(unreadable, Ordering::Relaxed);
+            tracing::warn!(
+                unreadable,
+                "L2 headers could not be read at start-up: their extents or slots are treated as free"
+            );
+        }
         if rejected > 0 {
             tracing::warn!(rejected, "L2 recovery rejected some slot headers");
         }
@@ -567,6 +616,7 @@ impl L2Tier {
         namespaces: &Namespaces,
         keys: &[StorageKey],
     ) -> u64 {
+        let _gate = self.clear_gate.read();
         let mut written = 0;
         for part in keys.chunks(self.batch_objects) {
             let todo: Vec<StorageKey> = {
@@ -579,12 +629,16 @@ impl L2Tier {
             if todo.is_empty() {
                 continue;
             }
-            let grants = storage.reserve_read(&todo, 0);
+            let grants = storage.reserve_read_untimed(&todo);
             let locked: Vec<(StorageKey, Grant)> = todo
                 .iter()
                 .zip(grants)
                 .filter_map(|(k, g)| g.ok().map(|g| (*k, g)))
                 .collect();
+            // Evicted (or cleared) from L1 before its turn came: it cannot be written any more.
+            self.counters
+                .skipped
+                .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
             written += self.write_locked(namespaces, &locked);
             let leases: Vec<(StorageKey, u64)> =
                 locked.iter().map(|(k, g)| (*k, g.lease)).collect();
@@ -682,12 +736,25 @@ impl L2Tier {
             for ((extent, _, _), r) in extent_headers.iter().zip(self.write_blocks(&writes)) {
                 if let Err(e) = r {
                     tracing::warn!(extent, error = %e, "L2 extent header write failed");
+                    // The next reservation in this extent rewrites the header; until then
+                    // nothing is written into it.
+                    self.index.lock().header_lost(*extent);
                     for p in plans.iter_mut().filter(|p| p.slot.extent == *extent) {
                         p.extent_ok = false;
                     }
                 }
             }
         }
+        // Objects of extents without a header are not written (they could not be recovered).
+        let (plans, dropped): (Vec<_>, Vec<_>) = plans
+            .into_iter()
+            .zip(slot_headers)
+            .partition(|(p, _)| p.extent_ok);
+        for (p, _) in &dropped {
+            let _ = self.index.lock().abort(p.key, p.slot);
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let (plans, slot_headers): (Vec<PlannedWrite>, Vec<Vec<u8>>) = plans.into_iter().unzip();
         let grants: std::collections::HashMap<StorageKey, Grant> = items.iter().copied().collect();
         let blocks = self.staging.take(plans.len());
         let mut ios = Vec::with_capacity(plans.len() * 2);
@@ -723,7 +790,7 @@ impl L2Tier {
             };
             let mut index = self.index.lock();
             match io_ok {
-                Ok(()) if p.extent_ok => {
+                Ok(()) => {
                     if index.commit(p.key, p.slot, p.checksum).is_ok() {
                         written += 1;
                         self.counters.writes.fetch_add(1, Ordering::Relaxed);
@@ -737,10 +804,7 @@ impl L2Tier {
                     drop(index);
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
-                        error = other
-                            .err()
-                            .as_deref()
-                            .unwrap_or("extent header not written"),
+                        error = other.err().as_deref().unwrap_or_default(),
                         file_offset = p.slot.file_offset,
                         "L2 write failed: object kept in L1 only"
                     );
@@ -756,6 +820,7 @@ impl L2Tier {
     /// payload: the last two also drop it from L2). At most `max_prefetch_objects` objects are
     /// in flight node-wide; keys beyond the budget are not loaded (callers cut their prefix there).
     pub fn load(&self, storage: &StorageCore, keys: &[StorageKey], extra: u32) -> Vec<Option<u64>> {
+        let _gate = self.clear_gate.read();
         let mut out = vec![None; keys.len()];
         let budget = self.acquire_prefetch(keys.len());
         if budget == 0 {
@@ -768,6 +833,8 @@ impl L2Tier {
         };
         // Reserve L1 slots, grouped by object length (one allocator call per group).
         let mut grants: Vec<Option<Grant>> = vec![None; keys.len()];
+        // Keys another request is loading or storing right now: waited for after our own I/O.
+        let mut contended: Vec<usize> = Vec::new();
         let mut lens: Vec<u64> = located.iter().flatten().map(|l| l.object_len).collect();
         lens.sort_unstable();
         lens.dedup();
@@ -776,13 +843,14 @@ impl L2Tier {
                 .filter(|&i| located[i].as_ref().is_some_and(|l| l.object_len == len))
                 .collect();
             let group: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
-            for (&i, r) in idx.iter().zip(storage.reserve_write(&group, len, false)) {
+            for (&i, r) in idx.iter().zip(storage.reserve_write_untimed(&group, len)) {
                 match r {
                     Ok(g) => grants[i] = Some(g),
                     Err(KeyError::OutOfMemory) => {
                         tracing::debug!("L1 full: L2 object not loaded")
                     }
-                    Err(_) => {} // written or being written in L1 meanwhile
+                    // Present in L1 meanwhile, or being loaded/stored by someone else.
+                    Err(_) => contended.push(i),
                 }
             }
         }
@@ -843,6 +911,9 @@ impl L2Tier {
                 }
             }
         }
+        for i in contended {
+            out[i] = wait_readable(storage, &keys[i], extra);
+        }
         {
             let mut index = self.index.lock();
             for (k, l) in keys.iter().zip(&located) {
@@ -880,9 +951,23 @@ impl L2Tier {
     /// headers written before are ignored at the next start. Objects being written or loaded are
     /// dropped when their I/O ends. Returns (removed now, deferred).
     pub fn clear(&self) -> Result<(u64, u64)> {
+        self.clear_with(|| ()).map(|(_, r)| r)
+    }
+
+    /// CLEAR of both tiers: runs `clear_l1` and empties L2 while no write-behind batch or load
+    /// is in flight (they hold the gate shared), so nothing locked or pinned before the CLEAR
+    /// is written or published after it. Returns `clear_l1`'s result and (removed, deferred).
+    pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
+        let _gate = self.clear_gate.write();
+        let l1 = clear_l1();
         let r = self.index.lock().clear();
-        self.format()?;
-        Ok(r)
+        self.format().map_err(|e| {
+            e.context(
+                "L2 emptied in memory, but the new format id was not written: \
+                 cleared objects may reappear after a restart",
+            )
+        })?;
+        Ok((l1, r))
     }
 
     /// `fdatasync` of the data file (completed writes become durable across power loss).

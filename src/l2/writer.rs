@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 use parking_lot::{Condvar, Mutex};
 
+use crate::config::WritePolicy;
 use crate::modules::NodeContext;
 use crate::storage::StorageKey;
 
@@ -100,6 +101,10 @@ fn run(ctx: &NodeContext) {
     loop {
         let batch = l2.queue.pop_batch(l2.batch_objects());
         if batch.is_empty() {
+            if l2.policy() == WritePolicy::OnEvict && demote(ctx, l2) > 0 {
+                unsynced = true;
+                continue;
+            }
             if unsynced {
                 sync(l2);
                 unsynced = false;
@@ -118,6 +123,50 @@ fn run(ctx: &NodeContext) {
         }
     }
     tracing::debug!("L2 writer stopped");
+}
+
+/// Writes the rest of the queue and syncs, on the caller's thread: the shutdown path calls it
+/// after every thread that could still commit has stopped, so nothing committed before the
+/// node stopped is left unwritten.
+pub fn drain(ctx: &NodeContext) {
+    let Some(l2) = &ctx.l2 else { return };
+    let mut n = 0;
+    loop {
+        let batch = l2.queue.pop_batch(l2.batch_objects());
+        if batch.is_empty() {
+            break;
+        }
+        n += l2.persist(&ctx.storage, &ctx.namespaces, &batch);
+    }
+    sync(l2);
+    if n > 0 {
+        tracing::info!(written = n, "L2 write-behind drained at shutdown");
+    }
+}
+
+/// The `on-evict` policy: when L1 is at its high watermark, writes the objects the eviction
+/// pass would take (oldest first, down to the low watermark) to L2 in batches, evicting each
+/// batch right after its write, so eviction drops only objects that survive on disk (or whose
+/// write failed, counted). Returns the number of objects evicted.
+fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> u64 {
+    let cap = ctx.storage.capacity() as f64;
+    let used = ctx.storage.used_bytes() as f64;
+    if cap == 0.0 || used < cap * ctx.config.high_watermark {
+        return 0;
+    }
+    let excess = (used - cap * ctx.config.low_watermark).max(0.0) as u64;
+    let victims = ctx.storage.eviction_candidates(excess);
+    let mut evicted = 0;
+    for part in victims.chunks(l2.batch_objects()) {
+        let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
+        l2.persist(&ctx.storage, &ctx.namespaces, &todo);
+        evicted += ctx.storage.evict_if_idle(part);
+        if ctx.shutting_down.load(Ordering::Acquire) {
+            break;
+        }
+    }
+    tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
+    evicted
 }
 
 fn sync(l2: &super::L2Tier) {

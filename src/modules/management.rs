@@ -50,12 +50,17 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
         } => lookup::free_lookup_locks(ctx, &request_id, start_chunk, end_chunk),
         Request::EndSession { request_id } => lookup::end_session(ctx, &request_id),
         Request::Clear => {
-            let (deleted, deferred) = ctx.storage.clear();
+            let (deleted, deferred) = match &ctx.l2 {
+                None => ctx.storage.clear(),
+                Some(l2) => {
+                    let (l1, (removed, pending)) = l2
+                        .clear_with(|| ctx.storage.clear())
+                        .map_err(|e| e.context("clearing L2"))?;
+                    tracing::info!(removed, pending, "L2 cleared");
+                    l1
+                }
+            };
             tracing::info!(deleted, deferred, "cache cleared");
-            if let Some(l2) = &ctx.l2 {
-                let (removed, pending) = l2.clear().map_err(|e| e.context("clearing L2"))?;
-                tracing::info!(removed, pending, "L2 cleared");
-            }
             Ok(Response::Cleared { deleted, deferred })
         }
         Request::Status => {

@@ -242,11 +242,16 @@ fn prepare_retrieve(
     lookup_session: Option<&str>,
 ) -> Result<Response> {
     let keys = worker_keys(ctx, inst, range)?;
-    let mut pending = inst.pending.lock();
-    if inst.is_released() {
-        return Err(not_registered(inst.id));
+    {
+        let pending = inst.pending.lock();
+        if inst.is_released() {
+            return Err(not_registered(inst.id));
+        }
+        check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
     }
-    check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
+    // The pending lock is not held from here on: an L2 load may wait for the disk, and commits,
+    // aborts and reaping of this instance must not wait behind it. (Transfers of one instance
+    // run one at a time, so the room checked above is still there.)
     let results = match lookup_session {
         Some(session) => {
             let r = ctx.storage.read_locked_slots(&keys);
@@ -267,14 +272,14 @@ fn prepare_retrieve(
         }
     };
     let layout = NodeContext::wire_layout(&inst.layout);
-    if results.iter().any(Result::is_err) {
+    let found: Vec<(StorageKey, u64)> = keys
+        .iter()
+        .zip(&results)
+        .filter_map(|(k, r)| r.as_ref().ok().map(|g| (*k, g.lease)))
+        .collect();
+    if found.len() < keys.len() {
         // All-or-nothing: release the locks of the chunks that were found (LMCache releases the
         // LOOKUP locks of the found subset too), then report a miss.
-        let found: Vec<(StorageKey, u64)> = keys
-            .iter()
-            .zip(&results)
-            .filter_map(|(k, r)| r.as_ref().ok().map(|g| (*k, g.lease)))
-            .collect();
         ctx.storage.finish_read(&found, 0);
         return Ok(Response::RetrievePrepared {
             hit: false,
@@ -283,17 +288,20 @@ fn prepare_retrieve(
             layout,
         });
     }
+    let mut pending = inst.pending.lock();
+    if inst.is_released() {
+        // Released while the locks were being taken: its pending reads were already handed
+        // back, so these must be released here.
+        drop(pending);
+        ctx.storage.finish_read(&found, 0);
+        return Err(not_registered(inst.id));
+    }
     let slots = results.iter().flatten().map(wire).collect();
-    let keys = keys
-        .into_iter()
-        .zip(results.iter().flatten())
-        .map(|(k, g)| (k, g.lease))
-        .collect();
     let transfer_id = ctx.next_transfer_id();
     pending.reads.insert(
         transfer_id,
         PendingRead {
-            keys,
+            keys: found,
             created_ms: ctx.now_ms(),
         },
     );

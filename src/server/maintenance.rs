@@ -51,17 +51,13 @@ fn run(ctx: &NodeContext) {
                 tracing::debug!(instance_id, reason, "instance released")
             }
         });
-        // With L2 on-evict, demotion runs every tick so that request-path evictions (which
-        // cannot wait for the disk) rarely find unwritten objects.
-        let demote = ctx
+        // With L2 on-evict, the L2 writer thread evicts (each object after writing it).
+        let demoting = ctx
             .l2
             .as_ref()
             .is_some_and(|l2| l2.policy() == WritePolicy::OnEvict);
-        if demote || last_evict.elapsed() >= EVICTION_EVERY {
+        if !demoting && last_evict.elapsed() >= EVICTION_EVERY {
             last_evict = Instant::now();
-            if demote {
-                demote_to_l2(ctx);
-            }
             let n = ctx.storage.evict_to_watermark();
             if n > 0 {
                 tracing::debug!(evicted = n, "watermark eviction");
@@ -96,28 +92,5 @@ fn run(ctx: &NodeContext) {
                 tracing::debug!(sessions = expired.len(), "idle lookup sessions dropped");
             }
         }
-    }
-}
-
-/// L2 `on-evict`: when L1 is at its high watermark, writes the objects the watermark pass is
-/// about to evict to L2 first (each read-locked during its write), so eviction drops only
-/// objects that survive on disk.
-fn demote_to_l2(ctx: &NodeContext) {
-    let Some(l2) = &ctx.l2 else { return };
-    let cap = ctx.storage.capacity() as f64;
-    let used = ctx.storage.used_bytes() as f64;
-    if cap == 0.0 || used < cap * ctx.config.high_watermark {
-        return;
-    }
-    let excess = (used - cap * ctx.config.low_watermark).max(0.0) as u64;
-    let victims: Vec<_> = ctx
-        .storage
-        .eviction_candidates(excess)
-        .into_iter()
-        .filter(|k| !l2.contains(k))
-        .collect();
-    if !victims.is_empty() {
-        let n = l2.persist(&ctx.storage, &ctx.namespaces, &victims);
-        tracing::debug!(written = n, candidates = victims.len(), "L2 demotion");
     }
 }

@@ -126,6 +126,7 @@ impl Node {
         for t in self.threads {
             let _ = t.join();
         }
+        crate::l2::writer::drain(&self.ctx);
         tracing::info!("kvnode stopped");
     }
 }

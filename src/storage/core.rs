@@ -224,6 +224,28 @@ impl StorageCore {
         object_bytes: u64,
         temporary: bool,
     ) -> Vec<Result<Grant, KeyError>> {
+        let deadline = self.now_ms() + self.config.write_ttl.as_millis() as u64;
+        self.reserve_write_until(keys, object_bytes, temporary, deadline)
+    }
+
+    /// [`StorageCore::reserve_write`] for the node's own I/O (an L2 load writing into the slot):
+    /// the reservation never expires, because freeing a slot the kernel may still be writing
+    /// into would corrupt whatever reuses it. The tier always commits or aborts it.
+    pub fn reserve_write_untimed(
+        &self,
+        keys: &[StorageKey],
+        object_bytes: u64,
+    ) -> Vec<Result<Grant, KeyError>> {
+        self.reserve_write_until(keys, object_bytes, false, u64::MAX)
+    }
+
+    fn reserve_write_until(
+        &self,
+        keys: &[StorageKey],
+        object_bytes: u64,
+        temporary: bool,
+        deadline: u64,
+    ) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
         let mut results: Vec<Result<Grant, KeyError>> = Vec::with_capacity(keys.len());
         let mut absent = Vec::with_capacity(keys.len());
@@ -263,7 +285,6 @@ impl StorageCore {
             return results;
         }
         let slots = self.allocate_with_eviction(object_bytes, absent.len());
-        let deadline = self.now_ms() + self.config.write_ttl.as_millis() as u64;
         let mut slots = slots.into_iter();
         for &i in &absent {
             let Some(slot) = slots.next() else {
@@ -476,9 +497,24 @@ impl StorageCore {
 
     /// Takes `1 + extra` read locks on each key. Requires `Ready` and not doomed.
     pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Grant, KeyError>> {
+        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        self.reserve_read_until(keys, extra, deadline)
+    }
+
+    /// [`StorageCore::reserve_read`] for the node's own I/O (an L2 write reading the slot): the
+    /// lock never expires while the I/O runs; the tier always releases it.
+    pub fn reserve_read_untimed(&self, keys: &[StorageKey]) -> Vec<Result<Grant, KeyError>> {
+        self.reserve_read_until(keys, 0, u64::MAX)
+    }
+
+    fn reserve_read_until(
+        &self,
+        keys: &[StorageKey],
+        extra: u32,
+        deadline: u64,
+    ) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
         let now = self.now_ms();
-        let deadline = now + self.config.read_ttl.as_millis() as u64;
         keys.iter()
             .map(|k| {
                 let mut shard = self.shard(k).lock();
@@ -490,8 +526,13 @@ impl StorageCore {
                     return Err(KeyError::KeyNotReadable);
                 }
                 self.drop_expired_reads(e, now);
+                // One deadline covers all of an entry's locks: the latest one's.
+                e.lock_deadline_ms = if e.readers == 0 {
+                    deadline
+                } else {
+                    e.lock_deadline_ms.max(deadline)
+                };
                 e.readers = e.readers.saturating_add(1 + extra);
-                e.lock_deadline_ms = deadline;
                 let grant = Grant {
                     slot: e.slot,
                     lease: e.lease,
@@ -676,6 +717,23 @@ impl StorageCore {
             }
             n += 1;
         }
+        n
+    }
+
+    /// Evicts those of `keys` that are evictable right now (ready, unlocked, not doomed);
+    /// counted as background evictions. Returns how many were evicted.
+    pub fn evict_if_idle(&self, keys: &[StorageKey]) -> u64 {
+        let _g = self.gate.read();
+        let mut n = 0;
+        for k in keys {
+            let mut shard = self.shard(k).lock();
+            if shard.map.get(k).is_some_and(|e| e.evictable()) {
+                let e = shard.remove(k).expect("checked present");
+                self.release_slot(e.slot);
+                n += 1;
+            }
+        }
+        self.background_evictions.fetch_add(n, Ordering::Relaxed);
         n
     }
 
