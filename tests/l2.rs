@@ -396,10 +396,8 @@ fn clear_empties_l2_durably() {
     );
 }
 
-#[test]
-fn second_node_on_the_same_l2_is_refused() {
-    let dir = L2Dir::new("lock");
-    let _node = start("l2lock", &dir, "16MiB", &[]);
+/// Runs `kvnode serve` on `dir`'s L2 (64 MiB), expecting it to refuse to start; returns stderr.
+fn serve_must_fail(dir: &L2Dir) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvnode"))
         .args([
             "serve",
@@ -414,8 +412,15 @@ fn second_node_on_the_same_l2_is_refused() {
         ])
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the node must refuse to start");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn second_node_on_the_same_l2_is_refused() {
+    let dir = L2Dir::new("lock");
+    let _node = start("l2lock", &dir, "16MiB", &[]);
+    let err = serve_must_fail(&dir);
     assert!(err.contains("in use by another kvnode"), "{err}");
 }
 
@@ -462,22 +467,7 @@ fn foreign_data_is_never_overwritten() {
     let mut bytes = vec![0u8; 64 << 20];
     bytes[..26].copy_from_slice(b"someone else's file system");
     std::fs::write(&data, &bytes).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvnode"))
-        .args([
-            "serve",
-            "--socket",
-            &format!("{}/x.sock", dir.path()),
-            "--pool-size",
-            "16MiB",
-            "--l2-path",
-            dir.path(),
-            "--l2-size",
-            "64MiB",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = serve_must_fail(&dir);
     assert!(err.contains("not a kvnode L2 tier"), "{err}");
     assert_eq!(
         std::fs::read(&data).unwrap()[..26],

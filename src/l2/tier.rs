@@ -410,38 +410,25 @@ impl L2Tier {
         Ok(())
     }
 
-    /// Reads 4 KiB blocks at `file_offsets` through the staging area.
-    fn read_blocks(&self, file_offsets: &[u64]) -> Vec<Result<Vec<u8>>> {
-        let mut out = Vec::with_capacity(file_offsets.len());
-        for part in file_offsets.chunks(64) {
+    /// Runs `f` on parts of at most 64 items, each with as many staging blocks as items, and
+    /// collects its per-item results; a part that finds the staging area short (cannot happen
+    /// with one writer) gets `LimitExceeded` for each item.
+    fn staged<I, R>(
+        &self,
+        items: &[I],
+        f: impl Fn(&[I], &[u64]) -> Vec<Result<R>>,
+    ) -> Vec<Result<R>> {
+        let mut out = Vec::with_capacity(items.len());
+        for part in items.chunks(64) {
             let blocks = self.staging.take(part.len());
-            if blocks.len() < part.len() {
-                self.staging.give(blocks);
+            if blocks.len() == part.len() {
+                out.extend(f(part, &blocks));
+            } else {
                 out.extend(part.iter().map(|_| {
                     Err(Error::new(
                         ErrorKind::LimitExceeded,
                         "L2 staging area exhausted",
                     ))
-                }));
-                continue;
-            }
-            let ios: Vec<BlockIo> = part
-                .iter()
-                .zip(&blocks)
-                .map(|(&f, &b)| BlockIo {
-                    pool_offset: b,
-                    file_offset: f,
-                    len: BLOCK_U64,
-                })
-                .collect();
-            for (r, &b) in self.read_engine.read_batch(&ios).into_iter().zip(&blocks) {
-                out.push(r.map_err(hw("reading an L2 header")).and_then(|_| {
-                    let mut buf = vec![0u8; BLOCK];
-                    self.pool
-                        .region()
-                        .read_at(b, &mut buf)
-                        .map_err(Error::from)?;
-                    Ok(buf)
                 }));
             }
             self.staging.give(blocks);
@@ -449,23 +436,37 @@ impl L2Tier {
         out
     }
 
+    /// Reads 4 KiB blocks at `file_offsets` through the staging area.
+    fn read_blocks(&self, file_offsets: &[u64]) -> Vec<Result<Vec<u8>>> {
+        self.staged(file_offsets, |part, blocks| {
+            let ios: Vec<BlockIo> = part
+                .iter()
+                .zip(blocks)
+                .map(|(&f, &b)| BlockIo {
+                    pool_offset: b,
+                    file_offset: f,
+                    len: BLOCK_U64,
+                })
+                .collect();
+            self.read_engine
+                .read_batch(&ios)
+                .into_iter()
+                .zip(blocks)
+                .map(|(r, &b)| {
+                    r.map_err(hw("reading an L2 header"))?;
+                    let mut buf = vec![0u8; BLOCK];
+                    self.pool.region().read_at(b, &mut buf)?;
+                    Ok(buf)
+                })
+                .collect()
+        })
+    }
+
     /// Writes 4 KiB blocks `(file_offset, bytes)` through the staging area.
     fn write_blocks(&self, items: &[(u64, Vec<u8>)]) -> Vec<Result<()>> {
-        let mut out = Vec::with_capacity(items.len());
-        for part in items.chunks(64) {
-            let blocks = self.staging.take(part.len());
-            if blocks.len() < part.len() {
-                self.staging.give(blocks);
-                out.extend(part.iter().map(|_| {
-                    Err(Error::new(
-                        ErrorKind::LimitExceeded,
-                        "L2 staging area exhausted",
-                    ))
-                }));
-                continue;
-            }
+        self.staged(items, |part, blocks| {
             let mut ios = Vec::with_capacity(part.len());
-            for ((f, bytes), &b) in part.iter().zip(&blocks) {
+            for ((f, bytes), &b) in part.iter().zip(blocks) {
                 self.pool
                     .region()
                     .write_at(b, bytes)
@@ -476,15 +477,12 @@ impl L2Tier {
                     len: BLOCK_U64,
                 });
             }
-            out.extend(
-                self.write_engine
-                    .write_batch(&ios)
-                    .into_iter()
-                    .map(|r| r.map(|_| ()).map_err(hw("writing an L2 header"))),
-            );
-            self.staging.give(blocks);
-        }
-        out
+            self.write_engine
+                .write_batch(&ios)
+                .into_iter()
+                .map(|r| r.map(|_| ()).map_err(hw("writing an L2 header")))
+                .collect()
+        })
     }
 
     /// Rebuilds the index from extent and slot headers (payloads are verified when loaded).
