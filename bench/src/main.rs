@@ -1,8 +1,11 @@
 //! `kvnode-bench`: load-tests a kvnode through the public client library, as real engines would,
 //! and reports latency percentiles and goodput next to the machine's limits measured in the same
 //! run (memcpy bandwidth over the same page backing, a bare Unix-socket ping-pong).
+//! `kvnode-bench l2` measures the L2 disk tier against raw `O_DIRECT` I/O on the same disk.
 
 mod baseline;
+mod disk;
+mod l2;
 mod node;
 mod opcount;
 mod plot;
@@ -22,8 +25,17 @@ use workload::{Instance, InstanceResult, InstanceSpec, LayoutSpec, WorkloadKind}
 
 /// Command line. Scripts rely on these exact flag names.
 #[derive(Parser, Debug)]
-#[command(name = "kvnode-bench", version, about = "Load harness for kvnode")]
+#[command(
+    name = "kvnode-bench",
+    version,
+    about = "Load harness for kvnode",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 pub struct Args {
+    /// Another mode instead of the load test.
+    #[command(subcommand)]
+    mode: Option<Mode>,
     /// Start a private `kvnode serve` on a temporary socket and stop it afterwards.
     #[arg(long, conflicts_with = "socket")]
     spawn: bool,
@@ -98,6 +110,13 @@ pub struct Args {
     no_verify: bool,
 }
 
+/// Modes other than the default load test.
+#[derive(clap::Subcommand, Debug)]
+enum Mode {
+    /// L2 disk tier: raw O_DIRECT baseline, node write-behind and cold read per block engine.
+    L2(l2::L2Args),
+}
+
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     // Hidden roles used by the harness itself (child processes).
@@ -129,7 +148,11 @@ fn main() {
         _ => {}
     }
     let args = Args::parse();
-    match run(&args) {
+    let outcome = match &args.mode {
+        Some(Mode::L2(a)) => l2::run(a),
+        None => run(&args),
+    };
+    match outcome {
         Ok(ok) => std::process::exit(if ok { 0 } else { 1 }),
         Err(e) => {
             eprintln!("kvnode-bench: {e}");

@@ -78,10 +78,58 @@ impl SpawnedNode {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+
+    /// The node's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The node's log so far (its stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("node.log")).unwrap_or_default()
+    }
+
+    /// Stops the node with SIGTERM and waits up to `timeout` for it to exit; returns how long
+    /// that took. A non-zero exit or no exit within `timeout` is an error carrying the node's log
+    /// (past the timeout the node is killed on drop).
+    pub fn stop(mut self, timeout: Duration) -> Result<Duration, String> {
+        let t = Instant::now();
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .map_err(|e| format!("kill -TERM: {e}"))?;
+        let deadline = t + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) if st.success() => return Ok(t.elapsed()),
+                Ok(Some(st)) => {
+                    return Err(format!(
+                        "kvnode exited with {st} after SIGTERM:\n{}",
+                        self.log()
+                    ))
+                }
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Ok(None) => {
+                    return Err(format!(
+                        "kvnode did not exit within {timeout:?} of SIGTERM:\n{}",
+                        self.log()
+                    ))
+                }
+                Err(e) => return Err(format!("waiting for kvnode: {e}")),
+            }
+        }
+    }
 }
 
 impl Drop for SpawnedNode {
     fn drop(&mut self) {
+        // Never signal a pid that was already reaped (`stop`): it may belong to another process.
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            return;
+        }
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();

@@ -1,0 +1,263 @@
+//! The raw `O_DIRECT` baseline of `kvnode-bench l2` (what fio would measure): sequential writes
+//! of whole objects to a scratch file, then sequential reads of them, through one
+//! [`kvnode_hw::BlockEngine`] from a small pool of reused buffers; plus reading another process's
+//! CPU time from `/proc`.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvnode_hw::{BlockEngine, BlockIo, EngineKind, PagePreference, PoolOptions, SharedPool};
+use serde::Serialize;
+
+/// Bytes of buffers the raw baseline keeps in its pool at most (fewer buffers for big objects).
+const RING_BYTES: u64 = 256 << 20;
+
+/// One engine's raw figures. Rates are 1e9 bytes per second; CPU is this process's user +
+/// system time (engine threads and io_uring workers included) per 1e9 bytes moved.
+#[derive(Debug, Clone, Serialize)]
+pub struct RawResult {
+    /// `uring` or `pread`.
+    pub engine: String,
+    /// io_uring queue depth (unused by pread).
+    pub queue_depth: u32,
+    /// I/Os per `write_batch` / `read_batch` call.
+    pub batch_ios: usize,
+    /// Distinct pool buffers the I/Os cycle through.
+    pub ring_buffers: u64,
+    /// Bytes per I/O (one object).
+    pub io_bytes: u64,
+    /// Bytes written, then read.
+    pub bytes: u64,
+    /// Sequential write rate (without the final fdatasync).
+    pub write_gbps: f64,
+    /// Sequential read rate.
+    pub read_gbps: f64,
+    /// Seconds of the write pass.
+    pub write_s: f64,
+    /// Seconds of the fdatasync after it.
+    pub sync_s: f64,
+    /// Seconds of the read pass.
+    pub read_s: f64,
+    /// CPU seconds per GB written.
+    pub write_cpu_s_per_gb: f64,
+    /// CPU seconds per GB read.
+    pub read_cpu_s_per_gb: f64,
+}
+
+/// Rate in 1e9 bytes per second (0 for an empty interval).
+pub fn gbps(bytes: u64, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        bytes as f64 / d.as_secs_f64() / 1e9
+    }
+}
+
+/// CPU seconds per 1e9 bytes (0 when nothing moved).
+pub fn cpu_per_gb(cpu_s: f64, bytes: u64) -> f64 {
+    if bytes == 0 {
+        0.0
+    } else {
+        cpu_s / (bytes as f64 / 1e9)
+    }
+}
+
+fn cpu_now() -> f64 {
+    kvnode_hw::process_cpu_seconds().unwrap_or(0.0)
+}
+
+fn run_pass(
+    engine: &dyn BlockEngine,
+    write: bool,
+    object_bytes: u64,
+    objects: u64,
+    batch: usize,
+    ring: u64,
+) -> Result<(), String> {
+    let mut ios = Vec::with_capacity(batch);
+    let mut next = 0u64;
+    while next < objects {
+        ios.clear();
+        while ios.len() < batch && next < objects {
+            ios.push(BlockIo {
+                pool_offset: (next % ring) * object_bytes,
+                file_offset: next * object_bytes,
+                len: object_bytes,
+            });
+            next += 1;
+        }
+        let results = if write {
+            engine.write_batch(&ios)
+        } else {
+            engine.read_batch(&ios)
+        };
+        for (io, r) in ios.iter().zip(results) {
+            if let Err(e) = r {
+                return Err(format!(
+                    "raw {} {} at file offset {}: {e}",
+                    engine.kind(),
+                    if write { "write" } else { "read" },
+                    io.file_offset
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `total` bytes as objects of `object_bytes` to a fresh scratch file in `dir`
+/// (preallocated like the node's data file), reads them back, and removes the file. Reads come
+/// from the device: the file is opened `O_DIRECT` and every block was written first (reads of
+/// never-written preallocated blocks would not touch the device).
+pub fn raw_baseline(
+    dir: &Path,
+    kind: EngineKind,
+    object_bytes: u64,
+    total: u64,
+    batch: usize,
+    queue_depth: u32,
+) -> Result<RawResult, String> {
+    let objects = total / object_bytes;
+    let ring = (RING_BYTES / object_bytes).clamp(1, batch.max(1) as u64);
+    // No buffer is used twice within one batch.
+    let batch_ios = batch.clamp(1, ring as usize);
+    let pool = SharedPool::create(&PoolOptions {
+        bytes: ring * object_bytes,
+        prefer: PagePreference::Huge2M,
+        prefault: true,
+        name: "kvnode-bench-raw".into(),
+        posix_shm_name: None,
+    })
+    .map_err(|e| format!("raw baseline pool: {e}"))?;
+    // Non-zero contents, so nothing on the way can shortcut zero blocks.
+    let mut pattern = vec![0u8; object_bytes as usize];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for w in pattern.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
+    }
+    for i in 0..ring {
+        pool.region()
+            .write_at(i * object_bytes, &pattern)
+            .map_err(|e| e.to_string())?;
+    }
+    let path = dir.join(format!("raw-{kind}.dat"));
+    let _ = std::fs::remove_file(&path);
+    let file = kvnode_hw::open_direct(&path, objects * object_bytes)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    let engine = kvnode_hw::open_engine(Some(kind), Arc::new(pool), file, queue_depth)
+        .map_err(|e| format!("{kind} engine: {e}"))?;
+    let result = (|| {
+        let bytes = objects * object_bytes;
+        let c0 = cpu_now();
+        let t0 = Instant::now();
+        run_pass(
+            engine.as_ref(),
+            true,
+            object_bytes,
+            objects,
+            batch_ios,
+            ring,
+        )?;
+        let write = t0.elapsed();
+        let c1 = cpu_now();
+        let t1 = Instant::now();
+        engine.sync().map_err(|e| format!("raw fdatasync: {e}"))?;
+        let sync = t1.elapsed();
+        let c2 = cpu_now();
+        let t2 = Instant::now();
+        run_pass(
+            engine.as_ref(),
+            false,
+            object_bytes,
+            objects,
+            batch_ios,
+            ring,
+        )?;
+        let read = t2.elapsed();
+        let c3 = cpu_now();
+        Ok(RawResult {
+            engine: kind.as_str().into(),
+            queue_depth,
+            batch_ios,
+            ring_buffers: ring,
+            io_bytes: object_bytes,
+            bytes,
+            write_gbps: gbps(bytes, write),
+            read_gbps: gbps(bytes, read),
+            write_s: write.as_secs_f64(),
+            sync_s: sync.as_secs_f64(),
+            read_s: read.as_secs_f64(),
+            write_cpu_s_per_gb: cpu_per_gb(c1 - c0, bytes),
+            read_cpu_s_per_gb: cpu_per_gb(c3 - c2, bytes),
+        })
+    })();
+    drop(engine);
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+/// Clock ticks per second of `/proc/<pid>/stat` times (`getconf CLK_TCK`, 100 if unknown).
+pub fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|t| *t > 0.0)
+        .unwrap_or(100.0)
+}
+
+/// User + system CPU seconds of process `pid` (all its threads), from `/proc/<pid>/stat`;
+/// resolution one clock tick (`ticks` per second). `None` if the process is gone.
+pub fn process_cpu_seconds_of(pid: u32, ticks: f64) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses: fields resume after the
+    // last ')'. There, index 0 is field 3 (state); utime and stime are fields 14 and 15.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / ticks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_cpu_time_is_readable() {
+        let ticks = clock_ticks();
+        assert!(ticks > 0.0);
+        let me = process_cpu_seconds_of(std::process::id(), ticks).unwrap();
+        assert!(me >= 0.0);
+        assert!(process_cpu_seconds_of(u32::MAX, ticks).is_none());
+    }
+
+    #[test]
+    fn raw_baseline_small() {
+        let dir = std::env::temp_dir().join(format!("kvnode-bench-raw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for kind in [EngineKind::Pread, EngineKind::Uring] {
+            match raw_baseline(&dir, kind, 256 << 10, 4 << 20, 8, 8) {
+                Ok(r) => {
+                    assert_eq!(r.bytes, 4 << 20);
+                    assert_eq!(r.batch_ios, 8);
+                    assert!(r.write_gbps > 0.0 && r.read_gbps > 0.0, "{r:?}");
+                }
+                // Some file systems (tmpfs) refuse O_DIRECT; io_uring may be disabled.
+                Err(e) => eprintln!("raw baseline {kind} unavailable here: {e}"),
+            }
+        }
+        assert!(
+            std::fs::read_dir(&dir).unwrap().next().is_none(),
+            "scratch file left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
