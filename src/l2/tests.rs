@@ -143,6 +143,16 @@ fn open_rig(
     max_prefetch_objects: usize,
     fault: Fault,
 ) -> Rig {
+    open_rig_batched(dir, engine, max_prefetch_objects, fault, 64)
+}
+
+fn open_rig_batched(
+    dir: std::path::PathBuf,
+    engine: &str,
+    max_prefetch_objects: usize,
+    fault: Fault,
+    batch_objects: usize,
+) -> Rig {
     let pool = Arc::new(
         SharedPool::create(&PoolOptions {
             bytes: 8 << 20,
@@ -161,6 +171,7 @@ fn open_rig(
         bytes: 32 << 20,
         engine: engine.into(),
         max_prefetch_objects,
+        batch_objects,
         ..L2Config::default()
     };
     let (p, f) = (pool.clone(), fault.clone());
@@ -423,4 +434,41 @@ fn unreadable_headers_at_start_up_are_skipped_not_fatal() {
     let r3 = open_rig(dir, "pread", 1024, Fault::None);
     assert_eq!(r3.tier.status().recovered, 5, "{:?}", r3.tier.status());
     drop(owner);
+}
+
+#[test]
+fn pipelined_batches_write_and_load_everything() {
+    both(|engine| {
+        let dir = std::env::temp_dir().join(format!(
+            "kvnode-l2unit-{}-pipe-{engine}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        // Batches of 8: 60 objects are 8 write batches (pipelined on the I/O thread) and two
+        // load sub-batches (32 + 28, the second read while the first is verified).
+        let mut r = open_rig_batched(dir.clone(), engine, 1024, Fault::None, 8);
+        r.dir = Some(tempdir::Dir(dir));
+        let keys = r.keys(60);
+        r.store(&keys);
+        r.fault
+            .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
+        r.check_clean();
+        r.fault.store(Fault::None as u32, Ordering::Relaxed);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
+        r.check_clean();
+        r.drop_l1();
+        let leases = r.tier.load(&r.storage, &keys, 1);
+        assert!(leases.iter().all(Option::is_some));
+        let unlock: Vec<_> = keys
+            .iter()
+            .copied()
+            .zip(leases.into_iter().flatten())
+            .collect();
+        r.storage.finish_read(&unlock, 1);
+        assert!(keys.iter().all(|k| r.bytes_ok(k)));
+        let s = r.tier.status();
+        assert_eq!((s.writes, s.errors, s.hits, s.corrupt), (60, 30, 60, 0));
+        r.check_clean();
+    });
 }

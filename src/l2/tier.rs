@@ -268,6 +268,16 @@ fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<
     }
 }
 
+/// A planned write-behind batch: the L1 read locks it holds, the objects, their I/Os (header
+/// then payload, per object) and the staging blocks of the headers. Invariant: every lock and
+/// block is released by `complete_write`, exactly once.
+struct WriteBatch {
+    locked: Vec<(StorageKey, Grant)>,
+    plans: Vec<PlannedWrite>,
+    ios: Vec<BlockIo>,
+    blocks: Vec<u64>,
+}
+
 /// One planned object write of a batch.
 struct PlannedWrite {
     key: StorageKey,
@@ -607,7 +617,8 @@ impl L2Tier {
 
     /// Writes committed L1 objects to L2 (those not already there): each is read-locked in L1
     /// for the duration of its write, so its slot is neither freed nor reused under the I/O.
-    /// Returns the number written.
+    /// Batches are pipelined: while one batch is on the disk (an I/O thread), the next one is
+    /// checksummed and staged. Returns the number written.
     pub fn persist(
         &self,
         storage: &StorageCore,
@@ -615,39 +626,88 @@ impl L2Tier {
         keys: &[StorageKey],
     ) -> u64 {
         let _gate = self.clear_gate.read();
-        let mut written = 0;
-        for part in keys.chunks(self.batch_objects) {
-            let todo: Vec<StorageKey> = {
-                let index = self.index.lock();
-                part.iter()
-                    .filter(|k| !index.contains(k))
-                    .copied()
-                    .collect()
-            };
-            if todo.is_empty() {
-                continue;
-            }
-            let grants = storage.reserve_read_untimed(&todo);
-            let locked: Vec<(StorageKey, Grant)> = todo
-                .iter()
-                .zip(grants)
-                .filter_map(|(k, g)| g.ok().map(|g| (*k, g)))
-                .collect();
-            // Evicted (or cleared) from L1 before its turn came: it cannot be written any more.
-            self.counters
-                .skipped
-                .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-            written += self.write_locked(namespaces, &locked);
-            let leases: Vec<(StorageKey, u64)> =
-                locked.iter().map(|(k, g)| (*k, g.lease)).collect();
-            storage.finish_read(&leases, 0);
+        let parts: Vec<&[StorageKey]> = keys.chunks(self.batch_objects).collect();
+        if parts.len() <= 1 {
+            return parts
+                .into_iter()
+                .filter_map(|part| self.prepare_write(storage, namespaces, part))
+                .map(|batch| self.complete_write(storage, batch))
+                .sum();
         }
-        written
+        std::thread::scope(|scope| {
+            // One batch on the disk, one staged: at most three hold staging blocks at once.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<WriteBatch>(1);
+            let io = std::thread::Builder::new()
+                .name("kvnode-l2-io".into())
+                .spawn_scoped(scope, move || {
+                    rx.iter()
+                        .map(|batch| self.complete_write(storage, batch))
+                        .sum::<u64>()
+                });
+            let io = match io {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::warn!(error = %e, "no L2 I/O thread: writing without pipelining");
+                    return parts
+                        .into_iter()
+                        .filter_map(|part| self.prepare_write(storage, namespaces, part))
+                        .map(|batch| self.complete_write(storage, batch))
+                        .sum();
+                }
+            };
+            for part in parts {
+                if let Some(batch) = self.prepare_write(storage, namespaces, part) {
+                    if let Err(back) = tx.send(batch) {
+                        // The I/O thread is gone (a bug): finish here so nothing stays locked.
+                        self.complete_write(storage, back.0);
+                    }
+                }
+            }
+            drop(tx);
+            io.join().unwrap_or_else(|_| {
+                tracing::error!("L2 I/O thread panicked (bug)");
+                0
+            })
+        })
     }
 
-    /// Writes read-locked objects (at most `batch_objects`): extent headers of newly assigned
-    /// extents first, then each object's header and payload in one batch.
-    fn write_locked(&self, namespaces: &Namespaces, items: &[(StorageKey, Grant)]) -> u64 {
+    /// Locks `part` in L1 (the objects not already on L2), checksums each payload, reserves
+    /// its L2 slot, writes the headers of newly assigned extents, and stages the slot headers.
+    /// `None` when nothing is left to write.
+    fn prepare_write(
+        &self,
+        storage: &StorageCore,
+        namespaces: &Namespaces,
+        part: &[StorageKey],
+    ) -> Option<WriteBatch> {
+        let todo: Vec<StorageKey> = {
+            let index = self.index.lock();
+            part.iter()
+                .filter(|k| !index.contains(k))
+                .copied()
+                .collect()
+        };
+        if todo.is_empty() {
+            return None;
+        }
+        let grants = storage.reserve_read_untimed(&todo);
+        let locked: Vec<(StorageKey, Grant)> = todo
+            .iter()
+            .zip(grants)
+            .filter_map(|(k, g)| g.ok().map(|g| (*k, g)))
+            .collect();
+        // Evicted (or cleared) from L1 before its turn came: it cannot be written any more.
+        self.counters
+            .skipped
+            .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
+        Some(self.plan_write(namespaces, locked))
+    }
+
+    /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
+    /// newly assigned extents are written first (synchronously, they are small), then each
+    /// object's header is staged; the returned batch holds the header and payload I/Os.
+    fn plan_write(&self, namespaces: &Namespaces, locked: Vec<(StorageKey, Grant)>) -> WriteBatch {
+        let items = &locked;
         let format_id = self.format_id.load(Ordering::Acquire);
         let mut extent_headers: Vec<(u32, u64, Vec<u8>)> = Vec::new();
         let mut plans: Vec<PlannedWrite> = Vec::new();
@@ -772,9 +832,28 @@ impl L2Tier {
                 len: round_block(p.len),
             });
         }
-        let staged = blocks.len();
-        let results = if staged < plans.len() {
-            Vec::new() // staging exhausted (cannot happen with one writer): everything below aborts
+        if blocks.len() < plans.len() {
+            ios.clear(); // staging exhausted (cannot happen): everything aborts in complete_write
+        }
+        WriteBatch {
+            locked,
+            plans,
+            ios,
+            blocks,
+        }
+    }
+
+    /// Runs a planned batch's I/O, commits what was written, aborts what was not, and releases
+    /// the staging blocks and the L1 read locks. Returns the number written.
+    fn complete_write(&self, storage: &StorageCore, batch: WriteBatch) -> u64 {
+        let WriteBatch {
+            locked,
+            plans,
+            ios,
+            blocks,
+        } = batch;
+        let results = if ios.is_empty() {
+            Vec::new()
         } else {
             self.write_engine.write_batch(&ios)
         };
@@ -809,6 +888,8 @@ impl L2Tier {
                 }
             }
         }
+        let leases: Vec<(StorageKey, u64)> = locked.iter().map(|(k, g)| (*k, g.lease)).collect();
+        storage.finish_read(&leases, 0);
         written
     }
 
@@ -853,61 +934,80 @@ impl L2Tier {
             }
         }
         let plan: Vec<usize> = (0..keys.len()).filter(|&i| grants[i].is_some()).collect();
-        let ios: Vec<BlockIo> = plan
-            .iter()
-            .map(|&i| {
-                let l = located[i].as_ref().expect("granted implies located");
-                BlockIo {
-                    pool_offset: grants[i].expect("planned").slot.offset,
-                    file_offset: l.slot.file_offset + BLOCK_U64,
-                    len: round_block(l.object_len),
-                }
-            })
-            .collect();
-        let results = self.read_engine.read_batch(&ios);
-        let mut loaded = 0u64;
-        for (&i, r) in plan.iter().zip(results) {
-            let l = located[i].as_ref().expect("planned");
-            let g = grants[i].expect("planned");
-            let verdict = r.map_err(|e| e.to_string()).and_then(|_| {
-                let sum = self
-                    .pool
-                    .region()
-                    .with_bytes(g.slot.offset, l.object_len, payload_checksum)
-                    .map_err(|e| e.to_string())?;
-                if sum == l.checksum {
-                    Ok(())
-                } else {
-                    Err(String::new())
-                }
-            });
-            match verdict {
-                Ok(()) => {
-                    if let Some(Ok(lease)) =
-                        storage.finish_write_locked(&[(keys[i], g)], extra).pop()
-                    {
-                        out[i] = Some(lease);
-                        loaded += 1;
-                        self.counters
-                            .bytes_read
-                            .fetch_add(l.object_len, Ordering::Relaxed);
+        let read = |part: &[usize]| -> Vec<kvnode_hw::HwResult<u64>> {
+            let ios: Vec<BlockIo> = part
+                .iter()
+                .map(|&i| {
+                    let l = located[i].as_ref().expect("granted implies located");
+                    BlockIo {
+                        pool_offset: grants[i].expect("planned").slot.offset,
+                        file_offset: l.slot.file_offset + BLOCK_U64,
+                        len: round_block(l.object_len),
                     }
-                }
-                Err(why) => {
-                    storage.abort_write(&[(keys[i], g)]);
-                    self.index.lock().remove(&keys[i]);
-                    if why.is_empty() {
-                        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(
-                            file_offset = l.slot.file_offset,
-                            "L2 object failed its checksum: dropped, not served"
-                        );
-                    } else {
-                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %why, file_offset = l.slot.file_offset, "L2 read failed: object dropped from L2");
+                })
+                .collect();
+            self.read_engine.read_batch(&ios)
+        };
+        let mut loaded = 0u64;
+        let mut verify = |part: &[usize], results: Vec<kvnode_hw::HwResult<u64>>| {
+            for (&i, r) in part.iter().zip(results) {
+                let l = located[i].as_ref().expect("planned");
+                let g = grants[i].expect("planned");
+                match self.verify_load(r, l, &g) {
+                    Ok(()) => {
+                        if let Some(Ok(lease)) =
+                            storage.finish_write_locked(&[(keys[i], g)], extra).pop()
+                        {
+                            out[i] = Some(lease);
+                            loaded += 1;
+                            self.counters
+                                .bytes_read
+                                .fetch_add(l.object_len, Ordering::Relaxed);
+                        }
+                    }
+                    Err(()) => {
+                        storage.abort_write(&[(keys[i], g)]);
+                        self.index.lock().remove(&keys[i]);
                     }
                 }
             }
+        };
+        // Sub-batches of at most 32 objects or 64 MiB: the next one is on the disk while this
+        // one's checksums are verified.
+        let object_len = located
+            .iter()
+            .flatten()
+            .map(|l| l.object_len)
+            .max()
+            .unwrap_or(1);
+        let sub = ((64u64 << 20) / object_len.max(1)).clamp(1, 32) as usize;
+        if plan.len() <= sub {
+            verify(&plan, read(&plan));
+        } else {
+            let (plan, read) = (&plan, &read);
+            std::thread::scope(|scope| {
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                let reader = std::thread::Builder::new()
+                    .name("kvnode-l2-read".into())
+                    .spawn_scoped(scope, move || {
+                        for part in plan.chunks(sub) {
+                            if tx.send((part, read(part))).is_err() {
+                                break;
+                            }
+                        }
+                    });
+                match reader {
+                    Ok(_) => {
+                        for (part, results) in rx {
+                            verify(part, results);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no L2 read thread: loading without pipelining");
+                        verify(plan, read(plan));
+                    }
+                }
+            });
         }
         for i in contended {
             out[i] = wait_readable(storage, &keys[i], extra);
@@ -923,6 +1023,34 @@ impl L2Tier {
         self.counters.hits.fetch_add(loaded, Ordering::Relaxed);
         self.prefetching.fetch_sub(budget, Ordering::AcqRel);
         out
+    }
+
+    /// Checks one loaded payload: the read succeeded and the bytes match the checksum from the
+    /// header. Failures are counted and logged here; the caller drops the object.
+    fn verify_load(
+        &self,
+        read: kvnode_hw::HwResult<u64>,
+        l: &super::space::Located,
+        g: &Grant,
+    ) -> std::result::Result<(), ()> {
+        if let Err(e) = read {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, file_offset = l.slot.file_offset, "L2 read failed: object dropped from L2");
+            return Err(());
+        }
+        let sum = self
+            .pool
+            .region()
+            .with_bytes(g.slot.offset, l.object_len, payload_checksum);
+        if sum.ok() != Some(l.checksum) {
+            self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                file_offset = l.slot.file_offset,
+                "L2 object failed its checksum: dropped, not served"
+            );
+            return Err(());
+        }
+        Ok(())
     }
 
     /// Takes up to `want` units of the node-wide prefetch budget.

@@ -15,6 +15,8 @@ use crate::storage::StorageKey;
 
 /// How long the writer sleeps when idle before re-checking the queue and the shutdown flag.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
+/// Batches handed to one `persist` call by the writer thread.
+const PIPELINE_BATCHES: usize = 8;
 /// Completed writes are made durable (fdatasync) at least this often while writing.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
@@ -99,7 +101,9 @@ fn run(ctx: &NodeContext) {
     let mut last_sync = Instant::now();
     let mut unsynced = false;
     loop {
-        let batch = l2.queue.pop_batch(l2.batch_objects());
+        // Several batches per call, so `persist` can keep the disk busy while it prepares the
+        // next one.
+        let batch = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
         if batch.is_empty() {
             if l2.policy() == WritePolicy::OnEvict && demote(ctx, l2) > 0 {
                 unsynced = true;
@@ -157,7 +161,7 @@ fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> u64 {
     let excess = (used - cap * ctx.config.low_watermark).max(0.0) as u64;
     let victims = ctx.storage.eviction_candidates(excess);
     let mut evicted = 0;
-    for part in victims.chunks(l2.batch_objects()) {
+    for part in victims.chunks(l2.batch_objects() * PIPELINE_BATCHES) {
         let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
         l2.persist(&ctx.storage, &ctx.namespaces, &todo);
         evicted += ctx.storage.evict_if_idle(part);
