@@ -5,7 +5,8 @@
 //! 2. node write-behind: a private node (`--l2-write-policy always`) gets every object stored
 //!    once; timed from the first COMMIT_STORE until STATUS says every object is on disk;
 //! 3. node cold read: SIGTERM, restart on the same data file (L1 empty, L2 index recovered from
-//!    disk), then every object retrieved and verified byte for byte.
+//!    disk), LOOKUPs that load every object from disk into L1 (the L2 read rate), then every
+//!    object retrieved from L1 and verified byte for byte.
 //!
 //! Steps 2-3 run once per node engine. The JSON schema is documented in `bench/README.md`.
 
@@ -287,6 +288,8 @@ impl NodePlan<'_> {
             "restart_s": restart.as_secs_f64(),
             "recovered": s(loaded, "recovered"),
             "read_gbps": read["read_gbps"],
+            "retrieve_gbps": read["retrieve_gbps"],
+            "retrieve_s": read["retrieve_s"],
             "read_s": read["read_s"],
             "read_prepare_share": read["prepare_share"],
             "read_cpu_s_per_gb": read["node_cpu_s_per_gb"],
@@ -389,6 +392,29 @@ impl NodePlan<'_> {
         }
         let id = u64::from(std::process::id()) << 8 | 2;
         self.register(&mut client, id)?;
+        // Prefetch (what LMCache does: LOOKUP, then retrieve): each lookup loads its chunks
+        // from L2 into L1, checksums verified, before it answers. This is the L2 read rate.
+        let cpu_l0 = self.cpu(node);
+        let tl = Instant::now();
+        for (b, hashes) in self.hashes.chunks(self.batch).enumerate() {
+            let req = format!("l2-read-{b}");
+            let range = ChunkRangeBuilder::all_ranks(MODEL, 1)
+                .hashes((b * self.batch) as u32, hashes.to_vec());
+            let hit = client
+                .lookup(&req, &range, 1)
+                .map_err(|e| format!("lookup: {e}"))?;
+            if hit as usize != hashes.len() {
+                return Err(format!(
+                    "lookup after restart found {hit} of {} chunks",
+                    hashes.len()
+                ));
+            }
+            client
+                .end_session(&req)
+                .map_err(|e| format!("end_session: {e}"))?;
+        }
+        let prefetch = tl.elapsed();
+        let prefetch_cpu = self.cpu(node) - cpu_l0;
         let mut dest = vec![0u8; self.object_bytes as usize];
         let (mut verified, mut corrupt, mut misses, mut moved) = (0u64, 0u64, 0u64, 0u64);
         let mut prepare = Duration::ZERO;
@@ -435,11 +461,14 @@ impl NodePlan<'_> {
         let status = client.status().map_err(|e| format!("status: {e}"))?["l2"].clone();
         let _ = client.unregister(id);
         Ok(json!({
-            "read_gbps": gbps(moved, elapsed),
-            "read_s": elapsed.as_secs_f64(),
+            "read_gbps": gbps(bytes, prefetch),
+            "read_s": prefetch.as_secs_f64(),
+            "node_cpu_s": prefetch_cpu,
+            "node_cpu_s_per_gb": cpu_per_gb(prefetch_cpu, bytes),
+            "retrieve_gbps": gbps(moved, elapsed),
+            "retrieve_s": elapsed.as_secs_f64(),
             "prepare_share": prepare.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
-            "node_cpu_s": cpu,
-            "node_cpu_s_per_gb": cpu_per_gb(cpu, bytes),
+            "retrieve_node_cpu_s": cpu,
             "verified_chunks": verified,
             "corrupt_chunks": corrupt,
             "misses": misses,
@@ -710,13 +739,17 @@ pub fn print_table(j: &Value) {
                 f(&n["write_cpu_s_per_gb"]),
             );
         println!(
-                "            cold read    {:>6.2} GB/s = {:>4.0}% of device ({:>3.0}% of raw {e}) [>= 90%: {}]  node CPU {:.3} s/GB",
+                "            L2 read      {:>6.2} GB/s = {:>4.0}% of device ({:>3.0}% of raw {e}) [>= 90%: {}]  node CPU {:.3} s/GB",
                 f(&n["read_gbps"]),
                 100.0 * f(&n["read_vs_device"]),
                 100.0 * f(&n["read_vs_raw"]),
                 target(f(&n["read_vs_device"])),
                 f(&n["read_cpu_s_per_gb"]),
             );
+        println!(
+            "            then retrieve from L1 {:.2} GB/s (client copy out, after the prefetch)",
+            f(&n["retrieve_gbps"]),
+        );
         println!(
                 "            L1 store {:.2} GB/s; start {:.2} s, stop {:.2} s, restart {:.2} s; recovered {}/{}; verified {} ({} corrupt, {} missed)",
                 f(&n["store_gbps"]),

@@ -104,6 +104,7 @@ fn check(j: &serde_json::Value, engine: &str) {
         "restart_s",
         "recovered",
         "read_gbps",
+        "retrieve_gbps",
         "read_s",
         "read_prepare_share",
         "read_cpu_s_per_gb",

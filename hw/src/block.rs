@@ -131,6 +131,24 @@ pub trait BlockEngine: Send + Sync {
     fn write_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>>;
     /// Copies each file range to its pool range (file -> pool).
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>>;
+    /// [`BlockEngine::read_batch`] that calls `each(i)` as soon as I/O `i` has completed in
+    /// full (never for a failed one), possibly on another thread and while other I/Os of the
+    /// batch are still in flight, so the caller can work on finished data (verify a checksum)
+    /// while the disk keeps going. Same results as `read_batch`. The default runs the batch
+    /// first and the callbacks after it.
+    fn read_batch_then(
+        &self,
+        ios: &[BlockIo],
+        each: &(dyn Fn(usize) + Sync),
+    ) -> Vec<HwResult<u64>> {
+        let results = self.read_batch(ios);
+        for (i, r) in results.iter().enumerate() {
+            if r.is_ok() {
+                each(i);
+            }
+        }
+        results
+    }
     /// `fdatasync` of the data file: all completed writes are durable after
     /// it returns `Ok`.
     fn sync(&self) -> HwResult<()>;

@@ -468,3 +468,64 @@ fn concurrent_batches_from_threads() {
         });
     });
 }
+
+#[test]
+fn read_batch_then_calls_back_once_per_completed_io_with_the_data_in_place() {
+    both(|k| {
+        let p = pool(16 * MIB);
+        let Some((_d, e)) = engine(k, &std::env::temp_dir(), &p, 16 * MIB) else {
+            return;
+        };
+        let ios: Vec<BlockIo> = (0..12u64)
+            .map(|i| BlockIo {
+                pool_offset: i * 256 * KIB,
+                file_offset: i * 256 * KIB,
+                len: 256 * KIB,
+            })
+            .collect();
+        let r = p.region();
+        for (i, io) in ios.iter().enumerate() {
+            r.write_at(io.pool_offset, &pattern(i as u64, io.len))
+                .unwrap();
+        }
+        all_ok(&e.write_batch(&ios), &ios);
+        for io in &ios {
+            r.fill_at(io.pool_offset, io.len, 0).unwrap();
+        }
+        // One I/O reads past the end of the file: it fails and gets no callback.
+        let mut back = ios.clone();
+        back.push(BlockIo {
+            pool_offset: 12 * 256 * KIB,
+            file_offset: 16 * MIB - 4096,
+            len: 8192,
+        });
+        let seen: Vec<std::sync::atomic::AtomicU32> =
+            (0..back.len()).map(|_| Default::default()).collect();
+        let intact: Vec<std::sync::atomic::AtomicBool> =
+            (0..back.len()).map(|_| Default::default()).collect();
+        let res = e.read_batch_then(&back, &|i| {
+            seen[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let io = back[i];
+            let mut got = vec![0u8; io.len as usize];
+            r.read_at(io.pool_offset, &mut got).unwrap();
+            intact[i].store(
+                got == pattern(i as u64, io.len),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        });
+        for i in 0..12 {
+            assert!(res[i].is_ok());
+            assert_eq!(
+                seen[i].load(std::sync::atomic::Ordering::Relaxed),
+                1,
+                "I/O {i}"
+            );
+            assert!(
+                intact[i].load(std::sync::atomic::Ordering::Relaxed),
+                "I/O {i} data in place"
+            );
+        }
+        assert!(res[12].is_err());
+        assert_eq!(seen[12].load(std::sync::atomic::Ordering::Relaxed), 0);
+    });
+}

@@ -89,6 +89,24 @@ impl PreadEngine {
     }
 
     fn batch(&self, ios: &[BlockIo], dir: Dir) -> Vec<HwResult<u64>> {
+        self.batch_then(ios, dir, &|_| {})
+    }
+
+    /// Runs a batch on up to `threads` threads; `each(i)` runs on the thread that completed
+    /// I/O `i`, right after it succeeded.
+    fn batch_then(
+        &self,
+        ios: &[BlockIo],
+        dir: Dir,
+        each: &(dyn Fn(usize) + Sync),
+    ) -> Vec<HwResult<u64>> {
+        let run = |i: usize| {
+            let r = self.one(&ios[i], dir);
+            if r.is_ok() {
+                each(i);
+            }
+            r
+        };
         // Validate everything first so that an invalid I/O never reaches the
         // OS (one() validates again, cheaply, as its own safety guard).
         let invalid = validate_batch(ios, self.pool.len());
@@ -97,9 +115,10 @@ impl PreadEngine {
             return ios
                 .iter()
                 .zip(invalid)
-                .map(|(io, bad)| match bad {
+                .enumerate()
+                .map(|(i, (_, bad))| match bad {
                     Some(e) => Err(e),
-                    None => self.one(io, dir),
+                    None => run(i),
                 })
                 .collect();
         }
@@ -117,7 +136,7 @@ impl PreadEngine {
                     }
                     let mut slot = slots[i].lock().unwrap_or_else(|p| p.into_inner());
                     if slot.is_none() {
-                        *slot = Some(self.one(&ios[i], dir));
+                        *slot = Some(run(i));
                     }
                 });
             }
@@ -144,6 +163,14 @@ impl BlockEngine for PreadEngine {
 
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
         self.batch(ios, Dir::Read)
+    }
+
+    fn read_batch_then(
+        &self,
+        ios: &[BlockIo],
+        each: &(dyn Fn(usize) + Sync),
+    ) -> Vec<HwResult<u64>> {
+        self.batch_then(ios, Dir::Read, each)
     }
 
     fn sync(&self) -> HwResult<()> {

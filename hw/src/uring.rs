@@ -136,7 +136,12 @@ impl UringEngine {
         })
     }
 
-    fn batch(&self, ios: &[BlockIo], write: bool) -> Vec<HwResult<u64>> {
+    fn batch(
+        &self,
+        ios: &[BlockIo],
+        write: bool,
+        each: &(dyn Fn(usize) + Sync),
+    ) -> Vec<HwResult<u64>> {
         let op = if write { "write_fixed" } else { "read_fixed" };
         let invalid = validate_batch(ios, self.pool.len());
         let mut results: Vec<Option<HwResult<u64>>> =
@@ -165,6 +170,11 @@ impl UringEngine {
         }
         // Per-I/O: first error seen (other segments still complete).
         let mut errors: Vec<Option<HwError>> = (0..ios.len()).map(|_| None).collect();
+        // Per-I/O: segments not yet complete (the callback runs when this reaches 0).
+        let mut unfinished = vec![0u32; ios.len()];
+        for s in &segs {
+            unfinished[s.io] += 1;
+        }
         let mut guard = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let st = &mut *guard;
         st.generation = st.generation.wrapping_add(1);
@@ -249,6 +259,11 @@ impl UringEngine {
                     s.done += res as u64;
                     if s.done < s.len {
                         pending.push_back(si); // short transfer: the rest
+                    } else {
+                        unfinished[s.io] -= 1;
+                        if unfinished[s.io] == 0 && errors[s.io].is_none() {
+                            each(s.io);
+                        }
                     }
                 }
             }
@@ -321,11 +336,19 @@ impl BlockEngine for UringEngine {
     }
 
     fn write_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
-        self.batch(ios, true)
+        self.batch(ios, true, &|_| {})
     }
 
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
-        self.batch(ios, false)
+        self.batch(ios, false, &|_| {})
+    }
+
+    fn read_batch_then(
+        &self,
+        ios: &[BlockIo],
+        each: &(dyn Fn(usize) + Sync),
+    ) -> Vec<HwResult<u64>> {
+        self.batch(ios, false, each)
     }
 
     fn sync(&self) -> HwResult<()> {

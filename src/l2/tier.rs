@@ -934,80 +934,52 @@ impl L2Tier {
             }
         }
         let plan: Vec<usize> = (0..keys.len()).filter(|&i| grants[i].is_some()).collect();
-        let read = |part: &[usize]| -> Vec<kvnode_hw::HwResult<u64>> {
-            let ios: Vec<BlockIo> = part
-                .iter()
-                .map(|&i| {
-                    let l = located[i].as_ref().expect("granted implies located");
-                    BlockIo {
-                        pool_offset: grants[i].expect("planned").slot.offset,
-                        file_offset: l.slot.file_offset + BLOCK_U64,
-                        len: round_block(l.object_len),
-                    }
-                })
-                .collect();
-            self.read_engine.read_batch(&ios)
-        };
+        let ios: Vec<BlockIo> = plan
+            .iter()
+            .map(|&i| {
+                let l = located[i].as_ref().expect("granted implies located");
+                BlockIo {
+                    pool_offset: grants[i].expect("planned").slot.offset,
+                    file_offset: l.slot.file_offset + BLOCK_U64,
+                    len: round_block(l.object_len),
+                }
+            })
+            .collect();
+        // Checksums are verified as each read completes, while the rest are still on the disk.
+        let checksum_ok: Vec<std::sync::atomic::AtomicBool> =
+            plan.iter().map(|_| Default::default()).collect();
+        let results = self.read_engine.read_batch_then(&ios, &|j| {
+            let i = plan[j];
+            let l = located[i].as_ref().expect("planned");
+            let g = grants[i].expect("planned");
+            let sum = self
+                .pool
+                .region()
+                .with_bytes(g.slot.offset, l.object_len, payload_checksum);
+            checksum_ok[j].store(sum.ok() == Some(l.checksum), Ordering::Relaxed);
+        });
         let mut loaded = 0u64;
-        let mut verify = |part: &[usize], results: Vec<kvnode_hw::HwResult<u64>>| {
-            for (&i, r) in part.iter().zip(results) {
-                let l = located[i].as_ref().expect("planned");
-                let g = grants[i].expect("planned");
-                match self.verify_load(r, l, &g) {
-                    Ok(()) => {
-                        if let Some(Ok(lease)) =
-                            storage.finish_write_locked(&[(keys[i], g)], extra).pop()
-                        {
-                            out[i] = Some(lease);
-                            loaded += 1;
-                            self.counters
-                                .bytes_read
-                                .fetch_add(l.object_len, Ordering::Relaxed);
-                        }
-                    }
-                    Err(()) => {
-                        storage.abort_write(&[(keys[i], g)]);
-                        self.index.lock().remove(&keys[i]);
-                    }
+        for (j, (&i, r)) in plan.iter().zip(results).enumerate() {
+            let l = located[i].as_ref().expect("planned");
+            let g = grants[i].expect("planned");
+            let verdict = self.verdict(r, checksum_ok[j].load(Ordering::Relaxed), l);
+            let published = verdict
+                .then(|| storage.finish_write_locked(&[(keys[i], g)], extra).pop())
+                .flatten();
+            match published {
+                Some(Ok(lease)) => {
+                    out[i] = Some(lease);
+                    loaded += 1;
+                    self.counters
+                        .bytes_read
+                        .fetch_add(l.object_len, Ordering::Relaxed);
+                }
+                Some(Err(_)) => {} // cleared meanwhile: freed by finish_write_locked
+                None => {
+                    storage.abort_write(&[(keys[i], g)]);
+                    self.index.lock().remove(&keys[i]);
                 }
             }
-        };
-        // Sub-batches of at most 32 objects or 64 MiB: the next one is on the disk while this
-        // one's checksums are verified.
-        let object_len = located
-            .iter()
-            .flatten()
-            .map(|l| l.object_len)
-            .max()
-            .unwrap_or(1);
-        let sub = ((64u64 << 20) / object_len.max(1)).clamp(1, 32) as usize;
-        if plan.len() <= sub {
-            verify(&plan, read(&plan));
-        } else {
-            let (plan, read) = (&plan, &read);
-            std::thread::scope(|scope| {
-                let (tx, rx) = std::sync::mpsc::sync_channel(1);
-                let reader = std::thread::Builder::new()
-                    .name("kvnode-l2-read".into())
-                    .spawn_scoped(scope, move || {
-                        for part in plan.chunks(sub) {
-                            if tx.send((part, read(part))).is_err() {
-                                break;
-                            }
-                        }
-                    });
-                match reader {
-                    Ok(_) => {
-                        for (part, results) in rx {
-                            verify(part, results);
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no L2 read thread: loading without pipelining");
-                        verify(plan, read(plan));
-                    }
-                }
-            });
         }
         for i in contended {
             out[i] = wait_readable(storage, &keys[i], extra);
@@ -1025,32 +997,28 @@ impl L2Tier {
         out
     }
 
-    /// Checks one loaded payload: the read succeeded and the bytes match the checksum from the
-    /// header. Failures are counted and logged here; the caller drops the object.
-    fn verify_load(
+    /// Judges one loaded payload: the read succeeded and its checksum matched. Failures are
+    /// counted and logged here; the caller drops the object.
+    fn verdict(
         &self,
         read: kvnode_hw::HwResult<u64>,
+        checksum_ok: bool,
         l: &super::space::Located,
-        g: &Grant,
-    ) -> std::result::Result<(), ()> {
+    ) -> bool {
         if let Err(e) = read {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, file_offset = l.slot.file_offset, "L2 read failed: object dropped from L2");
-            return Err(());
+            return false;
         }
-        let sum = self
-            .pool
-            .region()
-            .with_bytes(g.slot.offset, l.object_len, payload_checksum);
-        if sum.ok() != Some(l.checksum) {
+        if !checksum_ok {
             self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 file_offset = l.slot.file_offset,
                 "L2 object failed its checksum: dropped, not served"
             );
-            return Err(());
+            return false;
         }
-        Ok(())
+        true
     }
 
     /// Takes up to `want` units of the node-wide prefetch budget.
