@@ -945,10 +945,12 @@ impl L2Tier {
                 }
             })
             .collect();
-        // Checksums are verified as each read completes, while the rest are still on the disk.
+        // Checksums are verified as each read completes, while the rest are still on the disk;
+        // with the io_uring engine (callbacks on the ring's thread) every other object goes to a
+        // helper thread, so a batch whose reads finish together is verified twice as fast.
         let checksum_ok: Vec<std::sync::atomic::AtomicBool> =
             plan.iter().map(|_| Default::default()).collect();
-        let results = self.read_engine.read_batch_then(&ios, &|j| {
+        let verify = |j: usize| {
             let i = plan[j];
             let l = located[i].as_ref().expect("planned");
             let g = grants[i].expect("planned");
@@ -957,7 +959,30 @@ impl L2Tier {
                 .region()
                 .with_bytes(g.slot.offset, l.object_len, payload_checksum);
             checksum_ok[j].store(sum.ok() == Some(l.checksum), Ordering::Relaxed);
-        });
+        };
+        let results = if plan.len() < 4 || self.read_engine.kind() != EngineKind::Uring {
+            self.read_engine.read_batch_then(&ios, &verify)
+        } else {
+            std::thread::scope(|scope| {
+                let (tx, rx) = std::sync::mpsc::channel::<usize>();
+                let helper = std::thread::Builder::new()
+                    .name("kvnode-l2-verify".into())
+                    .spawn_scoped(scope, || rx.into_iter().for_each(verify));
+                match helper {
+                    Ok(_) => self.read_engine.read_batch_then(&ios, &|j| {
+                        if j % 2 == 1 {
+                            if let Err(back) = tx.send(j) {
+                                verify(back.0);
+                            }
+                        } else {
+                            verify(j);
+                        }
+                    }),
+                    Err(_) => self.read_engine.read_batch_then(&ios, &verify),
+                }
+                // The scope joins the helper (after the sender is dropped) before returning.
+            })
+        };
         let mut loaded = 0u64;
         for (j, (&i, r)) in plan.iter().zip(results).enumerate() {
             let l = located[i].as_ref().expect("planned");
