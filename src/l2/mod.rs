@@ -3,11 +3,13 @@
 //! prefetch when a lookup finds them only on disk, and rebuilt from on-disk headers at start-up.
 //!
 //! * [`format`]: the on-disk layout (superblock, extent headers, slot headers, checksums).
+//! * [`gate`]: the CLEAR gate (many operations at once, or one CLEAR alone).
 //! * [`space`]: the in-memory index and space manager (extents, fixed-stride slots, LRU).
 //! * [`tier`]: [`L2Tier`], the I/O around both: open/recover, write-behind batches, loads.
 //! * [`writer`]: the write-behind thread and its bounded queue.
 
 pub mod format;
+pub mod gate;
 pub mod space;
 pub mod tier;
 pub mod writer;

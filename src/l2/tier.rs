@@ -18,6 +18,7 @@ use super::format::{
     default_extent_bytes, extent_count, extent_offset, payload_checksum, slot_offset,
     slots_per_extent, ExtentHeader, FormatError, SlotHeader, Superblock, BLOCK,
 };
+use super::gate::{ClearGate, GateToken};
 use super::space::{L2Index, RecoverOutcome, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
@@ -138,7 +139,7 @@ pub struct L2Tier {
     pub queue: WriteQueue,
     /// Held shared by every write-behind batch and load, exclusively by CLEAR: an object locked
     /// or pinned before a CLEAR can never be written or published after it.
-    clear_gate: parking_lot::RwLock<()>,
+    clear_gate: ClearGate,
     _lock: File,
 }
 
@@ -270,12 +271,15 @@ fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<
 
 /// A planned write-behind batch: the L1 read locks it holds, the objects, their I/Os (header
 /// then payload, per object) and the staging blocks of the headers. Invariant: every lock and
-/// block is released by `complete_write`, exactly once.
-struct WriteBatch {
+/// block is released by `complete_write`, exactly once; the batch stays inside the CLEAR gate
+/// until then, on whichever thread completes it.
+pub(super) struct WriteBatch<'a> {
     locked: Vec<(StorageKey, Grant)>,
     plans: Vec<PlannedWrite>,
     ios: Vec<BlockIo>,
     blocks: Vec<u64>,
+    /// Inside the CLEAR gate from planning until completion (dropped last).
+    _gate: GateToken<'a>,
 }
 
 /// One planned object write of a batch.
@@ -338,7 +342,7 @@ impl L2Tier {
             path,
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
-            clear_gate: parking_lot::RwLock::new(()),
+            clear_gate: ClearGate::default(),
             _lock: file,
         };
         let sb_block = tier.read_blocks(&[0]).pop().expect("one block");
@@ -625,7 +629,6 @@ impl L2Tier {
         namespaces: &Namespaces,
         keys: &[StorageKey],
     ) -> u64 {
-        let _gate = self.clear_gate.read();
         let parts: Vec<&[StorageKey]> = keys.chunks(self.batch_objects).collect();
         if parts.len() <= 1 {
             return parts
@@ -674,12 +677,13 @@ impl L2Tier {
     /// Locks `part` in L1 (the objects not already on L2), checksums each payload, reserves
     /// its L2 slot, writes the headers of newly assigned extents, and stages the slot headers.
     /// `None` when nothing is left to write.
-    fn prepare_write(
+    pub(super) fn prepare_write(
         &self,
         storage: &StorageCore,
         namespaces: &Namespaces,
         part: &[StorageKey],
-    ) -> Option<WriteBatch> {
+    ) -> Option<WriteBatch<'_>> {
+        let gate = self.clear_gate.enter();
         let todo: Vec<StorageKey> = {
             let index = self.index.lock();
             part.iter()
@@ -700,13 +704,18 @@ impl L2Tier {
         self.counters
             .skipped
             .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-        Some(self.plan_write(namespaces, locked))
+        Some(self.plan_write(namespaces, locked, gate))
     }
 
     /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
     /// newly assigned extents are written first (synchronously, they are small), then each
     /// object's header is staged; the returned batch holds the header and payload I/Os.
-    fn plan_write(&self, namespaces: &Namespaces, locked: Vec<(StorageKey, Grant)>) -> WriteBatch {
+    fn plan_write<'a>(
+        &'a self,
+        namespaces: &Namespaces,
+        locked: Vec<(StorageKey, Grant)>,
+        gate: GateToken<'a>,
+    ) -> WriteBatch<'a> {
         let items = &locked;
         let format_id = self.format_id.load(Ordering::Acquire);
         let mut extent_headers: Vec<(u32, u64, Vec<u8>)> = Vec::new();
@@ -840,17 +849,19 @@ impl L2Tier {
             plans,
             ios,
             blocks,
+            _gate: gate,
         }
     }
 
     /// Runs a planned batch's I/O, commits what was written, aborts what was not, and releases
     /// the staging blocks and the L1 read locks. Returns the number written.
-    fn complete_write(&self, storage: &StorageCore, batch: WriteBatch) -> u64 {
+    pub(super) fn complete_write(&self, storage: &StorageCore, batch: WriteBatch<'_>) -> u64 {
         let WriteBatch {
             locked,
             plans,
             ios,
             blocks,
+            _gate,
         } = batch;
         let results = if ios.is_empty() {
             Vec::new()
@@ -899,7 +910,7 @@ impl L2Tier {
     /// payload: the last two also drop it from L2). At most `max_prefetch_objects` objects are
     /// in flight node-wide; keys beyond the budget are not loaded (callers cut their prefix there).
     pub fn load(&self, storage: &StorageCore, keys: &[StorageKey], extra: u32) -> Vec<Option<u64>> {
-        let _gate = self.clear_gate.read();
+        let _gate = self.clear_gate.enter();
         let mut out = vec![None; keys.len()];
         let budget = self.acquire_prefetch(keys.len());
         if budget == 0 {
@@ -1077,16 +1088,17 @@ impl L2Tier {
     /// is in flight (they hold the gate shared), so nothing locked or pinned before the CLEAR
     /// is written or published after it. Returns `clear_l1`'s result and (removed, deferred).
     pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
-        let _gate = self.clear_gate.write();
-        let l1 = clear_l1();
-        let r = self.index.lock().clear();
-        self.format().map_err(|e| {
-            e.context(
-                "L2 emptied in memory, but the new format id was not written: \
-                 cleared objects may reappear after a restart",
-            )
-        })?;
-        Ok((l1, r))
+        self.clear_gate.exclusive(|| {
+            let l1 = clear_l1();
+            let r = self.index.lock().clear();
+            self.format().map_err(|e| {
+                e.context(
+                    "L2 emptied in memory, but the new format id was not written: \
+                     cleared objects may reappear after a restart",
+                )
+            })?;
+            Ok((l1, r))
+        })
     }
 
     /// `fdatasync` of the data file (completed writes become durable across power loss).

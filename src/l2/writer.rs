@@ -15,7 +15,7 @@ use crate::storage::StorageKey;
 
 /// How long the writer sleeps when idle before re-checking the queue and the shutdown flag.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
-/// Batches handed to one `persist` call by the writer thread.
+/// Batches per `persist` call of a demotion round (pipelined inside the call).
 const PIPELINE_BATCHES: usize = 8;
 /// Completed writes are made durable (fdatasync) at least this often while writing.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
@@ -98,35 +98,74 @@ pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<Option<JoinHandle<()>>> 
 
 fn run(ctx: &NodeContext) {
     let l2 = ctx.l2.as_ref().expect("spawned only with an L2 tier");
+    std::thread::scope(|scope| {
+        // The pipeline: this thread locks, checksums and stages batch k+1 while the I/O thread
+        // has batch k on the disk (one more may wait in the channel).
+        let (tx, rx) = std::sync::mpsc::sync_channel::<super::tier::WriteBatch<'_>>(1);
+        let io = thread::Builder::new()
+            .name("kvnode-l2-io".into())
+            .spawn_scoped(scope, move || complete_batches(ctx, l2, rx));
+        if let Err(e) = io {
+            tracing::error!(error = %e, "cannot start the L2 I/O thread: write-behind is off");
+            return;
+        }
+        loop {
+            let keys = l2.queue.pop_batch(l2.batch_objects());
+            if keys.is_empty() {
+                if l2.policy() == WritePolicy::OnEvict && demote(ctx, l2) > 0 {
+                    continue;
+                }
+                if ctx.shutting_down.load(Ordering::Acquire) {
+                    break;
+                }
+                l2.queue.wait();
+                continue;
+            }
+            if let Some(batch) = l2.prepare_write(&ctx.storage, &ctx.namespaces, &keys) {
+                if let Err(back) = tx.send(batch) {
+                    // The I/O thread is gone (a bug): finish here so nothing stays locked.
+                    l2.complete_write(&ctx.storage, back.0);
+                }
+            }
+        }
+        // Dropping the sender lets the I/O thread finish what it holds, sync and exit.
+    });
+    tracing::debug!("L2 writer stopped");
+}
+
+/// The I/O end of the write-behind pipeline: completes batches in order and makes completed
+/// writes durable (fdatasync) at least every [`SYNC_EVERY`] while writing, and when idle.
+fn complete_batches(
+    ctx: &NodeContext,
+    l2: &super::L2Tier,
+    rx: std::sync::mpsc::Receiver<super::tier::WriteBatch<'_>>,
+) {
+    use std::sync::mpsc::RecvTimeoutError;
     let mut last_sync = Instant::now();
     let mut unsynced = false;
     loop {
-        // Several batches per call, so `persist` can keep the disk busy while it prepares the
-        // next one.
-        let batch = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
-        if batch.is_empty() {
-            if l2.policy() == WritePolicy::OnEvict && demote(ctx, l2) > 0 {
-                unsynced = true;
-                continue;
+        match rx.recv_timeout(IDLE_WAIT) {
+            Ok(batch) => {
+                unsynced |= l2.complete_write(&ctx.storage, batch) > 0;
+                if unsynced && last_sync.elapsed() >= SYNC_EVERY {
+                    sync(l2);
+                    unsynced = false;
+                    last_sync = Instant::now();
+                }
             }
-            if unsynced {
-                sync(l2);
-                unsynced = false;
+            Err(RecvTimeoutError::Timeout) => {
+                if unsynced {
+                    sync(l2);
+                    unsynced = false;
+                    last_sync = Instant::now();
+                }
             }
-            if ctx.shutting_down.load(Ordering::Acquire) {
-                break;
-            }
-            l2.queue.wait();
-            continue;
-        }
-        unsynced |= l2.persist(&ctx.storage, &ctx.namespaces, &batch) > 0;
-        if unsynced && last_sync.elapsed() >= SYNC_EVERY {
-            sync(l2);
-            unsynced = false;
-            last_sync = Instant::now();
+            Err(RecvTimeoutError::Disconnected) => break,
         }
     }
-    tracing::debug!("L2 writer stopped");
+    if unsynced {
+        sync(l2);
+    }
 }
 
 /// Writes the rest of the queue and syncs, on the caller's thread: the shutdown path calls it
@@ -161,13 +200,17 @@ fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> u64 {
     let excess = (used - cap * ctx.config.low_watermark).max(0.0) as u64;
     let victims = ctx.storage.eviction_candidates(excess);
     let mut evicted = 0;
+    let mut written = 0;
     for part in victims.chunks(l2.batch_objects() * PIPELINE_BATCHES) {
         let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
-        l2.persist(&ctx.storage, &ctx.namespaces, &todo);
+        written += l2.persist(&ctx.storage, &ctx.namespaces, &todo);
         evicted += ctx.storage.evict_if_idle(part);
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
         }
+    }
+    if written > 0 {
+        sync(l2);
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
     evicted
