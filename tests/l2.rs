@@ -23,14 +23,16 @@ fn reg64k(instance_id: u64) -> RegisterRequest {
 const OBJ: usize = 64 << 10;
 
 /// A directory that outlives node restarts, removed at the end of the test.
-struct L2Dir(PathBuf);
+struct L2Dir(PathBuf, &'static str);
 
 impl L2Dir {
-    fn new(tag: &str) -> L2Dir {
-        let d = std::env::temp_dir().join(format!("kvnode-l2-{}-{tag}", std::process::id()));
+    /// A fresh directory for a test running on `engine` (`uring`, `pread` or `auto`).
+    fn new(tag: &str, engine: &'static str) -> L2Dir {
+        let d =
+            std::env::temp_dir().join(format!("kvnode-l2-{}-{tag}-{engine}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        L2Dir(d)
+        L2Dir(d, engine)
     }
 
     fn path(&self) -> &str {
@@ -46,17 +48,21 @@ impl Drop for L2Dir {
     }
 }
 
+/// Starts a node with L2 in `dir` on `dir`'s engine (64 MiB unless `extra` sets `--l2-size`).
 fn start(tag: &str, dir: &L2Dir, pool: &str, extra: &[&str]) -> NodeProc {
     let mut args = vec![
         "--pool-size",
         pool,
         "--l2-path",
         dir.path(),
-        "--l2-size",
-        "64MiB",
+        "--l2-engine",
+        dir.1,
     ];
+    if !extra.contains(&"--l2-size") {
+        args.extend(["--l2-size", "64MiB"]);
+    }
     args.extend_from_slice(extra);
-    NodeProc::start(tag, &args)
+    NodeProc::start(&format!("{tag}-{}", dir.1), &args)
 }
 
 /// Stores `convs` conversations of `chunks` chunks each (64 KiB objects, instance 1).
@@ -108,15 +114,10 @@ fn sigterm_and_wait(node: &mut NodeProc) {
     }
 }
 
-fn round_trip_after_eviction(engine: &str) {
-    let dir = L2Dir::new(&format!("rt-{engine}"));
+fn round_trip_through_l2_after_eviction(engine: &'static str) {
+    let dir = L2Dir::new("rt", engine);
     // 4 MiB pool = 2 MiB of objects after the L2 staging area: 32 objects of 64 KiB.
-    let node = start(
-        &format!("l2rt-{engine}"),
-        &dir,
-        "4MiB",
-        &["--l2-engine", engine],
-    );
+    let node = start("l2rt", &dir, "4MiB", &[]);
     let mut c = node.client();
     c.register(&reg64k(1)).unwrap();
     let mut stored = 0;
@@ -147,36 +148,16 @@ fn round_trip_after_eviction(engine: &str) {
     assert_eq!(s["memcheck_ok"], true, "{s:#}");
 }
 
-#[test]
-fn round_trip_through_l2_uring() {
-    round_trip_after_eviction("uring");
-}
-
-#[test]
-fn round_trip_through_l2_pread() {
-    round_trip_after_eviction("pread");
-}
-
-fn restart_after_clean_stop(engine: &str) {
-    let dir = L2Dir::new(&format!("clean-{engine}"));
-    let mut node = start(
-        &format!("l2clean-{engine}"),
-        &dir,
-        "16MiB",
-        &["--l2-engine", engine],
-    );
+fn restart_after_clean_stop(engine: &'static str) {
+    let dir = L2Dir::new("clean", engine);
+    let mut node = start("l2clean", &dir, "16MiB", &[]);
     let mut c = node.client();
     c.register(&reg64k(1)).unwrap();
     assert_eq!(store_all(&mut c, 0..10, 4), 40);
     drop(c);
     // No waiting: a clean stop drains the write-behind queue first.
     sigterm_and_wait(&mut node);
-    let node = start(
-        &format!("l2clean2-{engine}"),
-        &dir,
-        "16MiB",
-        &["--l2-engine", engine],
-    );
+    let node = start("l2clean2", &dir, "16MiB", &[]);
     let s = node.status();
     assert_eq!(l2(&s, "recovered"), 40, "{s:#}");
     assert_eq!(l2(&s, "objects"), 40);
@@ -187,19 +168,8 @@ fn restart_after_clean_stop(engine: &str) {
     assert_eq!(l2(&node.status(), "hits"), 40);
 }
 
-#[test]
-fn restart_after_clean_stop_uring() {
-    restart_after_clean_stop("uring");
-}
-
-#[test]
-fn restart_after_clean_stop_pread() {
-    restart_after_clean_stop("pread");
-}
-
-#[test]
-fn restart_after_sigkill_during_write_behind() {
-    let dir = L2Dir::new("kill");
+fn restart_after_sigkill_during_write_behind(engine: &'static str) {
+    let dir = L2Dir::new("kill", engine);
     let mut node = start("l2kill", &dir, "32MiB", &[]);
     let socket = node.socket.clone();
     // A client keeps storing in a thread; the node is killed while writes are queued.
@@ -257,9 +227,8 @@ fn slot_headers(file: &Path) -> Vec<u64> {
         .collect()
 }
 
-#[test]
-fn corrupted_slot_is_rejected() {
-    let dir = L2Dir::new("corrupt");
+fn corrupted_slot_is_rejected(engine: &'static str) {
+    let dir = L2Dir::new("corrupt", engine);
     let mut node = start("l2corrupt", &dir, "16MiB", &[]);
     let mut c = node.client();
     c.register(&reg64k(1)).unwrap();
@@ -311,13 +280,12 @@ impl Drop for Tmpfs {
     }
 }
 
-#[test]
-fn enospc_is_handled_per_object() {
+fn enospc_is_handled_per_object(engine: &'static str) {
     if !is_root() {
         eprintln!("skipped: mounting a small tmpfs needs root");
         return;
     }
-    let dir = L2Dir::new("enospc");
+    let dir = L2Dir::new("enospc", engine);
     let ok = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=6m", "tmpfs", dir.path()])
         .status()
@@ -344,9 +312,8 @@ fn enospc_is_handled_per_object() {
     assert_eq!(node.status()["memcheck_ok"], true);
 }
 
-#[test]
-fn on_evict_policy_writes_only_under_pressure() {
-    let dir = L2Dir::new("onevict");
+fn on_evict_policy_writes_only_under_pressure(engine: &'static str) {
+    let dir = L2Dir::new("onevict", engine);
     let node = start(
         "l2onevict",
         &dir,
@@ -374,9 +341,8 @@ fn on_evict_policy_writes_only_under_pressure() {
     assert_eq!(node.status()["memcheck_ok"], true);
 }
 
-#[test]
-fn clear_empties_l2_durably() {
-    let dir = L2Dir::new("clear");
+fn clear_empties_l2_durably(engine: &'static str) {
+    let dir = L2Dir::new("clear", engine);
     let mut node = start("l2clear", &dir, "16MiB", &[]);
     let mut c = node.client();
     c.register(&reg64k(1)).unwrap();
@@ -418,27 +384,16 @@ fn serve_must_fail(dir: &L2Dir) -> String {
 
 #[test]
 fn second_node_on_the_same_l2_is_refused() {
-    let dir = L2Dir::new("lock");
+    let dir = L2Dir::new("lock", "auto");
     let _node = start("l2lock", &dir, "16MiB", &[]);
     let err = serve_must_fail(&dir);
     assert!(err.contains("in use by another kvnode"), "{err}");
 }
 
-#[test]
-fn full_l2_evicts_least_recently_used() {
-    let dir = L2Dir::new("full");
+fn full_l2_evicts_least_recently_used(engine: &'static str) {
+    let dir = L2Dir::new("full", engine);
     // 8 MiB of L2 = three 2 MiB extents of thirty 68 KiB slots: 90 objects.
-    let node = NodeProc::start(
-        "l2full",
-        &[
-            "--pool-size",
-            "4MiB",
-            "--l2-path",
-            dir.path(),
-            "--l2-size",
-            "8MiB",
-        ],
-    );
+    let node = start("l2full", &dir, "4MiB", &["--l2-size", "8MiB"]);
     let mut c = node.client();
     c.register(&reg64k(1)).unwrap();
     let mut stored = 0;
@@ -462,7 +417,7 @@ fn full_l2_evicts_least_recently_used() {
 
 #[test]
 fn foreign_data_is_never_overwritten() {
-    let dir = L2Dir::new("foreign");
+    let dir = L2Dir::new("foreign", "auto");
     let data = dir.0.join("kvnode-l2.dat");
     let mut bytes = vec![0u8; 64 << 20];
     bytes[..26].copy_from_slice(b"someone else's file system");
@@ -475,3 +430,32 @@ fn foreign_data_is_never_overwritten() {
         "left untouched"
     );
 }
+
+/// Every tier test runs once per block engine: `<test>::uring` and `<test>::pread`.
+macro_rules! on_both_engines {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn uring() {
+                    super::$name("uring");
+                }
+                #[test]
+                fn pread() {
+                    super::$name("pread");
+                }
+            }
+        )*
+    };
+}
+
+on_both_engines!(
+    round_trip_through_l2_after_eviction,
+    restart_after_clean_stop,
+    restart_after_sigkill_during_write_behind,
+    corrupted_slot_is_rejected,
+    enospc_is_handled_per_object,
+    on_evict_policy_writes_only_under_pressure,
+    clear_empties_l2_durably,
+    full_l2_evicts_least_recently_used,
+);
