@@ -280,7 +280,7 @@ fn write_then_load_round_trip() {
             "already on L2"
         );
         r.drop_l1();
-        let leases = r.tier.load(&r.storage, &keys, 0);
+        let leases = r.tier.load(&r.storage, &keys, 0, None);
         assert!(leases.iter().all(Option::is_some));
         let unlock: Vec<_> = keys
             .iter()
@@ -330,13 +330,13 @@ fn read_errors_and_corruption_drop_objects_and_never_publish() {
         r.fault.store(Fault::ReadEio as u32, Ordering::Relaxed);
         assert!(r
             .tier
-            .load(&r.storage, &keys[..3], 0)
+            .load(&r.storage, &keys[..3], 0, None)
             .iter()
             .all(Option::is_none));
         r.fault.store(Fault::ReadFlip as u32, Ordering::Relaxed);
         assert!(r
             .tier
-            .load(&r.storage, &keys[3..5], 0)
+            .load(&r.storage, &keys[3..5], 0, None)
             .iter()
             .all(Option::is_none));
         let s = r.tier.status();
@@ -345,7 +345,7 @@ fn read_errors_and_corruption_drop_objects_and_never_publish() {
         r.check_clean();
         // The healthy one still loads.
         r.fault.store(Fault::None as u32, Ordering::Relaxed);
-        let l = r.tier.load(&r.storage, &keys[5..], 2);
+        let l = r.tier.load(&r.storage, &keys[5..], 2, None);
         let lease = l[0].expect("loads");
         r.storage.finish_read(&[(keys[5], lease)], 2);
         assert!(r.bytes_ok(&keys[5]));
@@ -361,7 +361,7 @@ fn prefetch_bound_and_missing_keys() {
     assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys[..4]), 4);
     r.drop_l1();
     // Budget 3: only the first three keys are loaded; the rest are left for a later call.
-    let l = r.tier.load(&r.storage, &keys, 0);
+    let l = r.tier.load(&r.storage, &keys, 0, None);
     assert_eq!(
         l.iter().map(Option::is_some).collect::<Vec<_>>(),
         [true, true, true, false, false]
@@ -374,7 +374,7 @@ fn prefetch_bound_and_missing_keys() {
         .collect();
     r.storage.finish_read(&unlock, 0);
     // The budget is returned: the fourth loads now; the fifth was never on L2.
-    let l = r.tier.load(&r.storage, &keys[3..], 0);
+    let l = r.tier.load(&r.storage, &keys[3..], 0, None);
     assert!(l[0].is_some() && l[1].is_none());
     r.storage.finish_read(&[(keys[3], l[0].unwrap())], 0);
     assert_eq!(r.tier.status().hits, 4);
@@ -392,7 +392,7 @@ fn concurrent_loads_of_a_shared_prefix_all_hit() {
     // others wait for it instead of reporting a miss.
     let results: Vec<Vec<Option<u64>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..4)
-            .map(|_| s.spawn(|| r.tier.load(&r.storage, &keys, 0)))
+            .map(|_| s.spawn(|| r.tier.load(&r.storage, &keys, 0, None)))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
@@ -458,7 +458,7 @@ fn pipelined_batches_write_and_load_everything() {
         assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
         r.check_clean();
         r.drop_l1();
-        let leases = r.tier.load(&r.storage, &keys, 1);
+        let leases = r.tier.load(&r.storage, &keys, 1, None);
         assert!(leases.iter().all(Option::is_some));
         let unlock: Vec<_> = keys
             .iter()
@@ -471,4 +471,29 @@ fn pipelined_batches_write_and_load_everything() {
         assert_eq!((s.writes, s.errors, s.hits, s.corrupt), (60, 30, 60, 0));
         r.check_clean();
     });
+}
+
+#[test]
+fn objects_of_another_layout_size_are_not_loaded() {
+    let r = rig("layout", "pread");
+    let keys = r.keys(3);
+    r.store(&keys);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 3);
+    r.drop_l1();
+    // The model is registered with a different layout now: its objects are 32 KiB, not 64.
+    let l = r.tier.load(&r.storage, &keys, 0, Some(OBJ / 2));
+    assert!(l.iter().all(Option::is_none));
+    let s = r.tier.status();
+    assert_eq!(
+        (s.hits, s.errors, s.corrupt, s.objects),
+        (0, 0, 0, 3),
+        "kept, not counted as faults"
+    );
+    r.check_clean();
+    // Under the layout they were stored with, they load.
+    let l = r.tier.load(&r.storage, &keys, 0, Some(OBJ));
+    let unlock: Vec<_> = keys.iter().copied().zip(l.into_iter().flatten()).collect();
+    assert_eq!(unlock.len(), 3);
+    r.storage.finish_read(&unlock, 0);
+    r.check_clean();
 }

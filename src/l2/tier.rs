@@ -909,7 +909,15 @@ impl L2Tier {
     /// key was not loaded (not on L2, L1 full, prefetch bound reached, device error, corrupt
     /// payload: the last two also drop it from L2). At most `max_prefetch_objects` objects are
     /// in flight node-wide; keys beyond the budget are not loaded (callers cut their prefix there).
-    pub fn load(&self, storage: &StorageCore, keys: &[StorageKey], extra: u32) -> Vec<Option<u64>> {
+    /// With `expected_len` (the object size of the layout the model is registered with now),
+    /// objects of another size are not loaded: they were stored under an earlier layout.
+    pub fn load(
+        &self,
+        storage: &StorageCore,
+        keys: &[StorageKey],
+        extra: u32,
+        expected_len: Option<u64>,
+    ) -> Vec<Option<u64>> {
         let _gate = self.clear_gate.enter();
         let mut out = vec![None; keys.len()];
         let budget = self.acquire_prefetch(keys.len());
@@ -917,10 +925,14 @@ impl L2Tier {
             return out;
         }
         let keys = &keys[..budget];
-        let located: Vec<Option<super::space::Located>> = {
+        let pinned: Vec<Option<super::space::Located>> = {
             let mut index = self.index.lock();
             keys.iter().map(|k| index.pin(k)).collect()
         };
+        let located: Vec<Option<super::space::Located>> = pinned
+            .iter()
+            .map(|l| l.filter(|l| expected_len.is_none_or(|e| e == l.object_len)))
+            .collect();
         // Reserve L1 slots, grouped by object length (one allocator call per group).
         let mut grants: Vec<Option<Grant>> = vec![None; keys.len()];
         // Keys another request is loading or storing right now: waited for after our own I/O.
@@ -1022,7 +1034,7 @@ impl L2Tier {
         }
         {
             let mut index = self.index.lock();
-            for (k, l) in keys.iter().zip(&located) {
+            for (k, l) in keys.iter().zip(&pinned) {
                 if let Some(l) = l {
                     let _ = index.unpin(k, l.slot);
                 }

@@ -267,7 +267,7 @@ fn prepare_retrieve(
         }
         None => {
             let mut r = ctx.storage.reserve_read(&keys, 0);
-            load_missing_from_l2(ctx, &keys, &mut r);
+            load_missing_from_l2(ctx, &keys, inst.layout.object_bytes(), &mut r);
             r
         }
     };
@@ -319,6 +319,7 @@ fn prepare_retrieve(
 fn load_missing_from_l2(
     ctx: &NodeContext,
     keys: &[StorageKey],
+    object_bytes: u64,
     results: &mut [std::result::Result<Grant, KeyError>],
 ) {
     let Some(l2) = &ctx.l2 else { return };
@@ -329,7 +330,7 @@ fn load_missing_from_l2(
         return;
     }
     let want: Vec<StorageKey> = missing.iter().map(|&i| keys[i]).collect();
-    let leases = l2.load(&ctx.storage, &want, 0);
+    let leases = l2.load(&ctx.storage, &want, 0, Some(object_bytes));
     let granted = ctx.storage.read_locked_slots(&want);
     for ((&i, lease), g) in missing.iter().zip(leases).zip(granted) {
         match (lease, g) {
