@@ -529,3 +529,31 @@ fn read_batch_then_calls_back_once_per_completed_io_with_the_data_in_place() {
         assert_eq!(seen[12].load(std::sync::atomic::Ordering::Relaxed), 0);
     });
 }
+
+#[test]
+fn uring_with_several_rings_runs_batches_from_threads_side_by_side() {
+    let p = pool(16 * MIB);
+    let dir = TempDir::new(&std::env::temp_dir(), "rings");
+    let Ok(file) = open_direct(&dir.0.join("data"), 16 * MIB) else {
+        eprintln!("skipping: no O_DIRECT in the temp dir");
+        return;
+    };
+    let e = UringEngine::with_rings(p.clone(), file, 8, false, 3).unwrap();
+    assert_eq!(e.ring_count(), 3);
+    // Four threads, each with its own 4 MiB of pool and file: every byte comes back.
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (e, p) = (&e, &p);
+            s.spawn(move || {
+                let ios: Vec<BlockIo> = (0..8u64)
+                    .map(|i| BlockIo {
+                        pool_offset: t * 4 * MIB + i * 512 * KIB,
+                        file_offset: t * 4 * MIB + i * 512 * KIB,
+                        len: 512 * KIB,
+                    })
+                    .collect();
+                roundtrip(e, p, &ios, 0);
+            });
+        }
+    });
+}

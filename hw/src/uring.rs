@@ -26,21 +26,24 @@ struct Ring {
     generation: u32,
 }
 
-/// io_uring block engine: one ring (queue depth `qd`, optional SQPOLL), the
-/// whole pool registered once as fixed buffers in pieces of at most 1 GiB,
+/// io_uring block engine: one or more rings (queue depth `qd` each,
+/// optional SQPOLL), the whole pool registered as fixed buffers in pieces of
+/// at most 1 GiB (once per ring),
 /// `IORING_OP_WRITE_FIXED` / `IORING_OP_READ_FIXED`; an I/O that spans a
 /// piece boundary is split at it; short transfers are resubmitted for the
 /// remainder; per-I/O errors (EIO, ENOSPC, ...) come back as `HwError::Os`.
 ///
-/// Invariants: the ring is used by one thread at a time (a `Mutex`; batches
-/// from several threads serialize); at most `qd` SQEs are in flight, so the
-/// completion queue cannot overflow; every call waits for all its SQEs to
-/// complete; the ring (and with it the buffer registration) is dropped
-/// before the file and the pool, so registered memory outlives every
-/// in-flight I/O.
+/// Invariants: a ring is used by one thread at a time (a `Mutex` each; a
+/// batch takes a free ring, or waits for the first); at most `qd` SQEs are in
+/// flight per ring, so no completion queue can overflow; every call waits
+/// for all its SQEs to complete; the rings (and with them the buffer
+/// registrations) are dropped before the file and the pool, so registered
+/// memory outlives every in-flight I/O.
 pub struct UringEngine {
-    // Field order is drop order: ring first, then file and pool.
-    ring: Mutex<Ring>,
+    // Field order is drop order: rings first, then file and pool.
+    /// At least one; a batch runs on a free ring, so up to this many batches (from different
+    /// threads) are on the disk at once.
+    rings: Vec<Mutex<Ring>>,
     file: File,
     pool: Arc<SharedPool>,
     qd: u32,
@@ -76,6 +79,35 @@ impl UringEngine {
         Self::with_piece(pool, file, qd, sqpoll, PIECE)
     }
 
+    /// [`UringEngine::new`] with up to `rings` rings (each with the pool registered), so that
+    /// batches from several threads run concurrently instead of queueing for one ring. The
+    /// first ring must work; further rings that cannot be set up (e.g. `RLIMIT_MEMLOCK` for
+    /// another registration) are skipped with a warning.
+    pub fn with_rings(
+        pool: Arc<SharedPool>,
+        file: File,
+        qd: u32,
+        sqpoll: bool,
+        rings: usize,
+    ) -> HwResult<UringEngine> {
+        let mut e = Self::with_piece(pool, file, qd, sqpoll, PIECE)?;
+        for _ in 1..rings.max(1) {
+            match e.new_ring(sqpoll) {
+                Ok(r) => e.rings.push(Mutex::new(r)),
+                Err(err) => {
+                    tracing::warn!(error = %err, rings = e.rings.len(), "no further io_uring ring");
+                    break;
+                }
+            }
+        }
+        Ok(e)
+    }
+
+    /// Number of rings.
+    pub fn ring_count(&self) -> usize {
+        self.rings.len()
+    }
+
     /// [`UringEngine::new`] with a custom registration piece size (a
     /// multiple of [`crate::BLOCK_ALIGN`], at most 1 GiB); tests use small
     /// pieces to exercise I/Os that span pieces.
@@ -92,14 +124,6 @@ impl UringEngine {
             )));
         }
         debug_assert!(piece > 0 && piece <= PIECE && piece & (crate::block::BLOCK_ALIGN - 1) == 0);
-        let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
-        if sqpoll {
-            builder.setup_sqpoll(2000);
-        }
-        let ring = builder
-            .build(qd)
-            .map_err(|e| HwError::os("io_uring_setup", e))?;
-        let base = pool.region().as_ptr();
         let len = pool.len();
         let npieces = len.div_ceil(piece);
         if npieces > u16::MAX as u64 {
@@ -107,7 +131,31 @@ impl UringEngine {
                 "pool of {len} bytes needs {npieces} fixed buffers"
             )));
         }
-        let iovecs: Vec<libc::iovec> = (0..npieces)
+        let mut e = UringEngine {
+            rings: Vec::new(),
+            file,
+            pool,
+            qd,
+            piece,
+        };
+        let ring = e.new_ring(sqpoll)?;
+        e.rings.push(Mutex::new(ring));
+        Ok(e)
+    }
+
+    /// A ring of `qd` entries with the whole pool registered as fixed buffers.
+    fn new_ring(&self, sqpoll: bool) -> HwResult<Ring> {
+        let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
+        if sqpoll {
+            builder.setup_sqpoll(2000);
+        }
+        let ring = builder
+            .build(self.qd)
+            .map_err(|e| HwError::os("io_uring_setup", e))?;
+        let base = self.pool.region().as_ptr();
+        let len = self.pool.len();
+        let piece = self.piece;
+        let iovecs: Vec<libc::iovec> = (0..len.div_ceil(piece))
             .map(|i| {
                 let off = i * piece;
                 libc::iovec {
@@ -119,20 +167,14 @@ impl UringEngine {
             .collect();
         // SAFETY: the iovecs describe the pool mapping, which stays mapped
         // as long as `pool` (an Arc held by the engine) lives; the engine's
-        // field order drops the ring (ending the registration) before the
+        // field order drops the rings (ending the registrations) before the
         // pool. The kernel pins the pages, so only the kernel writes there
         // during I/O, into ranges the caller gave us for that purpose.
         unsafe { ring.submitter().register_buffers(&iovecs) }
             .map_err(|e| HwError::os("io_uring_register_buffers", e))?;
-        Ok(UringEngine {
-            ring: Mutex::new(Ring {
-                ring,
-                generation: 0,
-            }),
-            file,
-            pool,
-            qd,
-            piece,
+        Ok(Ring {
+            ring,
+            generation: 0,
         })
     }
 
@@ -175,7 +217,12 @@ impl UringEngine {
         for s in &segs {
             unfinished[s.io] += 1;
         }
-        let mut guard = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        // A free ring if there is one, else wait for the first.
+        let mut guard = self
+            .rings
+            .iter()
+            .find_map(|r| r.try_lock().ok())
+            .unwrap_or_else(|| self.rings[0].lock().unwrap_or_else(|p| p.into_inner()));
         let st = &mut *guard;
         st.generation = st.generation.wrapping_add(1);
         let gen = st.generation as u64;

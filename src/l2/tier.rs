@@ -223,11 +223,18 @@ fn open_data(cfg: &L2Config) -> Result<(File, u64, PathBuf)> {
     Ok((file, bytes, file_path))
 }
 
+/// Rings of the read engine: loads from different request threads run side by side.
+const READ_RINGS: usize = 4;
+
+/// The block engine for one role: `rings` io_uring rings (the writer has one I/O thread, loads
+/// come from many request threads), or the pread engine when asked for or, with `auto`, when
+/// io_uring is unavailable.
 fn make_engine(
     kind: Option<EngineKind>,
     pool: &Arc<SharedPool>,
     file: &File,
     cfg: &L2Config,
+    rings: usize,
 ) -> Result<Box<dyn BlockEngine>> {
     let dup = || {
         file.try_clone().map_err(|e| {
@@ -237,15 +244,38 @@ fn make_engine(
             })
         })
     };
-    if cfg.sqpoll && kind != Some(EngineKind::Pread) {
-        match kvnode_hw::UringEngine::new(pool.clone(), dup()?, cfg.queue_depth, true) {
-            Ok(e) => return Ok(Box::new(e)),
-            Err(e) if kind.is_some() => return Err(hw("io_uring with SQPOLL")(e)),
-            Err(e) => tracing::warn!(error = %e, "io_uring SQPOLL unavailable"),
+    if kind != Some(EngineKind::Pread) {
+        // SQPOLL if asked for, else (or if the kernel refuses it) plain io_uring.
+        let modes: &[bool] = if cfg.sqpoll { &[true, false] } else { &[false] };
+        let mut last = None;
+        for &sqpoll in modes {
+            match kvnode_hw::UringEngine::with_rings(
+                pool.clone(),
+                dup()?,
+                cfg.queue_depth,
+                sqpoll,
+                rings,
+            ) {
+                Ok(e) => return Ok(Box::new(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, sqpoll, "io_uring ring setup failed");
+                    last = Some(e);
+                }
+            }
         }
+        if let (Some(e), Some(_)) = (last, kind) {
+            return Err(hw("starting the io_uring L2 engine")(e));
+        }
+        tracing::warn!("io_uring block engine unavailable, using pread");
     }
-    kvnode_hw::open_engine(kind, pool.clone(), dup()?, cfg.queue_depth)
-        .map_err(hw("starting the L2 block engine"))
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(4);
+    Ok(Box::new(
+        kvnode_hw::PreadEngine::new(pool.clone(), dup()?, threads)
+            .map_err(hw("starting the pread L2 engine"))?,
+    ))
 }
 
 /// Waits (bounded) for a key that another request is loading or storing into L1 to become
@@ -317,8 +347,14 @@ impl L2Tier {
         kvnode_hw::lock_exclusive(&file).map_err(|e| {
             Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
         })?;
-        let write_engine = wrap(make_engine(cfg.engine_kind()?, &pool, &file, cfg)?);
-        let read_engine = wrap(make_engine(Some(write_engine.kind()), &pool, &file, cfg)?);
+        let write_engine = wrap(make_engine(cfg.engine_kind()?, &pool, &file, cfg, 1)?);
+        let read_engine = wrap(make_engine(
+            Some(write_engine.kind()),
+            &pool,
+            &file,
+            cfg,
+            READ_RINGS,
+        )?);
         let mut extent_bytes = if cfg.extent_bytes > 0 {
             cfg.extent_bytes
         } else {
