@@ -116,6 +116,23 @@ pub(crate) fn dev_shm_huge_option(mounts: &str) -> Option<&str> {
     found
 }
 
+/// User + system CPU time of this process so far, in seconds (`getrusage`),
+/// for CPU-per-byte figures in benchmarks.
+///
+/// Invariant: monotonic within one process; `None` only if the call fails.
+pub fn process_cpu_seconds() -> Option<f64> {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the zeroed buffer we own.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: rc == 0, so the kernel filled the struct (and zeroed is valid anyway).
+    let ru = unsafe { ru.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some(secs(ru.ru_utime) + secs(ru.ru_stime))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,21 +164,4 @@ mod tests {
         let _ = memfd_thp_active();
         let _ = dev_shm_thp_active();
     }
-}
-
-/// User + system CPU time of this process so far, in seconds (`getrusage`),
-/// for CPU-per-byte figures in benchmarks.
-///
-/// Invariant: monotonic within one process; `None` only if the call fails.
-pub fn process_cpu_seconds() -> Option<f64> {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one rusage into the zeroed buffer we own.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: rc == 0, so the kernel filled the struct (and zeroed is valid anyway).
-    let ru = unsafe { ru.assume_init() };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    Some(secs(ru.ru_utime) + secs(ru.ru_stime))
 }
