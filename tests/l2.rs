@@ -433,6 +433,57 @@ fn foreign_data_is_never_overwritten() {
     );
 }
 
+/// A loop device over a scratch file, detached on drop.
+struct LoopDevice(String, PathBuf);
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        let _ = std::fs::remove_file(&self.1);
+    }
+}
+
+fn block_device_via_loop(engine: &'static str) {
+    if !is_root() {
+        eprintln!("skipped: loop devices need root");
+        return;
+    }
+    let backing = std::env::temp_dir().join(format!(
+        "kvnode-l2-{}-loop-{engine}.img",
+        std::process::id()
+    ));
+    std::fs::write(&backing, vec![0u8; 96 << 20]).unwrap();
+    let out = Command::new("losetup")
+        .args(["-f", "--show", "--direct-io=on"])
+        .arg(&backing)
+        .output();
+    let dev = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_owned(),
+        _ => {
+            let _ = std::fs::remove_file(&backing);
+            eprintln!("skipped: no loop device available");
+            return;
+        }
+    };
+    let _loop = LoopDevice(dev.clone(), backing);
+    let dir = L2Dir(PathBuf::from(&dev), engine);
+    // 64 MiB of the 96 MiB device.
+    let mut node = start("l2dev", &dir, "16MiB", &[]);
+    assert_eq!(node.status()["l2"]["path"], dev.as_str());
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(store_all(&mut c, 0..6, 4), 24);
+    drop(c);
+    sigterm_and_wait(&mut node);
+    let node = start("l2dev2", &dir, "16MiB", &[]);
+    assert_eq!(l2(&node.status(), "recovered"), 24);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(verify_all(&mut c, 0..6, 4), 6);
+    drop(node);
+    std::mem::forget(dir); // the device is not ours to remove; LoopDevice detaches it
+}
+
 /// Every tier test runs once per block engine: `<test>::uring` and `<test>::pread`.
 macro_rules! on_both_engines {
     ($($name:ident),* $(,)?) => {
@@ -460,4 +511,5 @@ on_both_engines!(
     on_evict_policy_writes_only_under_pressure,
     clear_empties_l2_durably,
     full_l2_evicts_least_recently_used,
+    block_device_via_loop,
 );
