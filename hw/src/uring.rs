@@ -214,6 +214,7 @@ impl UringEngine {
         let mut errors: Vec<Option<HwError>> = (0..ios.len()).map(|_| None).collect();
         // Per-I/O: segments not yet complete (the callback runs when this reaches 0).
         let mut unfinished = vec![0u32; ios.len()];
+        let mut panicked: Option<Box<dyn std::any::Any + Send>> = None;
         for s in &segs {
             unfinished[s.io] += 1;
         }
@@ -221,7 +222,12 @@ impl UringEngine {
         let mut guard = self
             .rings
             .iter()
-            .find_map(|r| r.try_lock().ok())
+            .find_map(|r| match r.try_lock() {
+                Ok(g) => Some(g),
+                // A ring whose holder panicked is still sound: every call drains its own SQEs.
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            })
             .unwrap_or_else(|| self.rings[0].lock().unwrap_or_else(|p| p.into_inner()));
         let st = &mut *guard;
         st.generation = st.generation.wrapping_add(1);
@@ -308,14 +314,24 @@ impl UringEngine {
                         pending.push_back(si); // short transfer: the rest
                     } else {
                         unfinished[s.io] -= 1;
-                        if unfinished[s.io] == 0 && errors[s.io].is_none() {
-                            each(s.io);
+                        if unfinished[s.io] == 0 && errors[s.io].is_none() && panicked.is_none() {
+                            // A panicking callback must not unwind past I/Os still in flight:
+                            // it is held until the batch has drained, then resumed.
+                            let io = s.io;
+                            if let Err(p) =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| each(io)))
+                            {
+                                panicked = Some(p);
+                            }
                         }
                     }
                 }
             }
         }
         drop(guard);
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
+        }
         let mut incomplete = vec![false; ios.len()];
         for s in &segs {
             if s.done < s.len {

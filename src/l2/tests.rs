@@ -497,3 +497,24 @@ fn objects_of_another_layout_size_are_not_loaded() {
     r.storage.finish_read(&unlock, 0);
     r.check_clean();
 }
+
+#[test]
+fn an_uncompleted_write_batch_releases_everything_it_holds() {
+    let r = rig("dropbatch", "pread");
+    let keys = r.keys(5);
+    r.store(&keys);
+    // Planned (L1 locks, L2 slots, staging blocks taken) but never completed, as when the
+    // thread meant to complete it is gone: dropping it gives everything back.
+    let batch = r
+        .tier
+        .prepare_write(&r.storage, &r.namespaces, &keys)
+        .expect("five objects to write");
+    assert_eq!(r.storage.counts().read_locked, 5);
+    drop(batch);
+    r.check_clean();
+    let s = r.tier.status();
+    assert_eq!((s.objects, s.writes, s.errors), (0, 0, 5));
+    // Nothing is stuck: the next attempt writes them all.
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
+    r.check_clean();
+}

@@ -278,11 +278,18 @@ fn make_engine(
     ))
 }
 
-/// Waits (bounded) for a key that another request is loading or storing into L1 to become
-/// readable, then takes `1 + extra` read locks on it. `None` if it vanished or the wait ran out.
-fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<u64> {
-    const WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-    let start = std::time::Instant::now();
+/// How long a load waits, in all, for keys another request is loading or storing into L1.
+const WAIT_CONTENDED: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits until `deadline` for a key that another request is loading or storing into L1 to
+/// become readable, then takes `1 + extra` read locks on it. `None` if it vanished or time ran
+/// out.
+fn wait_readable(
+    storage: &StorageCore,
+    key: &StorageKey,
+    extra: u32,
+    deadline: std::time::Instant,
+) -> Option<u64> {
     let mut pause = std::time::Duration::from_micros(50);
     loop {
         match storage
@@ -290,7 +297,7 @@ fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<
             .pop()?
         {
             Ok(g) => return Some(g.lease),
-            Err(KeyError::KeyNotReadable) if start.elapsed() < WAIT => {
+            Err(KeyError::KeyNotReadable) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(std::time::Duration::from_millis(5));
             }
@@ -299,17 +306,76 @@ fn wait_readable(storage: &StorageCore, key: &StorageKey, extra: u32) -> Option<
     }
 }
 
+/// What a load holds while its I/O runs: the prefetch budget, the L2 pins, the L1 reservations
+/// not yet published or aborted, and its place in the CLEAR gate. All of it is given back on
+/// drop, on the normal path and if a bug panics mid-load, so nothing stays pinned or reserved
+/// (the reservations never expire by themselves).
+struct LoadGuard<'a> {
+    tier: &'a L2Tier,
+    storage: &'a StorageCore,
+    keys: &'a [StorageKey],
+    budget: usize,
+    pinned: Vec<Option<super::space::Located>>,
+    grants: Vec<Option<Grant>>,
+    _gate: GateToken<'a>,
+}
+
+impl Drop for LoadGuard<'_> {
+    fn drop(&mut self) {
+        for (k, g) in self.keys.iter().zip(&mut self.grants) {
+            if let Some(g) = g.take() {
+                self.storage.abort_write(&[(*k, g)]);
+            }
+        }
+        {
+            let mut index = self.tier.index.lock();
+            for (k, l) in self.keys.iter().zip(&self.pinned) {
+                if let Some(l) = l {
+                    let _ = index.unpin(k, l.slot);
+                }
+            }
+        }
+        self.tier
+            .prefetching
+            .fetch_sub(self.budget, Ordering::AcqRel);
+    }
+}
+
 /// A planned write-behind batch: the L1 read locks it holds, the objects, their I/Os (header
 /// then payload, per object) and the staging blocks of the headers. Invariant: every lock and
 /// block is released by `complete_write`, exactly once; the batch stays inside the CLEAR gate
 /// until then, on whichever thread completes it.
 pub(super) struct WriteBatch<'a> {
+    tier: &'a L2Tier,
+    storage: &'a StorageCore,
     locked: Vec<(StorageKey, Grant)>,
     plans: Vec<PlannedWrite>,
     ios: Vec<BlockIo>,
     blocks: Vec<u64>,
     /// Inside the CLEAR gate from planning until completion (dropped last).
     _gate: GateToken<'a>,
+}
+
+impl Drop for WriteBatch<'_> {
+    /// Only does something when the batch was never completed (a bug panicked, or the thread
+    /// meant to complete it is gone): its objects are not written, their L2 slots, staging
+    /// blocks and L1 locks are released.
+    fn drop(&mut self) {
+        if !self.plans.is_empty() {
+            let mut index = self.tier.index.lock();
+            for p in &self.plans {
+                let _ = index.abort(p.key, p.slot);
+            }
+            self.tier
+                .counters
+                .errors
+                .fetch_add(self.plans.len() as u64, Ordering::Relaxed);
+        }
+        self.tier.staging.give(std::mem::take(&mut self.blocks));
+        let leases: Vec<(StorageKey, u64)> =
+            self.locked.iter().map(|(k, g)| (*k, g.lease)).collect();
+        self.storage.finish_read(&leases, 0);
+    }
 }
 
 /// One planned object write of a batch.
@@ -549,6 +615,11 @@ impl L2Tier {
                 unreadable += 1; // the extent is treated as free
                 continue;
             };
+            if let Ok(h) = ExtentHeader::decode(&block) {
+                // Any epoch seen on disk stays unused from now on (stale slot headers that
+                // carry it can never match a new assignment).
+                self.index.get_mut().note_epoch(h.epoch);
+            }
             match ExtentHeader::decode(&block) {
                 Ok(h) if h.format_id == format_id && h.extent_index == e as u32 => {
                     match self
@@ -677,7 +748,7 @@ impl L2Tier {
             // One batch on the disk, one staged: at most three hold staging blocks at once.
             let (tx, rx) = std::sync::mpsc::sync_channel::<WriteBatch>(1);
             let io = std::thread::Builder::new()
-                .name("kvnode-l2-io".into())
+                .name("kvnode-l2-batch".into())
                 .spawn_scoped(scope, move || {
                     rx.iter()
                         .map(|batch| self.complete_write(storage, batch))
@@ -713,12 +784,12 @@ impl L2Tier {
     /// Locks `part` in L1 (the objects not already on L2), checksums each payload, reserves
     /// its L2 slot, writes the headers of newly assigned extents, and stages the slot headers.
     /// `None` when nothing is left to write.
-    pub(super) fn prepare_write(
-        &self,
-        storage: &StorageCore,
+    pub(super) fn prepare_write<'a>(
+        &'a self,
+        storage: &'a StorageCore,
         namespaces: &Namespaces,
         part: &[StorageKey],
-    ) -> Option<WriteBatch<'_>> {
+    ) -> Option<WriteBatch<'a>> {
         let gate = self.clear_gate.enter();
         let todo: Vec<StorageKey> = {
             let index = self.index.lock();
@@ -730,7 +801,10 @@ impl L2Tier {
         if todo.is_empty() {
             return None;
         }
-        let grants = storage.reserve_read_untimed(&todo);
+        // An ordinary (timed) read lock: a batch takes seconds at most, far below the read TTL;
+        // were it ever to expire, the payload written could differ from its checksum, which
+        // a load detects (corrupt, never served).
+        let grants = storage.reserve_read(&todo, 0);
         let locked: Vec<(StorageKey, Grant)> = todo
             .iter()
             .zip(grants)
@@ -740,7 +814,7 @@ impl L2Tier {
         self.counters
             .skipped
             .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-        Some(self.plan_write(namespaces, locked, gate))
+        Some(self.plan_write(storage, namespaces, locked, gate))
     }
 
     /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
@@ -748,6 +822,7 @@ impl L2Tier {
     /// object's header is staged; the returned batch holds the header and payload I/Os.
     fn plan_write<'a>(
         &'a self,
+        storage: &'a StorageCore,
         namespaces: &Namespaces,
         locked: Vec<(StorageKey, Grant)>,
         gate: GateToken<'a>,
@@ -881,6 +956,8 @@ impl L2Tier {
             ios.clear(); // staging exhausted (cannot happen): everything aborts in complete_write
         }
         WriteBatch {
+            tier: self,
+            storage,
             locked,
             plans,
             ios,
@@ -891,14 +968,13 @@ impl L2Tier {
 
     /// Runs a planned batch's I/O, commits what was written, aborts what was not, and releases
     /// the staging blocks and the L1 read locks. Returns the number written.
-    pub(super) fn complete_write(&self, storage: &StorageCore, batch: WriteBatch<'_>) -> u64 {
-        let WriteBatch {
-            locked,
-            plans,
-            ios,
-            blocks,
-            _gate,
-        } = batch;
+    pub(super) fn complete_write(&self, storage: &StorageCore, mut batch: WriteBatch<'_>) -> u64 {
+        debug_assert!(std::ptr::eq(batch.tier, self) && std::ptr::eq(batch.storage, storage));
+        // Taken out of the batch: its Drop (the panic path) then has nothing left to release.
+        let locked = std::mem::take(&mut batch.locked);
+        let plans = std::mem::take(&mut batch.plans);
+        let ios = std::mem::take(&mut batch.ios);
+        let blocks = std::mem::take(&mut batch.blocks);
         let results = if ios.is_empty() {
             Vec::new()
         } else {
@@ -954,8 +1030,8 @@ impl L2Tier {
         extra: u32,
         expected_len: Option<u64>,
     ) -> Vec<Option<u64>> {
-        let _gate = self.clear_gate.enter();
         let mut out = vec![None; keys.len()];
+        let gate = self.clear_gate.enter();
         let budget = self.acquire_prefetch(keys.len());
         if budget == 0 {
             return out;
@@ -965,13 +1041,47 @@ impl L2Tier {
             let mut index = self.index.lock();
             keys.iter().map(|k| index.pin(k)).collect()
         };
-        let located: Vec<Option<super::space::Located>> = pinned
+        let mut held = LoadGuard {
+            tier: self,
+            storage,
+            keys,
+            budget,
+            grants: vec![None; keys.len()],
+            pinned,
+            _gate: gate,
+        };
+        let contended = self.load_pinned(&mut held, extra, expected_len, &mut out);
+        // Pins, budget, gate and every unpublished reservation go back before any waiting.
+        drop(held);
+        // Keys another request was loading or storing: wait for them, together at most
+        // `WAIT_CONTENDED`, and only until the first one fails (callers cut their prefix there).
+        let deadline = std::time::Instant::now() + WAIT_CONTENDED;
+        for i in contended {
+            out[i] = wait_readable(storage, &keys[i], extra, deadline);
+            if out[i].is_none() {
+                break;
+            }
+        }
+        out
+    }
+
+    /// The I/O part of [`L2Tier::load`]: reserves L1 slots for the pinned keys, reads and
+    /// verifies them, publishes the good ones with their locks (into `out`) and aborts the rest.
+    /// Returns the keys that someone else holds in L1 right now (to wait for).
+    fn load_pinned(
+        &self,
+        held: &mut LoadGuard<'_>,
+        extra: u32,
+        expected_len: Option<u64>,
+        out: &mut [Option<u64>],
+    ) -> Vec<usize> {
+        let (storage, keys) = (held.storage, held.keys);
+        let located: Vec<Option<super::space::Located>> = held
+            .pinned
             .iter()
             .map(|l| l.filter(|l| expected_len.is_none_or(|e| e == l.object_len)))
             .collect();
         // Reserve L1 slots, grouped by object length (one allocator call per group).
-        let mut grants: Vec<Option<Grant>> = vec![None; keys.len()];
-        // Keys another request is loading or storing right now: waited for after our own I/O.
         let mut contended: Vec<usize> = Vec::new();
         let mut lens: Vec<u64> = located.iter().flatten().map(|l| l.object_len).collect();
         lens.sort_unstable();
@@ -983,7 +1093,7 @@ impl L2Tier {
             let group: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
             for (&i, r) in idx.iter().zip(storage.reserve_write_untimed(&group, len)) {
                 match r {
-                    Ok(g) => grants[i] = Some(g),
+                    Ok(g) => held.grants[i] = Some(g),
                     Err(KeyError::OutOfMemory) => {
                         tracing::debug!("L1 full: L2 object not loaded")
                     }
@@ -992,6 +1102,7 @@ impl L2Tier {
                 }
             }
         }
+        let grants = held.grants.clone();
         let plan: Vec<usize> = (0..keys.len()).filter(|&i| grants[i].is_some()).collect();
         let ios: Vec<BlockIo> = plan
             .iter()
@@ -1045,40 +1156,25 @@ impl L2Tier {
         let mut loaded = 0u64;
         for (j, (&i, r)) in plan.iter().zip(results).enumerate() {
             let l = located[i].as_ref().expect("planned");
-            let g = grants[i].expect("planned");
-            let verdict = self.verdict(r, checksum_ok[j].load(Ordering::Relaxed), l);
-            let published = verdict
-                .then(|| storage.finish_write_locked(&[(keys[i], g)], extra).pop())
-                .flatten();
-            match published {
-                Some(Ok(lease)) => {
+            let Some(g) = held.grants[i].take() else {
+                continue;
+            };
+            if self.verdict(r, checksum_ok[j].load(Ordering::Relaxed), l) {
+                // An error here means the object was cleared meanwhile (and freed by publish).
+                if let Some(Ok(lease)) = storage.finish_write_locked(&[(keys[i], g)], extra).pop() {
                     out[i] = Some(lease);
                     loaded += 1;
                     self.counters
                         .bytes_read
                         .fetch_add(l.object_len, Ordering::Relaxed);
                 }
-                Some(Err(_)) => {} // cleared meanwhile: freed by finish_write_locked
-                None => {
-                    storage.abort_write(&[(keys[i], g)]);
-                    self.index.lock().remove(&keys[i]);
-                }
-            }
-        }
-        for i in contended {
-            out[i] = wait_readable(storage, &keys[i], extra);
-        }
-        {
-            let mut index = self.index.lock();
-            for (k, l) in keys.iter().zip(&pinned) {
-                if let Some(l) = l {
-                    let _ = index.unpin(k, l.slot);
-                }
+            } else {
+                storage.abort_write(&[(keys[i], g)]);
+                self.index.lock().remove(&keys[i]);
             }
         }
         self.counters.hits.fetch_add(loaded, Ordering::Relaxed);
-        self.prefetching.fetch_sub(budget, Ordering::AcqRel);
-        out
+        contended
     }
 
     /// Judges one loaded payload: the read succeeded and its checksum matched. Failures are

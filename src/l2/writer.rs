@@ -15,6 +15,8 @@ use crate::storage::StorageKey;
 
 /// How long the writer sleeps when idle before re-checking the queue and the shutdown flag.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
+/// Pause after a demotion round that could evict nothing.
+const DEMOTE_BACKOFF: Duration = Duration::from_millis(500);
 /// Batches per `persist` call of a demotion round (pipelined inside the call).
 const PIPELINE_BATCHES: usize = 8;
 /// Completed writes are made durable (fdatasync) at least this often while writing.
@@ -25,6 +27,8 @@ const SYNC_EVERY: Duration = Duration::from_secs(1);
 pub struct WriteQueue {
     keys: ArrayQueue<StorageKey>,
     dropped: AtomicU64,
+    /// Set by the shutdown drain: later pushes are counted as dropped, never left queued.
+    closed: std::sync::atomic::AtomicBool,
     idle: Mutex<()>,
     wake: Condvar,
 }
@@ -35,6 +39,7 @@ impl WriteQueue {
         WriteQueue {
             keys: ArrayQueue::new(capacity.max(1)),
             dropped: AtomicU64::new(0),
+            closed: std::sync::atomic::AtomicBool::new(false),
             idle: Mutex::new(()),
             wake: Condvar::new(),
         }
@@ -43,10 +48,17 @@ impl WriteQueue {
     /// Queues keys for write-behind; returns how many did not fit (counted as dropped).
     pub fn push(&self, keys: impl IntoIterator<Item = StorageKey>) -> u64 {
         let mut dropped = 0;
+        let closed = self.closed.load(Ordering::Acquire);
         for k in keys {
-            if self.keys.push(k).is_err() {
+            if closed || self.keys.push(k).is_err() {
                 dropped += 1;
             }
+        }
+        if closed && dropped > 0 {
+            tracing::warn!(
+                dropped,
+                "objects committed while the node was stopping: not written to L2"
+            );
         }
         if dropped > 0 {
             self.dropped.fetch_add(dropped, Ordering::Relaxed);
@@ -109,11 +121,23 @@ fn run(ctx: &NodeContext) {
             tracing::error!(error = %e, "cannot start the L2 I/O thread: write-behind is off");
             return;
         }
+        // A demotion round that found nothing to evict (every candidate locked) is not retried
+        // for a while: each round scans and sorts L1's evictable objects.
+        let mut idle_demotion: Option<Instant> = None;
         loop {
             let keys = l2.queue.pop_batch(l2.batch_objects());
             if keys.is_empty() {
-                if l2.policy() == WritePolicy::OnEvict && demote(ctx, l2) > 0 {
-                    continue;
+                if l2.policy() == WritePolicy::OnEvict
+                    && idle_demotion.is_none_or(|t| t.elapsed() >= DEMOTE_BACKOFF)
+                {
+                    match demote(ctx, l2) {
+                        Some(0) => idle_demotion = Some(Instant::now()),
+                        Some(_) => {
+                            idle_demotion = None;
+                            continue;
+                        }
+                        None => idle_demotion = None, // below the watermark
+                    }
                 }
                 if ctx.shutting_down.load(Ordering::Acquire) {
                     break;
@@ -148,15 +172,13 @@ fn complete_batches(
             Ok(batch) => {
                 unsynced |= l2.complete_write(&ctx.storage, batch) > 0;
                 if unsynced && last_sync.elapsed() >= SYNC_EVERY {
-                    sync(l2);
-                    unsynced = false;
+                    unsynced = !sync(l2);
                     last_sync = Instant::now();
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
                 if unsynced {
-                    sync(l2);
-                    unsynced = false;
+                    unsynced = !sync(l2);
                     last_sync = Instant::now();
                 }
             }
@@ -164,24 +186,27 @@ fn complete_batches(
         }
     }
     if unsynced {
-        sync(l2);
+        let _ = sync(l2);
     }
 }
 
-/// Writes the rest of the queue and syncs, on the caller's thread: the shutdown path calls it
-/// after every thread that could still commit has stopped, so nothing committed before the
-/// node stopped is left unwritten.
+/// Writes the rest of the queue and syncs, on the caller's thread, then closes the queue: the
+/// shutdown path calls it after the worker threads have stopped. A commit that still slips in
+/// on a connection thread afterwards is counted as dropped (and logged), never left queued.
 pub fn drain(ctx: &NodeContext) {
     let Some(l2) = &ctx.l2 else { return };
     let mut n = 0;
     loop {
-        let batch = l2.queue.pop_batch(l2.batch_objects());
+        if l2.queue.is_empty() {
+            l2.queue.closed.store(true, Ordering::Release);
+        }
+        let batch = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
         if batch.is_empty() {
             break;
         }
         n += l2.persist(&ctx.storage, &ctx.namespaces, &batch);
     }
-    sync(l2);
+    let _ = sync(l2);
     if n > 0 {
         tracing::info!(written = n, "L2 write-behind drained at shutdown");
     }
@@ -190,12 +215,12 @@ pub fn drain(ctx: &NodeContext) {
 /// The `on-evict` policy: when L1 is at its high watermark, writes the objects the eviction
 /// pass would take (oldest first, down to the low watermark) to L2 in batches, evicting each
 /// batch right after its write, so eviction drops only objects that survive on disk (or whose
-/// write failed, counted). Returns the number of objects evicted.
-fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> u64 {
+/// write failed, counted). Returns the number of objects evicted, `None` below the watermark.
+fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> Option<u64> {
     let cap = ctx.storage.capacity() as f64;
     let used = ctx.storage.used_bytes() as f64;
     if cap == 0.0 || used < cap * ctx.config.high_watermark {
-        return 0;
+        return None;
     }
     let excess = (used - cap * ctx.config.low_watermark).max(0.0) as u64;
     let victims = ctx.storage.eviction_candidates(excess);
@@ -210,14 +235,54 @@ fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> u64 {
         }
     }
     if written > 0 {
-        sync(l2);
+        let _ = sync(l2);
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
-    evicted
+    Some(evicted)
 }
 
-fn sync(l2: &super::L2Tier) {
-    if let Err(e) = l2.sync() {
-        tracing::warn!(error = %e, "L2 fdatasync failed");
+/// `fdatasync`; false (logged) if it failed, so the caller tries again later.
+fn sync(l2: &super::L2Tier) -> bool {
+    match l2.sync() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "L2 fdatasync failed");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::NamespaceId;
+
+    fn key(i: u8) -> StorageKey {
+        StorageKey {
+            chunk_hash: [i; 32],
+            kv_rank: 0,
+            object_group: 0,
+            namespace: NamespaceId(0),
+        }
+    }
+
+    #[test]
+    fn queue_bounds_and_closing() {
+        let q = WriteQueue::new(2);
+        assert_eq!(
+            q.push([key(1), key(2), key(3)]),
+            1,
+            "beyond capacity: dropped"
+        );
+        assert_eq!((q.len(), q.dropped()), (2, 1));
+        assert_eq!(q.pop_batch(8), vec![key(1), key(2)]);
+        q.closed.store(true, Ordering::Release);
+        assert_eq!(
+            q.push([key(4)]),
+            1,
+            "after the shutdown drain: dropped, not queued"
+        );
+        assert!(q.is_empty());
+        assert_eq!(q.dropped(), 2);
     }
 }

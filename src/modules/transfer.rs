@@ -323,8 +323,14 @@ fn load_missing_from_l2(
     results: &mut [std::result::Result<Grant, KeyError>],
 ) {
     let Some(l2) = &ctx.l2 else { return };
+    // Absent, or being loaded into L1 by another request right now (the load waits for it).
     let missing: Vec<usize> = (0..keys.len())
-        .filter(|&i| results[i] == Err(KeyError::KeyNotExist))
+        .filter(|&i| {
+            matches!(
+                results[i],
+                Err(KeyError::KeyNotExist) | Err(KeyError::KeyNotReadable)
+            )
+        })
         .collect();
     if missing.is_empty() || !missing.iter().all(|&i| l2.contains(&keys[i])) {
         return;

@@ -501,12 +501,6 @@ impl StorageCore {
         self.reserve_read_until(keys, extra, deadline)
     }
 
-    /// [`StorageCore::reserve_read`] for the node's own I/O (an L2 write reading the slot): the
-    /// lock never expires while the I/O runs; the tier always releases it.
-    pub fn reserve_read_untimed(&self, keys: &[StorageKey]) -> Vec<Result<Grant, KeyError>> {
-        self.reserve_read_until(keys, 0, u64::MAX)
-    }
-
     fn reserve_read_until(
         &self,
         keys: &[StorageKey],
