@@ -27,6 +27,8 @@ use crate::storage::{Grant, KeyError, Namespaces, StorageCore, StorageKey};
 
 /// Bytes at the end of the pool reserved for staging headers (512 blocks of 4 KiB).
 pub const STAGING_BYTES: u64 = 2 << 20;
+/// Header reads per batch at start-up (nothing else uses the staging area then).
+const RECOVERY_READS: usize = 256;
 /// Name of the data file created inside an L2 directory.
 pub const DATA_FILE: &str = "kvnode-l2.dat";
 
@@ -447,7 +449,7 @@ impl L2Tier {
             clear_gate: ClearGate::default(),
             _lock: file,
         };
-        let sb_block = tier.read_blocks(&[0]).pop().expect("one block");
+        let sb_block = tier.read_blocks(&[0], 1).pop().expect("one block");
         let existing = match sb_block.map(|b| Superblock::decode(&b)) {
             Ok(Ok(sb))
                 if sb.file_bytes == file_bytes
@@ -526,16 +528,17 @@ impl L2Tier {
         Ok(())
     }
 
-    /// Runs `f` on parts of at most 64 items, each with as many staging blocks as items, and
+    /// Runs `f` on parts of at most `per_call` items, each with as many staging blocks as items, and
     /// collects its per-item results; a part that finds the staging area short (cannot happen
     /// with one writer) gets `LimitExceeded` for each item.
     fn staged<I, R>(
         &self,
         items: &[I],
+        per_call: usize,
         f: impl Fn(&[I], &[u64]) -> Vec<Result<R>>,
     ) -> Vec<Result<R>> {
         let mut out = Vec::with_capacity(items.len());
-        for part in items.chunks(64) {
+        for part in items.chunks(per_call.max(1)) {
             let blocks = self.staging.take(part.len());
             if blocks.len() == part.len() {
                 out.extend(f(part, &blocks));
@@ -553,8 +556,8 @@ impl L2Tier {
     }
 
     /// Reads 4 KiB blocks at `file_offsets` through the staging area.
-    fn read_blocks(&self, file_offsets: &[u64]) -> Vec<Result<Vec<u8>>> {
-        self.staged(file_offsets, |part, blocks| {
+    fn read_blocks(&self, file_offsets: &[u64], per_call: usize) -> Vec<Result<Vec<u8>>> {
+        self.staged(file_offsets, per_call, |part, blocks| {
             let ios: Vec<BlockIo> = part
                 .iter()
                 .zip(blocks)
@@ -580,7 +583,7 @@ impl L2Tier {
 
     /// Writes 4 KiB blocks `(file_offset, bytes)` through the staging area.
     fn write_blocks(&self, items: &[(u64, Vec<u8>)]) -> Vec<Result<()>> {
-        self.staged(items, |part, blocks| {
+        self.staged(items, 64, |part, blocks| {
             let mut ios = Vec::with_capacity(part.len());
             for ((f, bytes), &b) in part.iter().zip(blocks) {
                 self.pool
@@ -610,7 +613,11 @@ impl L2Tier {
             .collect();
         let mut assigned = Vec::new();
         let mut unreadable = 0u64;
-        for (e, block) in self.read_blocks(&offsets).into_iter().enumerate() {
+        for (e, block) in self
+            .read_blocks(&offsets, RECOVERY_READS)
+            .into_iter()
+            .enumerate()
+        {
             let Ok(block) = block else {
                 unreadable += 1; // the extent is treated as free
                 continue;
@@ -645,7 +652,11 @@ impl L2Tier {
             let offsets: Vec<u64> = (0..n)
                 .map(|j| slot_offset(self.extent_bytes, e, h.stride, j))
                 .collect();
-            for (j, block) in self.read_blocks(&offsets).into_iter().enumerate() {
+            for (j, block) in self
+                .read_blocks(&offsets, RECOVERY_READS)
+                .into_iter()
+                .enumerate()
+            {
                 let Ok(block) = block else {
                     unreadable += 1; // the slot is treated as free
                     continue;
