@@ -380,6 +380,23 @@ impl Drop for WriteBatch<'_> {
     }
 }
 
+/// What recovery found in one slot.
+enum SlotScan {
+    /// The header could not be read (an I/O error).
+    Unreadable,
+    /// Never written, torn or not a slot header.
+    Free,
+    /// A decoded header and the offset it was read from.
+    Header(Box<SlotHeader>, u64),
+}
+
+/// The slots of one assigned extent, read at start-up.
+struct ExtentScan {
+    extent: u32,
+    epoch: u64,
+    slots: Vec<SlotScan>,
+}
+
 /// One planned object write of a batch.
 struct PlannedWrite {
     key: StorageKey,
@@ -647,56 +664,95 @@ impl L2Tier {
             }
         }
         let (mut inserted, mut rejected, mut max_seq) = (0u64, 0u64, 0u64);
-        for (e, h) in assigned {
-            let n = slots_per_extent(self.extent_bytes, h.stride);
-            let offsets: Vec<u64> = (0..n)
-                .map(|j| slot_offset(self.extent_bytes, e, h.stride, j))
-                .collect();
-            for (j, block) in self
-                .read_blocks(&offsets, RECOVERY_READS)
-                .into_iter()
-                .enumerate()
-            {
-                let Ok(block) = block else {
-                    unreadable += 1; // the slot is treated as free
-                    continue;
-                };
-                let Ok(s) = SlotHeader::decode(&block) else {
-                    continue; // never written or torn: the slot is free
-                };
-                self.index.get_mut().note_epoch(s.extent_epoch);
-                if s.format_id != format_id
-                    || s.extent_epoch != h.epoch
-                    || s.file_offset != offsets[j]
-                {
-                    continue; // left over from an earlier format or assignment
-                }
-                let Ok(namespace) = namespaces.intern(&s.model, &s.cache_salt) else {
-                    rejected += 1;
-                    continue;
-                };
-                let key = StorageKey {
-                    chunk_hash: s.chunk_hash,
-                    kv_rank: s.kv_rank,
-                    object_group: s.object_group,
-                    namespace,
-                };
-                let outcome = self.index.get_mut().recover_entry(
-                    key,
-                    j as u32,
-                    e,
-                    s.object_len,
-                    s.payload_checksum,
-                    s.seq,
-                );
-                match outcome {
-                    RecoverOutcome::Inserted => inserted += 1,
-                    RecoverOutcome::ReplacedOlder | RecoverOutcome::KeptNewer => {}
-                    RecoverOutcome::Rejected(_) => rejected += 1,
-                }
-                max_seq = max_seq.max(s.seq);
+        // Slot headers are read by one thread per read ring (each with its share of the
+        // staging area), extent by extent; this thread decodes nothing and only rebuilds the
+        // index, so the disk sees several batches of header reads at once.
+        let this = &*self;
+        let readers = READ_RINGS.min(assigned.len()).max(1);
+        let per_call = (STAGING_BYTES as usize / BLOCK / readers).min(RECOVERY_READS);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<ExtentScan>(2 * readers);
+            for _ in 0..readers {
+                let (tx, next, assigned) = (tx.clone(), &next, &assigned);
+                scope.spawn(move || {
+                    while let Some(&(e, ref h)) = assigned.get(next.fetch_add(1, Ordering::Relaxed))
+                    {
+                        let n = slots_per_extent(this.extent_bytes, h.stride);
+                        let offsets: Vec<u64> = (0..n)
+                            .map(|j| slot_offset(this.extent_bytes, e, h.stride, j))
+                            .collect();
+                        let slots = this
+                            .read_blocks(&offsets, per_call)
+                            .into_iter()
+                            .zip(&offsets)
+                            .map(|(block, &off)| match block {
+                                Err(_) => SlotScan::Unreadable,
+                                Ok(b) => match SlotHeader::decode(&b) {
+                                    Ok(s) => SlotScan::Header(Box::new(s), off),
+                                    Err(_) => SlotScan::Free, // never written or torn
+                                },
+                            })
+                            .collect();
+                        if tx
+                            .send(ExtentScan {
+                                extent: e,
+                                epoch: h.epoch,
+                                slots,
+                            })
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                });
             }
-        }
+            drop(tx);
+            for scan in rx {
+                let mut index = this.index.lock();
+                for (j, slot) in scan.slots.into_iter().enumerate() {
+                    let (s, expected_offset) = match slot {
+                        SlotScan::Unreadable => {
+                            unreadable += 1; // the slot is treated as free
+                            continue;
+                        }
+                        SlotScan::Free => continue,
+                        SlotScan::Header(s, off) => (s, off),
+                    };
+                    index.note_epoch(s.extent_epoch);
+                    if s.format_id != format_id
+                        || s.extent_epoch != scan.epoch
+                        || s.file_offset != expected_offset
+                    {
+                        continue; // left over from an earlier format or assignment
+                    }
+                    let Ok(namespace) = namespaces.intern(&s.model, &s.cache_salt) else {
+                        rejected += 1;
+                        continue;
+                    };
+                    let key = StorageKey {
+                        chunk_hash: s.chunk_hash,
+                        kv_rank: s.kv_rank,
+                        object_group: s.object_group,
+                        namespace,
+                    };
+                    let outcome = index.recover_entry(
+                        key,
+                        j as u32,
+                        scan.extent,
+                        s.object_len,
+                        s.payload_checksum,
+                        s.seq,
+                    );
+                    match outcome {
+                        RecoverOutcome::Inserted => inserted += 1,
+                        RecoverOutcome::ReplacedOlder | RecoverOutcome::KeptNewer => {}
+                        RecoverOutcome::Rejected(_) => rejected += 1,
+                    }
+                    max_seq = max_seq.max(s.seq);
+                }
+            }
+        });
         let index = self.index.get_mut();
         index.finish_recovery();
         self.recovered = index.stats().objects;
