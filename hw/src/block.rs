@@ -152,6 +152,12 @@ pub trait BlockEngine: Send + Sync {
     /// `fdatasync` of the data file: all completed writes are durable after
     /// it returns `Ok`.
     fn sync(&self) -> HwResult<()>;
+    /// Gives up any kernel registration of the pool (io_uring fixed buffers)
+    /// now, at shutdown, instead of leaving it to the kernel's asynchronous
+    /// teardown after the process exits (which keeps the pool's hugepages
+    /// pinned for a while, so a node restarted at once would not get them).
+    /// Batches after this fail. Default: nothing to release.
+    fn release(&self) {}
 }
 
 /// Opens (creating if needed, mode 0600, with `O_DIRECT`, read-write) a data

@@ -419,4 +419,14 @@ impl BlockEngine for UringEngine {
             .sync_data()
             .map_err(|e| HwError::os("fdatasync", e))
     }
+
+    fn release(&self) {
+        for r in &self.rings {
+            let st = r.lock().unwrap_or_else(|p| p.into_inner());
+            // Every batch drains its own SQEs before it returns, so none is in flight here.
+            if let Err(e) = st.ring.submitter().unregister_buffers() {
+                tracing::debug!(error = %e, "io_uring buffers already unregistered");
+            }
+        }
+    }
 }

@@ -99,6 +99,10 @@ impl BlockEngine for FaultyEngine {
     fn sync(&self) -> HwResult<()> {
         self.inner.sync()
     }
+
+    fn release(&self) {
+        self.inner.release()
+    }
 }
 
 struct Rig {

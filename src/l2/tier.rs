@@ -1312,6 +1312,13 @@ impl L2Tier {
         })
     }
 
+    /// Releases the engines' pool registrations (shutdown, after the final drain): the pool's
+    /// hugepages are then free as soon as the process exits, so a restart gets them again.
+    pub fn release(&self) {
+        self.write_engine.release();
+        self.read_engine.release();
+    }
+
     /// `fdatasync` of the data file (completed writes become durable across power loss).
     pub fn sync(&self) -> Result<()> {
         self.write_engine.sync().map_err(hw("syncing the L2 file"))

@@ -127,6 +127,9 @@ impl Node {
             let _ = t.join();
         }
         crate::l2::writer::drain(&self.ctx);
+        if let Some(l2) = &self.ctx.l2 {
+            l2.release();
+        }
         tracing::info!("kvnode stopped");
     }
 }
