@@ -196,6 +196,9 @@ pub fn raw_baseline(
             read_cpu_s_per_gb: cpu_per_gb(c3 - c2, bytes),
         })
     })();
+    // Unpin the buffers now: left to the kernel's asynchronous ring teardown, the hugepages
+    // stay pinned for a while and the node started next would not get its pool on them.
+    engine.release();
     drop(engine);
     let _ = std::fs::remove_file(&path);
     result
