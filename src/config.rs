@@ -75,16 +75,20 @@ impl WritePolicy {
     }
 }
 
-/// The L2 disk tier. Invariant after [`NodeConfig::validate`]: disabled (`path` empty) or
+/// Most L2 devices (paths) one node spreads its objects over.
+pub const MAX_L2_DEVICES: usize = 16;
+
+/// The L2 disk tier. Invariant after [`NodeConfig::validate`]: disabled (`paths` empty) or
 /// `bytes`, `queue_depth`, `max_prefetch_objects`, `write_queue` and `batch_objects` are > 0 and
 /// `engine` names an engine.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct L2Config {
-    /// A directory (the data file `kvnode-l2.dat` is created in it), an existing data file, or a
-    /// block device. Empty: no L2 tier.
-    pub path: PathBuf,
-    /// Bytes of the data file (a block device uses at most this much of itself).
+    /// One entry per device: a directory (the data file `kvnode-l2.dat` is created in it), an
+    /// existing data file, or a block device. Objects are spread over them by key. Empty: no
+    /// L2 tier.
+    pub paths: Vec<PathBuf>,
+    /// Bytes of each data file (a block device uses at most this much of itself).
     pub bytes: u64,
     /// `auto` (io_uring, else pread), `uring` or `pread`.
     pub engine: String,
@@ -107,7 +111,7 @@ pub struct L2Config {
 impl Default for L2Config {
     fn default() -> Self {
         L2Config {
-            path: PathBuf::new(),
+            paths: Vec::new(),
             bytes: 8 << 30,
             engine: "auto".into(),
             write_policy: WritePolicy::Always,
@@ -124,7 +128,7 @@ impl Default for L2Config {
 impl L2Config {
     /// Whether the tier is configured.
     pub fn enabled(&self) -> bool {
-        !self.path.as_os_str().is_empty()
+        !self.paths.is_empty()
     }
 
     /// The engine named by `engine` (`None` = auto).
@@ -144,6 +148,23 @@ impl L2Config {
             return Ok(());
         }
         self.engine_kind()?;
+        for (i, p) in self.paths.iter().enumerate() {
+            if p.as_os_str().is_empty() {
+                return Err(Error::invalid("an L2 path is empty"));
+            }
+            if self.paths[..i].contains(p) {
+                return Err(Error::invalid(format!(
+                    "L2 path {} given twice",
+                    p.display()
+                )));
+            }
+        }
+        if self.paths.len() > MAX_L2_DEVICES {
+            return Err(Error::invalid(format!(
+                "{} L2 paths (at most {MAX_L2_DEVICES})",
+                self.paths.len()
+            )));
+        }
         for (name, v) in [
             ("l2.bytes", self.bytes),
             ("l2.queue_depth", u64::from(self.queue_depth)),

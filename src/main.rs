@@ -79,10 +79,11 @@ struct ServeArgs {
 /// The L2 disk tier flags, shared by `serve` and `lmcache-server`.
 #[derive(clap::Args)]
 struct L2Args {
-    /// L2 disk tier: a directory (data file kvnode-l2.dat inside), a data file or a block device.
-    #[arg(long)]
-    l2_path: Option<PathBuf>,
-    /// L2 size, e.g. 64GiB (default 8GiB, or the config file's).
+    /// L2 disk tier: a directory (data file kvnode-l2.dat inside), a data file or a block
+    /// device; repeat it (or separate with commas) to spread objects over several devices.
+    #[arg(long, value_delimiter = ',')]
+    l2_path: Vec<PathBuf>,
+    /// L2 size per device, e.g. 64GiB (default 8GiB, or the config file's).
     #[arg(long, value_parser = size_arg)]
     l2_size: Option<u64>,
     /// L2 block engine: uring, pread or auto (io_uring, falling back to pread).
@@ -96,8 +97,8 @@ struct L2Args {
 impl L2Args {
     /// Applies the flags given on top of `cfg`.
     fn apply(&self, cfg: &mut kvnode::config::L2Config) -> Result<(), String> {
-        if let Some(p) = &self.l2_path {
-            cfg.path = p.clone();
+        if !self.l2_path.is_empty() {
+            cfg.paths = self.l2_path.clone();
         }
         if let Some(v) = self.l2_size {
             cfg.bytes = v;

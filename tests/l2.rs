@@ -433,6 +433,53 @@ fn foreign_data_is_never_overwritten() {
     );
 }
 
+fn two_devices_spread_objects_and_recover(engine: &'static str) {
+    let dir = L2Dir::new("two", engine);
+    let (a, b) = (dir.0.join("a"), dir.0.join("b"));
+    let paths = format!("{},{}", a.display(), b.display());
+    let args = [
+        "--pool-size",
+        "16MiB",
+        "--l2-path",
+        &paths,
+        "--l2-size",
+        "32MiB",
+        "--l2-engine",
+        engine,
+    ];
+    let mut node = NodeProc::start(&format!("l2two-{engine}"), &args);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(store_all(&mut c, 0..10, 4), 40);
+    let s = wait_written(&node, 40);
+    let devices = s["l2"]["devices"].as_array().unwrap().clone();
+    assert_eq!(devices.len(), 2);
+    let per: Vec<u64> = devices
+        .iter()
+        .map(|d| d["objects"].as_u64().unwrap())
+        .collect();
+    assert!(
+        per.iter().all(|&n| n > 0),
+        "both devices hold objects: {per:?}"
+    );
+    assert_eq!(per.iter().sum::<u64>(), 40);
+    assert_eq!(l2(&s, "bytes"), 64 << 20, "capacity adds up");
+    drop(c);
+    sigterm_and_wait(&mut node);
+    let node = NodeProc::start(&format!("l2two2-{engine}"), &args);
+    let s = node.status();
+    assert_eq!(l2(&s, "recovered"), 40, "{s:#}");
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(verify_all(&mut c, 0..10, 4), 10);
+    let s = node.status();
+    assert_eq!(l2(&s, "hits"), 40);
+    assert_eq!(s["memcheck_ok"], true);
+    // CLEAR empties every device, durably.
+    c.clear().unwrap();
+    assert_eq!(l2(&node.status(), "objects"), 0);
+}
+
 /// A loop device over a scratch file, detached on drop.
 struct LoopDevice(String, PathBuf);
 
@@ -512,4 +559,5 @@ on_both_engines!(
     clear_empties_l2_durably,
     full_l2_evicts_least_recently_used,
     block_device_via_loop,
+    two_devices_spread_objects_and_recover,
 );

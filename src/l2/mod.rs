@@ -6,10 +6,12 @@
 //! * [`gate`]: the CLEAR gate (many operations at once, or one CLEAR alone).
 //! * [`space`]: the in-memory index and space manager (extents, fixed-stride slots, LRU).
 //! * [`tier`]: [`L2Tier`], the I/O around both: open/recover, write-behind batches, loads.
+//! * [`set`]: [`L2Set`], the tier over one or more devices (objects spread by key).
 //! * [`writer`]: the write-behind thread and its bounded queue.
 
 pub mod format;
 pub mod gate;
+pub mod set;
 pub mod space;
 pub mod tier;
 pub mod writer;
@@ -17,4 +19,5 @@ pub mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use set::{L2Set, L2SetStatus};
 pub use tier::{L2Status, L2Tier};

@@ -171,7 +171,6 @@ fn open_rig_batched(
     let namespaces = Namespaces::default();
     let fault = Arc::new(AtomicU32::new(fault as u32));
     let cfg = L2Config {
-        path: dir.clone(),
         bytes: 32 << 20,
         engine: engine.into(),
         max_prefetch_objects,
@@ -186,7 +185,7 @@ fn open_rig_batched(
             fault: f.clone(),
         })
     };
-    let tier = L2Tier::open_wrapped(&cfg, pool.clone(), staging, &namespaces, &wrap).unwrap();
+    let tier = L2Tier::open_wrapped(&cfg, &dir, pool.clone(), staging, &namespaces, &wrap).unwrap();
     Rig {
         dir: None,
         storage: StorageCore::new(staging, StorageConfig::default()),

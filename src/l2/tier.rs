@@ -169,10 +169,10 @@ fn random_format_id() -> u64 {
     id.max(1)
 }
 
-/// Opens the data file or device named by the config: returns it and its usable size.
-fn open_data(cfg: &L2Config) -> Result<(File, u64, PathBuf)> {
+/// Opens the data file or device at `p`: returns it and its usable size.
+fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
     use std::os::unix::fs::FileTypeExt;
-    let p = &cfg.path;
+    let p = &p.to_path_buf();
     let meta = match std::fs::metadata(p) {
         Ok(m) => Some(m),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -413,22 +413,24 @@ impl L2Tier {
     /// Namespaces found on disk are interned into `namespaces`.
     pub fn open(
         cfg: &L2Config,
+        path: &Path,
         pool: Arc<SharedPool>,
         staging_base: u64,
         namespaces: &Namespaces,
     ) -> Result<L2Tier> {
-        Self::open_wrapped(cfg, pool, staging_base, namespaces, &|e| e)
+        Self::open_wrapped(cfg, path, pool, staging_base, namespaces, &|e| e)
     }
 
     /// [`L2Tier::open`] with each block engine passed through `wrap` (fault-injection tests).
     pub fn open_wrapped(
         cfg: &L2Config,
+        path: &Path,
         pool: Arc<SharedPool>,
         staging_base: u64,
         namespaces: &Namespaces,
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> Result<L2Tier> {
-        let (file, file_bytes, path) = open_data(cfg)?;
+        let (file, file_bytes, path) = open_data(cfg, path)?;
         kvnode_hw::lock_exclusive(&file).map_err(|e| {
             Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
         })?;

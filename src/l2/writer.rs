@@ -95,21 +95,23 @@ impl WriteQueue {
     }
 }
 
-/// Starts the write-behind thread when the node has an L2 tier. It drains the queue before it
-/// exits at shutdown (nothing committed before SIGTERM is left unwritten) and syncs the file.
-pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<Option<JoinHandle<()>>> {
-    if ctx.l2.is_none() {
-        return Ok(None);
-    }
-    let ctx = ctx.clone();
-    thread::Builder::new()
-        .name("kvnode-l2-writer".into())
-        .spawn(move || run(&ctx))
-        .map(Some)
+/// Starts one write-behind thread per L2 device (none without L2). Each drains its queue
+/// before it exits at shutdown and syncs its file; the first also runs `on-evict` demotion.
+pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let devices = ctx.l2.as_ref().map_or(0, |s| s.tiers().len());
+    (0..devices)
+        .map(|device| {
+            let ctx = ctx.clone();
+            thread::Builder::new()
+                .name(format!("kvnode-l2-writer-{device}"))
+                .spawn(move || run(&ctx, device))
+        })
+        .collect()
 }
 
-fn run(ctx: &NodeContext) {
-    let l2 = ctx.l2.as_ref().expect("spawned only with an L2 tier");
+fn run(ctx: &NodeContext, device: usize) {
+    let set = ctx.l2.as_ref().expect("spawned only with an L2 tier");
+    let l2 = &set.tiers()[device];
     std::thread::scope(|scope| {
         // The pipeline: this thread locks, checksums and stages batch k+1 while the I/O thread
         // has batch k on the disk (one more may wait in the channel).
@@ -127,10 +129,11 @@ fn run(ctx: &NodeContext) {
         loop {
             let keys = l2.queue.pop_batch(l2.batch_objects());
             if keys.is_empty() {
-                if l2.policy() == WritePolicy::OnEvict
+                if device == 0
+                    && l2.policy() == WritePolicy::OnEvict
                     && idle_demotion.is_none_or(|t| t.elapsed() >= DEMOTE_BACKOFF)
                 {
-                    match demote(ctx, l2) {
+                    match demote(ctx, set) {
                         Some(0) => idle_demotion = Some(Instant::now()),
                         Some(_) => {
                             idle_demotion = None;
@@ -194,7 +197,13 @@ fn complete_batches(
 /// shutdown path calls it after the worker threads have stopped. A commit that still slips in
 /// on a connection thread afterwards is counted as dropped (and logged), never left queued.
 pub fn drain(ctx: &NodeContext) {
-    let Some(l2) = &ctx.l2 else { return };
+    let Some(set) = &ctx.l2 else { return };
+    for l2 in set.tiers() {
+        drain_device(ctx, l2);
+    }
+}
+
+fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
     let mut n = 0;
     loop {
         if l2.queue.is_empty() {
@@ -216,7 +225,7 @@ pub fn drain(ctx: &NodeContext) {
 /// pass would take (oldest first, down to the low watermark) to L2 in batches, evicting each
 /// batch right after its write, so eviction drops only objects that survive on disk (or whose
 /// write failed, counted). Returns the number of objects evicted, `None` below the watermark.
-fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> Option<u64> {
+fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     let cap = ctx.storage.capacity() as f64;
     let used = ctx.storage.used_bytes() as f64;
     if cap == 0.0 || used < cap * ctx.config.high_watermark {
@@ -226,7 +235,8 @@ fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> Option<u64> {
     let victims = ctx.storage.eviction_candidates(excess);
     let mut evicted = 0;
     let mut written = 0;
-    for part in victims.chunks(l2.batch_objects() * PIPELINE_BATCHES) {
+    let per_round = l2.tiers()[0].batch_objects() * PIPELINE_BATCHES;
+    for part in victims.chunks(per_round) {
         let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
         written += l2.persist(&ctx.storage, &ctx.namespaces, &todo);
         evicted += ctx.storage.evict_if_idle(part);
@@ -235,7 +245,9 @@ fn demote(ctx: &NodeContext, l2: &super::L2Tier) -> Option<u64> {
         }
     }
     if written > 0 {
-        let _ = sync(l2);
+        for t in l2.tiers() {
+            let _ = sync(t);
+        }
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
     Some(evicted)

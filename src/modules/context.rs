@@ -98,7 +98,7 @@ pub struct NodeContext {
     /// The shared memory pool.
     pub pool: Arc<SharedPool>,
     /// The L2 disk tier, when configured.
-    pub l2: Option<crate::l2::L2Tier>,
+    pub l2: Option<crate::l2::L2Set>,
     /// Index, allocator and state machine.
     pub storage: StorageCore,
     /// `(model, salt)` interning.
@@ -125,16 +125,16 @@ pub struct NodeContext {
 
 impl NodeContext {
     /// Builds the context around an already created pool. With an L2 tier, the last
-    /// [`crate::l2::tier::STAGING_BYTES`] of the pool are the tier's (never handed to clients);
+    /// [`crate::l2::L2Set::staging_bytes`] of the pool are the tier's (never handed to clients);
     /// `namespaces` must be the table the tier's recovery interned into.
     pub fn new(
         config: NodeConfig,
         pool: Arc<SharedPool>,
         namespaces: Namespaces,
-        l2: Option<crate::l2::L2Tier>,
+        l2: Option<crate::l2::L2Set>,
     ) -> NodeContext {
         let reserved = if l2.is_some() {
-            crate::l2::tier::STAGING_BYTES
+            crate::l2::L2Set::staging_bytes(&config.l2)
         } else {
             0
         };

@@ -232,7 +232,7 @@ pub fn lookup(
 /// beyond the final prefix is released, so the result has the same meaning as in L1 alone.
 fn lock_prefix_tiered(
     ctx: &NodeContext,
-    l2: &crate::l2::L2Tier,
+    l2: &crate::l2::L2Set,
     chunks: impl Iterator<Item = Vec<StorageKey>>,
     extra: u32,
     expected_len: Option<u64>,

@@ -103,7 +103,7 @@ pub struct StatusReport {
     /// Allocator size classes: (class bytes, live slots, slabs).
     pub size_classes: Vec<(u64, usize, usize)>,
     /// The L2 disk tier (`null` when not configured).
-    pub l2: Option<crate::l2::L2Status>,
+    pub l2: Option<crate::l2::L2SetStatus>,
 }
 
 /// Builds the report (runs memcheck; not for the hot path).

@@ -216,7 +216,7 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
         .as_ref()
         .filter(|l2| l2.policy() == WritePolicy::Always)
     {
-        l2.queue.push(
+        l2.enqueue(
             w.items
                 .iter()
                 .zip(&results)

@@ -15,7 +15,7 @@ use kvnode_hw::{PoolOptions, SharedPool};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
-use crate::l2::L2Tier;
+use crate::l2::L2Set;
 use crate::liveness::Liveness;
 use crate::modules::shards::ShardPool;
 use crate::modules::NodeContext;
@@ -51,16 +51,19 @@ impl Node {
         let pool = Arc::new(pool);
         let namespaces = Namespaces::default();
         let l2 = if config.l2.enabled() {
-            if pool.len() < 2 * crate::l2::tier::STAGING_BYTES {
+            let staging_bytes = L2Set::staging_bytes(&config.l2);
+            if pool.len() < 2 * staging_bytes {
                 return Err(Error::invalid(format!(
-                    "the pool ({} bytes) is too small for an L2 tier (needs {} bytes of staging)",
+                    "the pool ({} bytes) is too small for an L2 tier on {} device(s) (needs {} \
+                     bytes of staging, and at least as much for objects)",
                     pool.len(),
-                    crate::l2::tier::STAGING_BYTES
+                    config.l2.paths.len(),
+                    staging_bytes
                 )));
             }
-            let staging = pool.len() - crate::l2::tier::STAGING_BYTES;
+            let staging = pool.len() - staging_bytes;
             Some(
-                L2Tier::open(&config.l2, pool.clone(), staging, &namespaces)
+                L2Set::open(&config.l2, pool.clone(), staging, &namespaces)
                     .map_err(|e| e.context("opening the L2 tier"))?,
             )
         } else {

@@ -1,0 +1,254 @@
+//! [`L2Set`]: the L2 tier over one or more devices. Each device is an independent
+//! [`L2Tier`] (its own data file, engines, index, write-behind queue and writer thread); an
+//! object lives on the device its key hashes to, so devices add capacity and bandwidth without
+//! sharing any lock.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvnode_hw::SharedPool;
+use serde::Serialize;
+
+use super::tier::{L2Status, L2Tier, STAGING_BYTES};
+use crate::config::{L2Config, WritePolicy};
+use crate::error::Result;
+use crate::storage::{Namespaces, StorageCore, StorageKey};
+
+/// The STATUS `l2` object: totals over the devices (same fields as one device) and, with more
+/// than one device, each device's own figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct L2SetStatus {
+    /// Totals; `path` lists the devices, comma-separated.
+    #[serde(flatten)]
+    pub total: L2Status,
+    /// Per device, in `--l2-path` order (empty with a single device).
+    pub devices: Vec<L2Status>,
+}
+
+/// The devices. Invariant: at least one; device `i` owns staging blocks
+/// `[staging_base + i * STAGING_BYTES, +STAGING_BYTES)` of the pool; a key always maps to the
+/// same device.
+pub struct L2Set {
+    tiers: Vec<L2Tier>,
+}
+
+impl L2Set {
+    /// Pool bytes the set needs for staging headers.
+    pub fn staging_bytes(cfg: &L2Config) -> u64 {
+        STAGING_BYTES * cfg.paths.len().max(1) as u64
+    }
+
+    /// Opens (recovering) every device of `cfg.paths`; `staging_base` is the pool offset of
+    /// [`L2Set::staging_bytes`] reserved for the set.
+    pub fn open(
+        cfg: &L2Config,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+    ) -> Result<L2Set> {
+        let tiers = cfg
+            .paths
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                L2Tier::open(
+                    cfg,
+                    p,
+                    pool.clone(),
+                    staging_base + i as u64 * STAGING_BYTES,
+                    namespaces,
+                )
+                .map_err(|e| e.context(format!("L2 device {}", p.display())))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(L2Set { tiers })
+    }
+
+    /// The devices, in configuration order.
+    pub fn tiers(&self) -> &[L2Tier] {
+        &self.tiers
+    }
+
+    /// The device `key` lives on (high fingerprint bits: the low ones pick index shards).
+    pub fn tier_of(&self, key: &StorageKey) -> &L2Tier {
+        &self.tiers[self.device_of(key)]
+    }
+
+    fn device_of(&self, key: &StorageKey) -> usize {
+        ((key.fingerprint() >> 40) % self.tiers.len() as u64) as usize
+    }
+
+    /// The write policy in force.
+    pub fn policy(&self) -> WritePolicy {
+        self.tiers[0].policy()
+    }
+
+    /// Whether `key` is readable from L2.
+    pub fn contains(&self, key: &StorageKey) -> bool {
+        self.tier_of(key).contains(key)
+    }
+
+    /// Queues committed keys for write-behind on their devices.
+    pub fn enqueue(&self, keys: impl IntoIterator<Item = StorageKey>) {
+        if let [one] = self.tiers.as_slice() {
+            one.queue.push(keys);
+            return;
+        }
+        let mut per: Vec<Vec<StorageKey>> = vec![Vec::new(); self.tiers.len()];
+        for k in keys {
+            per[self.device_of(&k)].push(k);
+        }
+        for (t, keys) in self.tiers.iter().zip(per) {
+            if !keys.is_empty() {
+                t.queue.push(keys);
+            }
+        }
+    }
+
+    /// [`L2Tier::persist`] on each key's device; returns the number written.
+    pub fn persist(
+        &self,
+        storage: &StorageCore,
+        namespaces: &Namespaces,
+        keys: &[StorageKey],
+    ) -> u64 {
+        self.split(keys)
+            .into_iter()
+            .zip(&self.tiers)
+            .map(|(idx, t)| {
+                let ks: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
+                if ks.is_empty() {
+                    0
+                } else {
+                    t.persist(storage, namespaces, &ks)
+                }
+            })
+            .sum()
+    }
+
+    /// [`L2Tier::load`] over the devices, side by side when the keys span several; results in
+    /// the order of `keys`.
+    pub fn load(
+        &self,
+        storage: &StorageCore,
+        keys: &[StorageKey],
+        extra: u32,
+        expected_len: Option<u64>,
+    ) -> Vec<Option<u64>> {
+        if let [one] = self.tiers.as_slice() {
+            return one.load(storage, keys, extra, expected_len);
+        }
+        let parts = self.split(keys);
+        let busy = parts.iter().filter(|p| !p.is_empty()).count();
+        let run = |t: &L2Tier, idx: &[usize]| {
+            let ks: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
+            t.load(storage, &ks, extra, expected_len)
+        };
+        let results: Vec<Vec<Option<u64>>> = if busy <= 1 {
+            self.tiers
+                .iter()
+                .zip(&parts)
+                .map(|(t, idx)| {
+                    if idx.is_empty() {
+                        Vec::new()
+                    } else {
+                        run(t, idx)
+                    }
+                })
+                .collect()
+        } else {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = self
+                    .tiers
+                    .iter()
+                    .zip(&parts)
+                    .map(|(t, idx)| (!idx.is_empty()).then(|| s.spawn(move || run(t, idx))))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.map_or_else(Vec::new, |h| h.join().unwrap_or_default()))
+                    .collect()
+            })
+        };
+        let mut out = vec![None; keys.len()];
+        for (idx, res) in parts.iter().zip(results) {
+            for (&i, r) in idx.iter().zip(res) {
+                out[i] = r;
+            }
+        }
+        out
+    }
+
+    /// Indices of `keys` per device.
+    fn split(&self, keys: &[StorageKey]) -> Vec<Vec<usize>> {
+        let mut per: Vec<Vec<usize>> = vec![Vec::new(); self.tiers.len()];
+        for (i, k) in keys.iter().enumerate() {
+            per[self.device_of(k)].push(i);
+        }
+        per
+    }
+
+    /// CLEAR of L1 (`clear_l1`) and every device, with all devices' gates held at once (each
+    /// device's exclusive section runs the next device's, the innermost runs `clear_l1`).
+    pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
+        type Cleared<T> = Result<(T, (u64, u64))>;
+        fn nested<T>(tiers: &[L2Tier], clear_l1: Box<dyn FnOnce() -> T + '_>) -> Cleared<T> {
+            match tiers {
+                [] => Ok((clear_l1(), (0, 0))),
+                [first, rest @ ..] => {
+                    let (inner, (r0, d0)) = first.clear_with(|| nested(rest, clear_l1))?;
+                    let (l1, (r, d)) = inner?;
+                    Ok((l1, (r0 + r, d0 + d)))
+                }
+            }
+        }
+        nested(&self.tiers, Box::new(clear_l1))
+    }
+
+    /// Index invariant checks of every device.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for (i, t) in self.tiers.iter().enumerate() {
+            t.check().map_err(|e| format!("device {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Releases every device's pool registrations (shutdown).
+    pub fn release(&self) {
+        self.tiers.iter().for_each(L2Tier::release);
+    }
+
+    /// The STATUS object.
+    pub fn status(&self) -> L2SetStatus {
+        let devices: Vec<L2Status> = self.tiers.iter().map(L2Tier::status).collect();
+        let mut total = devices[0].clone();
+        for d in &devices[1..] {
+            total.path = format!("{},{}", total.path, d.path);
+            total.bytes += d.bytes;
+            total.used_bytes += d.used_bytes;
+            total.objects += d.objects;
+            total.hits += d.hits;
+            total.writes += d.writes;
+            total.errors += d.errors;
+            total.corrupt += d.corrupt;
+            total.evictions += d.evictions;
+            total.skipped += d.skipped;
+            total.bytes_written += d.bytes_written;
+            total.bytes_read += d.bytes_read;
+            total.recovered += d.recovered;
+            total.queued += d.queued;
+        }
+        L2SetStatus {
+            total,
+            devices: if self.tiers.len() > 1 {
+                devices
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// The data files or devices.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.tiers.iter().map(L2Tier::path).collect()
+    }
+}
