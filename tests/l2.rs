@@ -561,3 +561,35 @@ on_both_engines!(
     block_device_via_loop,
     two_devices_spread_objects_and_recover,
 );
+
+#[test]
+fn objects_stored_under_another_layout_are_not_served() {
+    let dir = L2Dir::new("relayout", "auto");
+    let mut node = start("l2relayout", &dir, "16MiB", &[]);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap(); // [2, 2, 16, 256] float32: 64 KiB
+    assert_eq!(store_all(&mut c, 0..3, 2), 6);
+    drop(c);
+    sigterm_and_wait(&mut node);
+    let node = start("l2relayout2", &dir, "16MiB", &[]);
+    assert_eq!(l2(&node.status(), "recovered"), 6);
+    let mut c = node.client();
+    // Same model name and object size, another dtype: the bytes would be misread.
+    c.register(&RegisterRequest {
+        hidden_dim: 512,
+        dtype: "bfloat16".into(),
+        ..reg(1)
+    })
+    .unwrap();
+    assert_eq!(
+        verify_all(&mut c, 0..3, 2),
+        0,
+        "never served under another layout"
+    );
+    let s = node.status();
+    assert_eq!(
+        (l2(&s, "hits"), l2(&s, "objects")),
+        (0, 6),
+        "kept on disk, not faults"
+    );
+}

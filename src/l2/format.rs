@@ -212,13 +212,16 @@ pub struct SlotHeader {
     pub object_len: u64,
     /// [`payload_checksum`] of the first `object_len` payload bytes.
     pub payload_checksum: u64,
+    /// Fingerprint of the object's layout (shape and dtype) when it was written; 0 = unknown.
+    pub layout: u64,
 }
 
 // Slot header body offsets.
 const S_HASH: usize = BODY + 48;
 const S_RANK: usize = S_HASH + 32;
 const S_GROUP: usize = S_RANK + 4;
-const S_MODEL_LEN: usize = S_GROUP + 4;
+const S_LAYOUT: usize = S_GROUP + 4;
+const S_MODEL_LEN: usize = S_LAYOUT + 8;
 const S_SALT_LEN: usize = S_MODEL_LEN + 4;
 const S_STRINGS: usize = S_SALT_LEN + 4;
 const _: () = assert!(S_STRINGS + MAX_MODEL_BYTES + MAX_SALT_BYTES <= BLOCK);
@@ -244,6 +247,7 @@ impl SlotHeader {
         out[S_HASH..S_HASH + 32].copy_from_slice(&self.chunk_hash);
         put_u32(out, S_RANK, self.kv_rank);
         put_u32(out, S_GROUP, self.object_group);
+        put_u64(out, S_LAYOUT, self.layout);
         let (m, s) = (self.model.as_bytes(), self.cache_salt.as_bytes());
         put_u32(out, S_MODEL_LEN, m.len() as u32);
         put_u32(out, S_SALT_LEN, s.len() as u32);
@@ -282,6 +286,7 @@ impl SlotHeader {
             cache_salt,
             object_len,
             payload_checksum: get_u64(buf, BODY + 40),
+            layout: get_u64(buf, S_LAYOUT),
         })
     }
 }
@@ -436,6 +441,7 @@ mod tests {
             cache_salt: "sält".into(),
             object_len: 3 * MIB,
             payload_checksum: payload_checksum(b"payload"),
+            layout: 0x1234_5678_9abc_def0,
         }
     }
 

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use kvnode_hw::SharedPool;
 use serde::Serialize;
 
-use super::tier::{L2Status, L2Tier, STAGING_BYTES};
+use super::tier::{L2Status, L2Tier, LayoutOf, STAGING_BYTES};
 use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
-use crate::storage::{Namespaces, StorageCore, StorageKey};
+use crate::storage::{Layout, Namespaces, StorageCore, StorageKey};
 
 /// The STATUS `l2` object: totals over the devices (same fields as one device) and, with more
 /// than one device, each device's own figures.
@@ -88,15 +88,16 @@ impl L2Set {
         self.tier_of(key).contains(key)
     }
 
-    /// Queues committed keys for write-behind on their devices.
-    pub fn enqueue(&self, keys: impl IntoIterator<Item = StorageKey>) {
+    /// Queues committed keys (with the fingerprint of the layout they were committed under)
+    /// for write-behind on their devices.
+    pub fn enqueue(&self, keys: impl IntoIterator<Item = (StorageKey, u64)>) {
         if let [one] = self.tiers.as_slice() {
             one.queue.push(keys);
             return;
         }
-        let mut per: Vec<Vec<StorageKey>> = vec![Vec::new(); self.tiers.len()];
+        let mut per: Vec<Vec<(StorageKey, u64)>> = vec![Vec::new(); self.tiers.len()];
         for k in keys {
-            per[self.device_of(&k)].push(k);
+            per[self.device_of(&k.0)].push(k);
         }
         for (t, keys) in self.tiers.iter().zip(per) {
             if !keys.is_empty() {
@@ -110,6 +111,7 @@ impl L2Set {
         &self,
         storage: &StorageCore,
         namespaces: &Namespaces,
+        layout_of: &LayoutOf<'_>,
         keys: &[StorageKey],
     ) -> u64 {
         self.split(keys)
@@ -120,7 +122,7 @@ impl L2Set {
                 if ks.is_empty() {
                     0
                 } else {
-                    t.persist(storage, namespaces, &ks)
+                    t.persist(storage, namespaces, layout_of, &ks)
                 }
             })
             .sum()
@@ -133,16 +135,16 @@ impl L2Set {
         storage: &StorageCore,
         keys: &[StorageKey],
         extra: u32,
-        expected_len: Option<u64>,
+        expected: Option<&Layout>,
     ) -> Vec<Option<u64>> {
         if let [one] = self.tiers.as_slice() {
-            return one.load(storage, keys, extra, expected_len);
+            return one.load(storage, keys, extra, expected);
         }
         let parts = self.split(keys);
         let busy = parts.iter().filter(|p| !p.is_empty()).count();
         let run = |t: &L2Tier, idx: &[usize]| {
             let ks: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
-            t.load(storage, &ks, extra, expected_len)
+            t.load(storage, &ks, extra, expected)
         };
         let results: Vec<Vec<Option<u64>>> = if busy <= 1 {
             self.tiers

@@ -49,6 +49,8 @@ pub struct Located {
     pub checksum: u64,
     /// Caller's sequence number (higher = newer version).
     pub seq: u64,
+    /// Caller's layout fingerprint recorded at commit (0 = unknown).
+    pub layout: u64,
 }
 
 /// Result of [`L2Index::reserve`]. Invariant: `slot` is exclusively owned by the
@@ -183,6 +185,7 @@ struct Entry {
     object_len: u64,
     checksum: u64,
     seq: u64,
+    layout: u64,
     state: State,
     pins: u32,
     doomed: bool,
@@ -202,6 +205,7 @@ impl Entry {
             object_len: self.object_len,
             checksum: self.checksum,
             seq: self.seq,
+            layout: self.layout,
         }
     }
 }
@@ -572,6 +576,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             object_len,
             checksum: 0,
             seq,
+            layout: 0,
             state: State::Writing,
             pins: 0,
             doomed: false,
@@ -587,7 +592,13 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
 
     /// Writing -> Ready (visible, most recent) if the entry's slot is `slot`.
     /// A doomed Writing entry is freed instead and `Err(Doomed)` returned.
-    pub fn commit(&mut self, key: K, slot: SlotRef, checksum: u64) -> Result<(), StateError> {
+    pub fn commit(
+        &mut self,
+        key: K,
+        slot: SlotRef,
+        checksum: u64,
+        layout: u64,
+    ) -> Result<(), StateError> {
         let e = self.entries.get(&key).ok_or(StateError::NotFound)?;
         if e.state != State::Writing || e.slot != slot {
             return Err(StateError::WrongState);
@@ -600,6 +611,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         self.modify(&key, |e| {
             e.state = State::Ready;
             e.checksum = checksum;
+            e.layout = layout;
             e.stamp = stamp;
         });
         Ok(())
@@ -763,6 +775,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         object_len: u64,
         checksum: u64,
         seq: u64,
+        layout: u64,
     ) -> RecoverOutcome {
         let reject = |s: String| RecoverOutcome::Rejected(s);
         let Some(x) = self.extents.get(extent as usize) else {
@@ -803,6 +816,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             object_len,
             checksum,
             seq,
+            layout,
             state: State::Ready,
             pins: 0,
             doomed: false,
@@ -999,7 +1013,7 @@ mod tests {
 
     fn ready(ix: &mut L2Index<u32>, k: u32, len: u64) -> Reservation<u32> {
         let r = ix.reserve(k, len, u64::from(k)).unwrap();
-        ix.commit(k, r.slot, 0xc0ffee).unwrap();
+        ix.commit(k, r.slot, 0xc0ffee, 0).unwrap();
         ok(ix);
         r
     }
@@ -1065,11 +1079,11 @@ mod tests {
         assert_eq!(ix.reserve(1, SMALL, 9).unwrap_err(), ReserveError::Exists);
         let mut wrong = r.slot;
         wrong.epoch += 1;
-        assert_eq!(ix.commit(1, wrong, 5), Err(StateError::WrongState));
+        assert_eq!(ix.commit(1, wrong, 5, 0), Err(StateError::WrongState));
         assert_eq!(ix.abort(1, wrong), Err(StateError::WrongState));
-        assert_eq!(ix.commit(2, r.slot, 5), Err(StateError::NotFound));
-        ix.commit(1, r.slot, 5).unwrap();
-        assert_eq!(ix.commit(1, r.slot, 5), Err(StateError::WrongState));
+        assert_eq!(ix.commit(2, r.slot, 5, 0), Err(StateError::NotFound));
+        ix.commit(1, r.slot, 5, 0).unwrap();
+        assert_eq!(ix.commit(1, r.slot, 5, 0), Err(StateError::WrongState));
         assert_eq!(ix.abort(1, r.slot), Err(StateError::WrongState));
         let l = ix.get(&1).unwrap();
         assert_eq!(
@@ -1097,7 +1111,7 @@ mod tests {
         assert_eq!(r.slot, slots[1]);
         assert_eq!(r.new_extent, None);
         assert_eq!(ix.get(&1), None);
-        ix.commit(7, r.slot, 0).unwrap();
+        ix.commit(7, r.slot, 0, 0).unwrap();
         // pin refreshes recency and protects: 2 is pinned, so 3 goes, then 4.
         ix.pin(&2).unwrap();
         assert_eq!(ix.reserve(8, SMALL, 0).unwrap().evicted, vec![3]);
@@ -1149,7 +1163,7 @@ mod tests {
         let a = ix.reserve(1, BIG, 0).unwrap();
         assert_eq!(ix.reserve(2, BIG, 0), Err(ReserveError::NoSpace));
         assert_eq!(ix.reserve(2, SMALL, 0), Err(ReserveError::NoSpace));
-        ix.commit(1, a.slot, 0).unwrap();
+        ix.commit(1, a.slot, 0, 0).unwrap();
         let l = ix.pin(&1).unwrap();
         ix.pin(&1).unwrap();
         assert_eq!(ix.stats().pinned, 1);
@@ -1187,15 +1201,15 @@ mod tests {
 
         let b = ix.reserve(2, MID, 0).unwrap();
         assert!(ix.remove(&2));
-        assert_eq!(ix.commit(2, b.slot, 0), Err(StateError::Doomed));
-        assert_eq!(ix.commit(2, b.slot, 0), Err(StateError::NotFound));
+        assert_eq!(ix.commit(2, b.slot, 0, 0), Err(StateError::Doomed));
+        assert_eq!(ix.commit(2, b.slot, 0, 0), Err(StateError::NotFound));
         let c = ix.reserve(3, MID, 0).unwrap();
         assert_eq!(c.slot, b.slot);
         assert!(ix.remove(&3));
         ix.abort(3, c.slot).unwrap();
         assert!(!ix.remove(&3));
         // Ready, unpinned: freed at once.
-        ix.commit(1, a.slot, 0).unwrap();
+        ix.commit(1, a.slot, 0, 0).unwrap();
         assert!(ix.remove(&1));
         assert_eq!(ix.stats().used_bytes, 0);
         ok(&ix);
@@ -1224,7 +1238,7 @@ mod tests {
         ok(&ix);
         ix.unpin(&11, l.slot).unwrap();
         assert_eq!(ix.stats().free_extents, 2);
-        assert_eq!(ix.commit(12, w.slot, 0), Err(StateError::Doomed));
+        assert_eq!(ix.commit(12, w.slot, 0, 0), Err(StateError::Doomed));
         assert_eq!(ix.stats().free_extents, 3);
         ok(&ix);
         // Reassignment bumps the epoch again.
@@ -1255,23 +1269,23 @@ mod tests {
         ok(&ix);
         use RecoverOutcome::*;
         let rej = |o: RecoverOutcome| assert!(matches!(o, Rejected(_)), "{o:?}");
-        assert_eq!(ix.recover_entry(1, 0, 0, SMALL, 11, 10), Inserted);
-        rej(ix.recover_entry(2, 0, 0, SMALL, 0, 1)); // slot taken
-        rej(ix.recover_entry(2, 7, 0, SMALL, 0, 1)); // outside extent
-        rej(ix.recover_entry(2, 1, 0, SMALL + 1, 0, 1)); // too large
-        rej(ix.recover_entry(2, 1, 0, 0, 0, 1)); // empty
-        rej(ix.recover_entry(2, 0, 3, SMALL, 0, 1)); // unassigned extent
-        rej(ix.recover_entry(2, 0, 9, SMALL, 0, 1)); // out of range
-                                                     // Same key elsewhere, newer: replaces, old slot freed.
-        assert_eq!(ix.recover_entry(1, 0, 1, SMALL, 12, 20), ReplacedOlder);
+        assert_eq!(ix.recover_entry(1, 0, 0, SMALL, 11, 10, 0), Inserted);
+        rej(ix.recover_entry(2, 0, 0, SMALL, 0, 1, 0)); // slot taken
+        rej(ix.recover_entry(2, 7, 0, SMALL, 0, 1, 0)); // outside extent
+        rej(ix.recover_entry(2, 1, 0, SMALL + 1, 0, 1, 0)); // too large
+        rej(ix.recover_entry(2, 1, 0, 0, 0, 1, 0)); // empty
+        rej(ix.recover_entry(2, 0, 3, SMALL, 0, 1, 0)); // unassigned extent
+        rej(ix.recover_entry(2, 0, 9, SMALL, 0, 1, 0)); // out of range
+                                                        // Same key elsewhere, newer: replaces, old slot freed.
+        assert_eq!(ix.recover_entry(1, 0, 1, SMALL, 12, 20, 0), ReplacedOlder);
         let l = ix.get(&1).unwrap();
         assert_eq!(
             (l.slot.extent, l.slot.index, l.slot.epoch, l.checksum, l.seq),
             (1, 0, 3, 12, 20)
         );
         // Older or equal: kept.
-        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 15), KeptNewer);
-        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 20), KeptNewer);
+        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 15, 0), KeptNewer);
+        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 20, 0), KeptNewer);
         assert_eq!(ix.get(&1).unwrap().checksum, 12);
         // Fill extent 1 with seqs out of order; recency follows seq.
         for (k, idx, seq) in [
@@ -1282,7 +1296,7 @@ mod tests {
             (6, 5, 60),
             (7, 6, 45),
         ] {
-            assert_eq!(ix.recover_entry(k, idx, 1, SMALL, 0, seq), Inserted);
+            assert_eq!(ix.recover_entry(k, idx, 1, SMALL, 0, seq, 0), Inserted);
         }
         ok(&ix);
         ix.finish_recovery();
@@ -1299,7 +1313,7 @@ mod tests {
         while k < 221 {
             let r = ix.reserve(k, SMALL, 0).unwrap();
             assert!(r.evicted.is_empty());
-            ix.commit(k, r.slot, 0).unwrap();
+            ix.commit(k, r.slot, 0, 0).unwrap();
             k += 1;
         }
         assert_eq!(ix.stats().free_extents, 0);
@@ -1310,7 +1324,7 @@ mod tests {
         for _ in 0..7 {
             let r = ix.reserve(k, SMALL, 0).unwrap();
             order.extend(r.evicted);
-            ix.commit(k, r.slot, 0).unwrap();
+            ix.commit(k, r.slot, 0, 0).unwrap();
             k += 1;
         }
         assert_eq!(order, vec![1, 3, 5, 4, 7, 2, 6]);
@@ -1425,7 +1439,7 @@ mod tests {
                 },
                 Op::Commit(k) => {
                     let slot = m.get(&k).map(|e| e.slot);
-                    let res = ix.commit(k, slot.unwrap_or(DUMMY), 3);
+                    let res = ix.commit(k, slot.unwrap_or(DUMMY), 3, 0);
                     match m.get_mut(&k) {
                         None => prop_assert_eq!(res, Err(StateError::NotFound)),
                         Some(e) if e.ready => prop_assert_eq!(res, Err(StateError::WrongState)),

@@ -276,9 +276,9 @@ fn write_then_load_round_trip() {
         let r = rig(&format!("rt-{engine}"), engine);
         let keys = r.keys(10);
         r.store(&keys);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 10);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 10);
         assert_eq!(
-            r.tier.persist(&r.storage, &r.namespaces, &keys),
+            r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys),
             0,
             "already on L2"
         );
@@ -306,17 +306,17 @@ fn failed_writes_are_counted_and_leave_l1_intact() {
         r.store(&keys);
         r.fault
             .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 4);
         let s = r.tier.status();
         assert_eq!((s.writes, s.errors, s.objects), (4, 4, 4));
         r.fault.store(Fault::AllWrites as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 0);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 0);
         assert_eq!(r.tier.status().errors, 8);
         assert!(keys.iter().all(|k| r.bytes_ok(k)), "L1 keeps serving");
         r.check_clean();
         // Once the device recovers, the failed objects are written on the next attempt.
         r.fault.store(Fault::None as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 4);
         assert_eq!(r.tier.status().objects, 8);
         r.check_clean();
     });
@@ -328,7 +328,7 @@ fn read_errors_and_corruption_drop_objects_and_never_publish() {
         let r = rig(&format!("rfail-{engine}"), engine);
         let keys = r.keys(6);
         r.store(&keys);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 6);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 6);
         r.drop_l1();
         r.fault.store(Fault::ReadEio as u32, Ordering::Relaxed);
         assert!(r
@@ -361,7 +361,11 @@ fn prefetch_bound_and_missing_keys() {
     let r = rig_with("bound", "pread", 3);
     let keys = r.keys(5);
     r.store(&keys[..4]);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys[..4]), 4);
+    assert_eq!(
+        r.tier
+            .persist(&r.storage, &r.namespaces, &|_| 0, &keys[..4]),
+        4
+    );
     r.drop_l1();
     // Budget 3: only the first three keys are loaded; the rest are left for a later call.
     let l = r.tier.load(&r.storage, &keys, 0, None);
@@ -389,7 +393,7 @@ fn concurrent_loads_of_a_shared_prefix_all_hit() {
     let r = rig("shared", "uring");
     let keys = r.keys(16);
     r.store(&keys);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 16);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 16);
     r.drop_l1();
     // Four lookups of the same prefix at once: whoever loads a key first publishes it; the
     // others wait for it instead of reporting a miss.
@@ -418,7 +422,7 @@ fn unreadable_headers_at_start_up_are_skipped_not_fatal() {
     let mut r = rig("hdr", "pread");
     let keys = r.keys(5);
     r.store(&keys);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 5);
     let owner = r.dir.take().expect("first rig owns the directory");
     let dir = owner.0.clone();
     drop(r);
@@ -455,10 +459,10 @@ fn pipelined_batches_write_and_load_everything() {
         r.store(&keys);
         r.fault
             .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 30);
         r.check_clean();
         r.fault.store(Fault::None as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 30);
         r.check_clean();
         r.drop_l1();
         let leases = r.tier.load(&r.storage, &keys, 1, None);
@@ -477,15 +481,24 @@ fn pipelined_batches_write_and_load_everything() {
 }
 
 #[test]
-fn objects_of_another_layout_size_are_not_loaded() {
+fn objects_of_another_layout_are_not_loaded() {
+    use crate::storage::{Dtype, Layout};
     let r = rig("layout", "pread");
     let keys = r.keys(3);
     r.store(&keys);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 3);
+    // Written while the model was registered with [2, 2, 16, 256] float32 (64 KiB).
+    let f32_layout = Layout::new(vec![2, 2, 16, 256], Dtype::Float32).unwrap();
+    let fp = f32_layout.fingerprint();
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| fp, &keys), 3);
     r.drop_l1();
-    // The model is registered with a different layout now: its objects are 32 KiB, not 64.
-    let l = r.tier.load(&r.storage, &keys, 0, Some(OBJ / 2));
-    assert!(l.iter().all(Option::is_none));
+    // Registered now with another size, or the same size in another dtype: not loaded.
+    for other in [
+        Layout::new(vec![2, 2, 16, 128], Dtype::Float32).unwrap(),
+        Layout::new(vec![2, 2, 16, 512], Dtype::Bfloat16).unwrap(),
+    ] {
+        let l = r.tier.load(&r.storage, &keys, 0, Some(&other));
+        assert!(l.iter().all(Option::is_none), "{other:?}");
+    }
     let s = r.tier.status();
     assert_eq!(
         (s.hits, s.errors, s.corrupt, s.objects),
@@ -494,7 +507,7 @@ fn objects_of_another_layout_size_are_not_loaded() {
     );
     r.check_clean();
     // Under the layout they were stored with, they load.
-    let l = r.tier.load(&r.storage, &keys, 0, Some(OBJ));
+    let l = r.tier.load(&r.storage, &keys, 0, Some(&f32_layout));
     let unlock: Vec<_> = keys.iter().copied().zip(l.into_iter().flatten()).collect();
     assert_eq!(unlock.len(), 3);
     r.storage.finish_read(&unlock, 0);
@@ -510,7 +523,7 @@ fn an_uncompleted_write_batch_releases_everything_it_holds() {
     // thread meant to complete it is gone: dropping it gives everything back.
     let batch = r
         .tier
-        .prepare_write(&r.storage, &r.namespaces, &keys)
+        .prepare_write(&r.storage, &r.namespaces, &|_| 0, &keys)
         .expect("five objects to write");
     assert_eq!(r.storage.counts().read_locked, 5);
     drop(batch);
@@ -518,6 +531,6 @@ fn an_uncompleted_write_batch_releases_everything_it_holds() {
     let s = r.tier.status();
     assert_eq!((s.objects, s.writes, s.errors), (0, 0, 5));
     // Nothing is stuck: the next attempt writes them all.
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 5);
     r.check_clean();
 }

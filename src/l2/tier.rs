@@ -23,7 +23,7 @@ use super::space::{L2Index, RecoverOutcome, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
 use crate::error::{Error, ErrorKind, Result};
-use crate::storage::{Grant, KeyError, Namespaces, StorageCore, StorageKey};
+use crate::storage::{Grant, KeyError, Layout, Namespaces, StorageCore, StorageKey};
 
 /// Bytes at the end of the pool reserved for staging headers (512 blocks of 4 KiB).
 pub const STAGING_BYTES: u64 = 2 << 20;
@@ -280,6 +280,15 @@ fn make_engine(
     ))
 }
 
+/// The layout fingerprint of an object about to be written (0 = unknown).
+pub type LayoutOf<'a> = dyn Fn(&StorageKey) -> u64 + Sync + 'a;
+
+/// Whether an L2 object can be served under `layout`: same size, and the same layout if one
+/// was recorded (objects written while the model had no registered layout carry 0).
+fn layout_matches(layout: &Layout, l: &super::space::Located) -> bool {
+    l.object_len == layout.object_bytes() && (l.layout == 0 || l.layout == layout.fingerprint())
+}
+
 /// How long a load waits, in all, for keys another request is loading or storing into L1.
 const WAIT_CONTENDED: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -402,6 +411,7 @@ struct PlannedWrite {
     key: StorageKey,
     slot: super::space::SlotRef,
     checksum: u64,
+    layout: u64,
     len: u64,
     extent_ok: bool,
 }
@@ -745,6 +755,7 @@ impl L2Tier {
                         s.object_len,
                         s.payload_checksum,
                         s.seq,
+                        s.layout,
                     );
                     match outcome {
                         RecoverOutcome::Inserted => inserted += 1,
@@ -803,13 +814,14 @@ impl L2Tier {
         &self,
         storage: &StorageCore,
         namespaces: &Namespaces,
+        layout_of: &LayoutOf<'_>,
         keys: &[StorageKey],
     ) -> u64 {
         let parts: Vec<&[StorageKey]> = keys.chunks(self.batch_objects).collect();
         if parts.len() <= 1 {
             return parts
                 .into_iter()
-                .filter_map(|part| self.prepare_write(storage, namespaces, part))
+                .filter_map(|part| self.prepare_write(storage, namespaces, layout_of, part))
                 .map(|batch| self.complete_write(storage, batch))
                 .sum();
         }
@@ -829,13 +841,13 @@ impl L2Tier {
                     tracing::warn!(error = %e, "no L2 I/O thread: writing without pipelining");
                     return parts
                         .into_iter()
-                        .filter_map(|part| self.prepare_write(storage, namespaces, part))
+                        .filter_map(|part| self.prepare_write(storage, namespaces, layout_of, part))
                         .map(|batch| self.complete_write(storage, batch))
                         .sum();
                 }
             };
             for part in parts {
-                if let Some(batch) = self.prepare_write(storage, namespaces, part) {
+                if let Some(batch) = self.prepare_write(storage, namespaces, layout_of, part) {
                     if let Err(back) = tx.send(batch) {
                         // The I/O thread is gone (a bug): finish here so nothing stays locked.
                         self.complete_write(storage, back.0);
@@ -857,6 +869,7 @@ impl L2Tier {
         &'a self,
         storage: &'a StorageCore,
         namespaces: &Namespaces,
+        layout_of: &LayoutOf<'_>,
         part: &[StorageKey],
     ) -> Option<WriteBatch<'a>> {
         let gate = self.clear_gate.enter();
@@ -883,7 +896,7 @@ impl L2Tier {
         self.counters
             .skipped
             .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-        Some(self.plan_write(storage, namespaces, locked, gate))
+        Some(self.plan_write(storage, namespaces, layout_of, locked, gate))
     }
 
     /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
@@ -893,6 +906,7 @@ impl L2Tier {
         &'a self,
         storage: &'a StorageCore,
         namespaces: &Namespaces,
+        layout_of: &LayoutOf<'_>,
         locked: Vec<(StorageKey, Grant)>,
         gate: GateToken<'a>,
     ) -> WriteBatch<'a> {
@@ -955,6 +969,7 @@ impl L2Tier {
                 cache_salt,
                 object_len: len,
                 payload_checksum: checksum,
+                layout: layout_of(key),
             };
             let mut b = vec![0u8; BLOCK];
             if let Err(e) = header.encode(&mut b) {
@@ -968,6 +983,7 @@ impl L2Tier {
                 key: *key,
                 slot: reservation.slot,
                 checksum,
+                layout: header.layout,
                 len,
                 extent_ok: true,
             });
@@ -1060,7 +1076,7 @@ impl L2Tier {
             let mut index = self.index.lock();
             match io_ok {
                 Ok(()) => {
-                    if index.commit(p.key, p.slot, p.checksum).is_ok() {
+                    if index.commit(p.key, p.slot, p.checksum, p.layout).is_ok() {
                         written += 1;
                         self.counters.writes.fetch_add(1, Ordering::Relaxed);
                         self.counters
@@ -1090,14 +1106,14 @@ impl L2Tier {
     /// key was not loaded (not on L2, L1 full, prefetch bound reached, device error, corrupt
     /// payload: the last two also drop it from L2). At most `max_prefetch_objects` objects are
     /// in flight node-wide; keys beyond the budget are not loaded (callers cut their prefix there).
-    /// With `expected_len` (the object size of the layout the model is registered with now),
-    /// objects of another size are not loaded: they were stored under an earlier layout.
+    /// With `expected` (the layout the model is registered with now), objects of another size
+    /// or another recorded layout are not loaded: they were stored under an earlier layout.
     pub fn load(
         &self,
         storage: &StorageCore,
         keys: &[StorageKey],
         extra: u32,
-        expected_len: Option<u64>,
+        expected: Option<&Layout>,
     ) -> Vec<Option<u64>> {
         let mut out = vec![None; keys.len()];
         let gate = self.clear_gate.enter();
@@ -1119,7 +1135,7 @@ impl L2Tier {
             pinned,
             _gate: gate,
         };
-        let contended = self.load_pinned(&mut held, extra, expected_len, &mut out);
+        let contended = self.load_pinned(&mut held, extra, expected, &mut out);
         // Pins, budget, gate and every unpublished reservation go back before any waiting.
         drop(held);
         // Keys another request was loading or storing: wait for them, together at most
@@ -1141,14 +1157,14 @@ impl L2Tier {
         &self,
         held: &mut LoadGuard<'_>,
         extra: u32,
-        expected_len: Option<u64>,
+        expected: Option<&Layout>,
         out: &mut [Option<u64>],
     ) -> Vec<usize> {
         let (storage, keys) = (held.storage, held.keys);
         let located: Vec<Option<super::space::Located>> = held
             .pinned
             .iter()
-            .map(|l| l.filter(|l| expected_len.is_none_or(|e| e == l.object_len)))
+            .map(|l| l.filter(|l| expected.is_none_or(|e| layout_matches(e, l))))
             .collect();
         // Reserve L1 slots, grouped by object length (one allocator call per group).
         let mut contended: Vec<usize> = Vec::new();

@@ -22,10 +22,15 @@ const PIPELINE_BATCHES: usize = 8;
 /// Completed writes are made durable (fdatasync) at least this often while writing.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
+/// A committed object waiting for write-behind: its key and the fingerprint of the layout it
+/// was committed under (0 = unknown), recorded at commit because the instance may be gone by
+/// the time the object is written.
+pub type Queued = (StorageKey, u64);
+
 /// Keys committed in L1 and waiting for their write-behind. Invariant: holds at most its
 /// capacity; keys that do not fit are counted in `dropped` (they stay in L1 only).
 pub struct WriteQueue {
-    keys: ArrayQueue<StorageKey>,
+    keys: ArrayQueue<Queued>,
     dropped: AtomicU64,
     /// Set by the shutdown drain: later pushes are counted as dropped, never left queued.
     closed: std::sync::atomic::AtomicBool,
@@ -46,7 +51,7 @@ impl WriteQueue {
     }
 
     /// Queues keys for write-behind; returns how many did not fit (counted as dropped).
-    pub fn push(&self, keys: impl IntoIterator<Item = StorageKey>) -> u64 {
+    pub fn push(&self, keys: impl IntoIterator<Item = Queued>) -> u64 {
         let mut dropped = 0;
         let closed = self.closed.load(Ordering::Acquire);
         for k in keys {
@@ -83,7 +88,7 @@ impl WriteQueue {
         self.dropped.load(Ordering::Relaxed)
     }
 
-    fn pop_batch(&self, max: usize) -> Vec<StorageKey> {
+    fn pop_batch(&self, max: usize) -> Vec<Queued> {
         std::iter::from_fn(|| self.keys.pop()).take(max).collect()
     }
 
@@ -127,8 +132,8 @@ fn run(ctx: &NodeContext, device: usize) {
         // for a while: each round scans and sorts L1's evictable objects.
         let mut idle_demotion: Option<Instant> = None;
         loop {
-            let keys = l2.queue.pop_batch(l2.batch_objects());
-            if keys.is_empty() {
+            let items = l2.queue.pop_batch(l2.batch_objects());
+            if items.is_empty() {
                 if device == 0
                     && l2.policy() == WritePolicy::OnEvict
                     && idle_demotion.is_none_or(|t| t.elapsed() >= DEMOTE_BACKOFF)
@@ -148,7 +153,13 @@ fn run(ctx: &NodeContext, device: usize) {
                 l2.queue.wait();
                 continue;
             }
-            if let Some(batch) = l2.prepare_write(&ctx.storage, &ctx.namespaces, &keys) {
+            let (keys, layout_of) = split_queued(items);
+            if let Some(batch) = l2.prepare_write(
+                &ctx.storage,
+                &ctx.namespaces,
+                &|k| layout_of.get(k).copied().unwrap_or(0),
+                &keys,
+            ) {
                 if let Err(back) = tx.send(batch) {
                     // The I/O thread is gone (a bug): finish here so nothing stays locked.
                     l2.complete_write(&ctx.storage, back.0);
@@ -209,11 +220,17 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
         if l2.queue.is_empty() {
             l2.queue.closed.store(true, Ordering::Release);
         }
-        let batch = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
-        if batch.is_empty() {
+        let items = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
+        if items.is_empty() {
             break;
         }
-        n += l2.persist(&ctx.storage, &ctx.namespaces, &batch);
+        let (keys, layout_of) = split_queued(items);
+        n += l2.persist(
+            &ctx.storage,
+            &ctx.namespaces,
+            &|k| layout_of.get(k).copied().unwrap_or(0),
+            &keys,
+        );
     }
     let _ = sync(l2);
     if n > 0 {
@@ -238,7 +255,12 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     let per_round = l2.tiers()[0].batch_objects() * PIPELINE_BATCHES;
     for part in victims.chunks(per_round) {
         let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
-        written += l2.persist(&ctx.storage, &ctx.namespaces, &todo);
+        written += l2.persist(
+            &ctx.storage,
+            &ctx.namespaces,
+            &|k| ctx.layout_fingerprint(k),
+            &todo,
+        );
         evicted += ctx.storage.evict_if_idle(part);
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
@@ -251,6 +273,14 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
     Some(evicted)
+}
+
+/// Keys of queued objects, and the layout each was committed under.
+fn split_queued(
+    items: Vec<Queued>,
+) -> (Vec<StorageKey>, std::collections::HashMap<StorageKey, u64>) {
+    let keys = items.iter().map(|(k, _)| *k).collect();
+    (keys, items.into_iter().collect())
 }
 
 /// `fdatasync`; false (logged) if it failed, so the caller tries again later.
@@ -282,15 +312,15 @@ mod tests {
     fn queue_bounds_and_closing() {
         let q = WriteQueue::new(2);
         assert_eq!(
-            q.push([key(1), key(2), key(3)]),
+            q.push([(key(1), 7), (key(2), 7), (key(3), 7)]),
             1,
             "beyond capacity: dropped"
         );
         assert_eq!((q.len(), q.dropped()), (2, 1));
-        assert_eq!(q.pop_batch(8), vec![key(1), key(2)]);
+        assert_eq!(q.pop_batch(8), vec![(key(1), 7), (key(2), 7)]);
         q.closed.store(true, Ordering::Release);
         assert_eq!(
-            q.push([key(4)]),
+            q.push([(key(4), 7)]),
             1,
             "after the shutdown drain: dropped, not queued"
         );

@@ -189,11 +189,8 @@ pub fn lookup(
     let locked = match &ctx.l2 {
         None => ctx.storage.lock_prefix(chunks, extra),
         Some(l2) => {
-            let expected_len = ctx
-                .layouts
-                .get(&range.model, range.world_size)
-                .map(|l| l.object_bytes());
-            lock_prefix_tiered(ctx, l2, chunks, extra, expected_len)
+            let expected = ctx.layouts.get(&range.model, range.world_size);
+            lock_prefix_tiered(ctx, l2, chunks, extra, expected.as_ref())
         }
     };
     let hit = locked.len() as u32;
@@ -235,7 +232,7 @@ fn lock_prefix_tiered(
     l2: &crate::l2::L2Set,
     chunks: impl Iterator<Item = Vec<StorageKey>>,
     extra: u32,
-    expected_len: Option<u64>,
+    expected: Option<&crate::storage::Layout>,
 ) -> Vec<Vec<(StorageKey, u64)>> {
     // Per chunk, per key: the lease of an L1 lock, or None for "on L2, to load".
     let mut plan: Vec<Vec<(StorageKey, Option<u64>)>> = Vec::new();
@@ -263,7 +260,7 @@ fn lock_prefix_tiered(
         .map(|(k, _)| *k)
         .collect();
     if !to_load.is_empty() {
-        let leases = l2.load(&ctx.storage, &to_load, extra, expected_len);
+        let leases = l2.load(&ctx.storage, &to_load, extra, expected);
         let mut loaded = to_load.iter().zip(leases);
         for (k, lease) in plan.iter_mut().flatten().filter(|(_, l)| l.is_none()) {
             let (lk, l) = loaded.next().expect("one result per key to load");

@@ -216,12 +216,13 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
         .as_ref()
         .filter(|l2| l2.policy() == WritePolicy::Always)
     {
+        let layout = inst.layout.fingerprint();
         l2.enqueue(
             w.items
                 .iter()
                 .zip(&results)
                 .filter(|(_, r)| r.is_ok())
-                .map(|((k, _), _)| *k),
+                .map(|((k, _), _)| (*k, layout)),
         );
     }
     ctx.storage.assert_consistent();
@@ -267,7 +268,7 @@ fn prepare_retrieve(
         }
         None => {
             let mut r = ctx.storage.reserve_read(&keys, 0);
-            load_missing_from_l2(ctx, &keys, inst.layout.object_bytes(), &mut r);
+            load_missing_from_l2(ctx, &keys, &inst.layout, &mut r);
             r
         }
     };
@@ -319,7 +320,7 @@ fn prepare_retrieve(
 fn load_missing_from_l2(
     ctx: &NodeContext,
     keys: &[StorageKey],
-    object_bytes: u64,
+    layout: &crate::storage::Layout,
     results: &mut [std::result::Result<Grant, KeyError>],
 ) {
     let Some(l2) = &ctx.l2 else { return };
@@ -336,7 +337,7 @@ fn load_missing_from_l2(
         return;
     }
     let want: Vec<StorageKey> = missing.iter().map(|&i| keys[i]).collect();
-    let leases = l2.load(&ctx.storage, &want, 0, Some(object_bytes));
+    let leases = l2.load(&ctx.storage, &want, 0, Some(layout));
     let granted = ctx.storage.read_locked_slots(&want);
     for ((&i, lease), g) in missing.iter().zip(leases).zip(granted) {
         match (lease, g) {
