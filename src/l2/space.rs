@@ -53,6 +53,20 @@ pub struct Located {
     pub layout: u64,
 }
 
+/// What recovery read from one slot header. Invariant: as found on disk, unvalidated;
+/// `recover_entry` checks it against the slot before inserting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recovered {
+    /// Payload length in bytes.
+    pub object_len: u64,
+    /// Payload checksum from the header.
+    pub checksum: u64,
+    /// Write sequence number from the header.
+    pub seq: u64,
+    /// Layout fingerprint from the header (0 = unknown).
+    pub layout: u64,
+}
+
 /// Result of [`L2Index::reserve`]. Invariant: `slot` is exclusively owned by the
 /// new Writing entry; `new_extent`, when set, is `(extent, epoch, stride)` of an
 /// extent just (re)assigned, whose header the caller must write first; no key
@@ -772,11 +786,14 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         key: K,
         slot_index: u32,
         extent: u32,
-        object_len: u64,
-        checksum: u64,
-        seq: u64,
-        layout: u64,
+        found: Recovered,
     ) -> RecoverOutcome {
+        let Recovered {
+            object_len,
+            checksum,
+            seq,
+            layout,
+        } = found;
         let reject = |s: String| RecoverOutcome::Rejected(s);
         let Some(x) = self.extents.get(extent as usize) else {
             return reject(format!("extent {extent} out of range"));
@@ -1269,23 +1286,135 @@ mod tests {
         ok(&ix);
         use RecoverOutcome::*;
         let rej = |o: RecoverOutcome| assert!(matches!(o, Rejected(_)), "{o:?}");
-        assert_eq!(ix.recover_entry(1, 0, 0, SMALL, 11, 10, 0), Inserted);
-        rej(ix.recover_entry(2, 0, 0, SMALL, 0, 1, 0)); // slot taken
-        rej(ix.recover_entry(2, 7, 0, SMALL, 0, 1, 0)); // outside extent
-        rej(ix.recover_entry(2, 1, 0, SMALL + 1, 0, 1, 0)); // too large
-        rej(ix.recover_entry(2, 1, 0, 0, 0, 1, 0)); // empty
-        rej(ix.recover_entry(2, 0, 3, SMALL, 0, 1, 0)); // unassigned extent
-        rej(ix.recover_entry(2, 0, 9, SMALL, 0, 1, 0)); // out of range
-                                                        // Same key elsewhere, newer: replaces, old slot freed.
-        assert_eq!(ix.recover_entry(1, 0, 1, SMALL, 12, 20, 0), ReplacedOlder);
+        assert_eq!(
+            ix.recover_entry(
+                1,
+                0,
+                0,
+                Recovered {
+                    object_len: SMALL,
+                    checksum: 11,
+                    seq: 10,
+                    layout: 0
+                }
+            ),
+            Inserted
+        );
+        rej(ix.recover_entry(
+            2,
+            0,
+            0,
+            Recovered {
+                object_len: SMALL,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // slot taken
+        rej(ix.recover_entry(
+            2,
+            7,
+            0,
+            Recovered {
+                object_len: SMALL,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // outside extent
+        rej(ix.recover_entry(
+            2,
+            1,
+            0,
+            Recovered {
+                object_len: SMALL + 1,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // too large
+        rej(ix.recover_entry(
+            2,
+            1,
+            0,
+            Recovered {
+                object_len: 0,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // empty
+        rej(ix.recover_entry(
+            2,
+            0,
+            3,
+            Recovered {
+                object_len: SMALL,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // unassigned extent
+        rej(ix.recover_entry(
+            2,
+            0,
+            9,
+            Recovered {
+                object_len: SMALL,
+                checksum: 0,
+                seq: 1,
+                layout: 0,
+            },
+        )); // out of range
+            // Same key elsewhere, newer: replaces, old slot freed.
+        assert_eq!(
+            ix.recover_entry(
+                1,
+                0,
+                1,
+                Recovered {
+                    object_len: SMALL,
+                    checksum: 12,
+                    seq: 20,
+                    layout: 0
+                }
+            ),
+            ReplacedOlder
+        );
         let l = ix.get(&1).unwrap();
         assert_eq!(
             (l.slot.extent, l.slot.index, l.slot.epoch, l.checksum, l.seq),
             (1, 0, 3, 12, 20)
         );
         // Older or equal: kept.
-        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 15, 0), KeptNewer);
-        assert_eq!(ix.recover_entry(1, 1, 0, SMALL, 13, 20, 0), KeptNewer);
+        assert_eq!(
+            ix.recover_entry(
+                1,
+                1,
+                0,
+                Recovered {
+                    object_len: SMALL,
+                    checksum: 13,
+                    seq: 15,
+                    layout: 0
+                }
+            ),
+            KeptNewer
+        );
+        assert_eq!(
+            ix.recover_entry(
+                1,
+                1,
+                0,
+                Recovered {
+                    object_len: SMALL,
+                    checksum: 13,
+                    seq: 20,
+                    layout: 0
+                }
+            ),
+            KeptNewer
+        );
         assert_eq!(ix.get(&1).unwrap().checksum, 12);
         // Fill extent 1 with seqs out of order; recency follows seq.
         for (k, idx, seq) in [
@@ -1296,7 +1425,20 @@ mod tests {
             (6, 5, 60),
             (7, 6, 45),
         ] {
-            assert_eq!(ix.recover_entry(k, idx, 1, SMALL, 0, seq, 0), Inserted);
+            assert_eq!(
+                ix.recover_entry(
+                    k,
+                    idx,
+                    1,
+                    Recovered {
+                        object_len: SMALL,
+                        checksum: 0,
+                        seq,
+                        layout: 0
+                    }
+                ),
+                Inserted
+            );
         }
         ok(&ix);
         ix.finish_recovery();

@@ -19,7 +19,7 @@ use super::format::{
     slots_per_extent, ExtentHeader, FormatError, SlotHeader, Superblock, BLOCK,
 };
 use super::gate::{ClearGate, GateToken};
-use super::space::{L2Index, RecoverOutcome, ReserveError};
+use super::space::{L2Index, RecoverOutcome, Recovered, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
 use crate::error::{Error, ErrorKind, Result};
@@ -752,10 +752,12 @@ impl L2Tier {
                         key,
                         j as u32,
                         scan.extent,
-                        s.object_len,
-                        s.payload_checksum,
-                        s.seq,
-                        s.layout,
+                        Recovered {
+                            object_len: s.object_len,
+                            checksum: s.payload_checksum,
+                            seq: s.seq,
+                            layout: s.layout,
+                        },
                     );
                     match outcome {
                         RecoverOutcome::Inserted => inserted += 1,
