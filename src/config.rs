@@ -94,8 +94,12 @@ pub struct L2Config {
     pub engine: String,
     /// When objects are written to L2.
     pub write_policy: WritePolicy,
-    /// io_uring queue depth (I/Os in flight per ring).
+    /// io_uring queue depth of the write-behind ring (I/Os in flight).
     pub queue_depth: u32,
+    /// io_uring queue depth of each load ring. Kept small: reads of one lookup then complete
+    /// one after another and their checksums are verified while the rest are on the disk,
+    /// instead of all finishing at once and being verified after (measured: 8 beats 4 and 64).
+    pub read_queue_depth: u32,
     /// Kernel-side submission polling for the io_uring rings.
     pub sqpoll: bool,
     /// Extent size on disk (a multiple of 2 MiB); 0 = chosen from the file size.
@@ -116,6 +120,7 @@ impl Default for L2Config {
             engine: "auto".into(),
             write_policy: WritePolicy::Always,
             queue_depth: 64,
+            read_queue_depth: 8,
             sqpoll: false,
             extent_bytes: 0,
             max_prefetch_objects: 1024,
@@ -168,6 +173,7 @@ impl L2Config {
         for (name, v) in [
             ("l2.bytes", self.bytes),
             ("l2.queue_depth", u64::from(self.queue_depth)),
+            ("l2.read_queue_depth", u64::from(self.read_queue_depth)),
             ("l2.max_prefetch_objects", self.max_prefetch_objects as u64),
             ("l2.write_queue", self.write_queue as u64),
             ("l2.batch_objects", self.batch_objects as u64),
@@ -176,8 +182,10 @@ impl L2Config {
                 return Err(Error::invalid(format!("{name} must be > 0")));
             }
         }
-        if self.queue_depth > 4096 {
-            return Err(Error::invalid("l2.queue_depth must be <= 4096"));
+        if self.queue_depth > 4096 || self.read_queue_depth > 4096 {
+            return Err(Error::invalid(
+                "l2.queue_depth and l2.read_queue_depth must be <= 4096",
+            ));
         }
         if !self.extent_bytes.is_multiple_of(2 << 20) {
             return Err(Error::invalid(

@@ -236,6 +236,7 @@ fn make_engine(
     pool: &Arc<SharedPool>,
     file: &File,
     cfg: &L2Config,
+    queue_depth: u32,
     rings: usize,
 ) -> Result<Box<dyn BlockEngine>> {
     let dup = || {
@@ -254,7 +255,7 @@ fn make_engine(
             match kvnode_hw::UringEngine::with_rings(
                 pool.clone(),
                 dup()?,
-                cfg.queue_depth,
+                queue_depth,
                 sqpoll,
                 rings,
             ) {
@@ -444,12 +445,20 @@ impl L2Tier {
         kvnode_hw::lock_exclusive(&file).map_err(|e| {
             Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
         })?;
-        let write_engine = wrap(make_engine(cfg.engine_kind()?, &pool, &file, cfg, 1)?);
+        let write_engine = wrap(make_engine(
+            cfg.engine_kind()?,
+            &pool,
+            &file,
+            cfg,
+            cfg.queue_depth,
+            1,
+        )?);
         let read_engine = wrap(make_engine(
             Some(write_engine.kind()),
             &pool,
             &file,
             cfg,
+            cfg.read_queue_depth,
             READ_RINGS,
         )?);
         let mut extent_bytes = if cfg.extent_bytes > 0 {
