@@ -475,6 +475,17 @@ fn two_devices_spread_objects_and_recover(engine: &'static str) {
     let s = node.status();
     assert_eq!(l2(&s, "hits"), 40);
     assert_eq!(s["memcheck_ok"], true);
+    drop(c);
+    drop(node);
+    // The same devices in the other order: every object is still found where it was written.
+    let reversed = format!("{},{}", b.display(), a.display());
+    let mut args = args;
+    args[3] = &reversed;
+    let node = NodeProc::start(&format!("l2two3-{engine}"), &args);
+    assert_eq!(l2(&node.status(), "recovered"), 40);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(verify_all(&mut c, 0..10, 4), 10);
     // CLEAR empties every device, durably.
     c.clear().unwrap();
     assert_eq!(l2(&node.status(), "objects"), 0);

@@ -26,7 +26,7 @@ const B: u64 = BLOCK as u64;
 /// File offset of extent 0 (2 MiB); extents are multiples of this size, so stay aligned.
 pub const EXTENT_BASE: u64 = 2 << 20;
 /// Format version written into every block; any other value decodes as `BadVersion`.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Magic of the superblock (`b"KVL2SUPR"` little-endian); never 0.
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SUPR");
 /// Magic of an extent header (`b"KVL2EXTH"` little-endian); never 0.
@@ -566,10 +566,10 @@ mod tests {
     #[test]
     fn version_and_checksum_errors() {
         let mut buf = encoded(&slot());
-        buf[VERSION] = 2;
+        buf[VERSION] = 1; // the format before layout fingerprints
         assert_eq!(
             SlotHeader::decode(&buf),
-            Err(FormatError::BadVersion { found: 2 })
+            Err(FormatError::BadVersion { found: 1 })
         );
         let mut buf = encoded(&slot());
         buf[BLOCK - 1] ^= 1;

@@ -46,6 +46,11 @@ impl L2Set {
         staging_base: u64,
         namespaces: &Namespaces,
     ) -> Result<L2Set> {
+        if cfg.paths.is_empty() {
+            return Err(crate::error::Error::invalid(
+                "an L2 tier needs at least one path",
+            ));
+        }
         let tiers = cfg
             .paths
             .iter()
@@ -61,6 +66,11 @@ impl L2Set {
                 .map_err(|e| e.context(format!("L2 device {}", p.display())))
             })
             .collect::<Result<Vec<_>>>()?;
+        // One prefetch budget for the node, however many devices.
+        let budget = tiers[0].prefetch_budget();
+        for t in &tiers[1..] {
+            t.share_prefetch_budget(&budget);
+        }
         Ok(L2Set { tiers })
     }
 
@@ -69,13 +79,20 @@ impl L2Set {
         &self.tiers
     }
 
-    /// The device `key` lives on (high fingerprint bits: the low ones pick index shards).
+    /// The device `key` is written to.
     pub fn tier_of(&self, key: &StorageKey) -> &L2Tier {
         &self.tiers[self.device_of(key)]
     }
 
+    /// Routing uses only what a key is made of on disk (chunk hash, rank, group), never the
+    /// namespace id, which is assigned per run: a key maps to the same device after a restart.
     fn device_of(&self, key: &StorageKey) -> usize {
-        ((key.fingerprint() >> 40) % self.tiers.len() as u64) as usize
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&key.chunk_hash[16..24]);
+        let h = u64::from_le_bytes(b)
+            ^ u64::from(key.kv_rank).rotate_left(17)
+            ^ u64::from(key.object_group).rotate_left(41);
+        (h % self.tiers.len() as u64) as usize
     }
 
     /// The write policy in force.
@@ -85,7 +102,18 @@ impl L2Set {
 
     /// Whether `key` is readable from L2.
     pub fn contains(&self, key: &StorageKey) -> bool {
-        self.tier_of(key).contains(key)
+        self.holder_of(key).is_some()
+    }
+
+    /// The device holding `key`: the one it hashes to, else any other (after a restart with
+    /// the paths in another order or count, objects stay where they were written and are
+    /// still found; new writes go to the device the key hashes to now).
+    fn holder_of(&self, key: &StorageKey) -> Option<usize> {
+        let routed = self.device_of(key);
+        if self.tiers[routed].contains(key) {
+            return Some(routed);
+        }
+        (0..self.tiers.len()).find(|&d| d != routed && self.tiers[d].contains(key))
     }
 
     /// Queues committed keys (with the fingerprint of the layout they were committed under)
@@ -140,7 +168,7 @@ impl L2Set {
         if let [one] = self.tiers.as_slice() {
             return one.load(storage, keys, extra, expected);
         }
-        let parts = self.split(keys);
+        let parts = self.split_held(keys);
         let busy = parts.iter().filter(|p| !p.is_empty()).count();
         let run = |t: &L2Tier, idx: &[usize]| {
             let ks: Vec<StorageKey> = idx.iter().map(|&i| keys[i]).collect();
@@ -167,7 +195,14 @@ impl L2Set {
                     .map(|(t, idx)| (!idx.is_empty()).then(|| s.spawn(move || run(t, idx))))
                     .collect();
                 hs.into_iter()
-                    .map(|h| h.map_or_else(Vec::new, |h| h.join().unwrap_or_default()))
+                    .map(|h| {
+                        h.map_or_else(Vec::new, |h| {
+                            h.join().unwrap_or_else(|_| {
+                                tracing::error!("L2 device load panicked (bug): treated as misses");
+                                Vec::new()
+                            })
+                        })
+                    })
                     .collect()
             })
         };
@@ -180,11 +215,20 @@ impl L2Set {
         out
     }
 
-    /// Indices of `keys` per device.
+    /// Indices of `keys` per device they are written to.
     fn split(&self, keys: &[StorageKey]) -> Vec<Vec<usize>> {
         let mut per: Vec<Vec<usize>> = vec![Vec::new(); self.tiers.len()];
         for (i, k) in keys.iter().enumerate() {
             per[self.device_of(k)].push(i);
+        }
+        per
+    }
+
+    /// Indices of `keys` per device they are read from (see [`L2Set::contains`]).
+    fn split_held(&self, keys: &[StorageKey]) -> Vec<Vec<usize>> {
+        let mut per: Vec<Vec<usize>> = vec![Vec::new(); self.tiers.len()];
+        for (i, k) in keys.iter().enumerate() {
+            per[self.holder_of(k).unwrap_or_else(|| self.device_of(k))].push(i);
         }
         per
     }

@@ -130,7 +130,8 @@ pub struct L2Tier {
     extent_bytes: u64,
     format_id: AtomicU64,
     seq: AtomicU64,
-    prefetching: AtomicUsize,
+    /// Objects being loaded, node-wide: shared by every device of a set.
+    prefetching: parking_lot::RwLock<Arc<AtomicUsize>>,
     max_prefetch: usize,
     batch_objects: usize,
     counters: Counters,
@@ -348,7 +349,7 @@ impl Drop for LoadGuard<'_> {
             }
         }
         self.tier
-            .prefetching
+            .prefetch_budget()
             .fetch_sub(self.budget, Ordering::AcqRel);
     }
 }
@@ -476,7 +477,7 @@ impl L2Tier {
             extent_bytes,
             format_id: AtomicU64::new(0),
             seq: AtomicU64::new(1),
-            prefetching: AtomicUsize::new(0),
+            prefetching: parking_lot::RwLock::new(Arc::new(AtomicUsize::new(0))),
             max_prefetch: cfg.max_prefetch_objects,
             batch_objects: cfg.batch_objects.min(STAGING_BYTES as usize / BLOCK / 4),
             counters: Counters::default(),
@@ -1297,20 +1298,27 @@ impl L2Tier {
         true
     }
 
+    /// The prefetch budget counter (objects being loaded).
+    pub(super) fn prefetch_budget(&self) -> Arc<AtomicUsize> {
+        self.prefetching.read().clone()
+    }
+
+    /// Uses `budget` (another device's) instead of this device's own counter, so a set of
+    /// devices has one node-wide bound. Only at opening, before any load.
+    pub(super) fn share_prefetch_budget(&self, budget: &Arc<AtomicUsize>) {
+        *self.prefetching.write() = budget.clone();
+    }
+
     /// Takes up to `want` units of the node-wide prefetch budget.
     fn acquire_prefetch(&self, want: usize) -> usize {
-        let mut cur = self.prefetching.load(Ordering::Acquire);
+        let counter = self.prefetch_budget();
+        let mut cur = counter.load(Ordering::Acquire);
         loop {
             let n = want.min(self.max_prefetch.saturating_sub(cur));
             if n == 0 {
                 return 0;
             }
-            match self.prefetching.compare_exchange_weak(
-                cur,
-                cur + n,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
+            match counter.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return n,
                 Err(c) => cur = c,
             }

@@ -254,7 +254,14 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     let mut written = 0;
     let per_round = l2.tiers()[0].batch_objects() * PIPELINE_BATCHES;
     for part in victims.chunks(per_round) {
-        let todo: Vec<StorageKey> = part.iter().filter(|k| !l2.contains(k)).copied().collect();
+        // Objects whose model has no registered layout now cannot be stamped with the layout
+        // they were stored under: they are evicted without a disk copy rather than risk being
+        // served under another layout later.
+        let todo: Vec<StorageKey> = part
+            .iter()
+            .filter(|k| !l2.contains(k) && ctx.layout_fingerprint(k) != 0)
+            .copied()
+            .collect();
         written += l2.persist(
             &ctx.storage,
             &ctx.namespaces,
