@@ -685,6 +685,18 @@ fn silent_lmcache_worker_is_reaped_and_its_reservation_freed() {
     );
 }
 
+/// Registers `reg` engine-driven and maps the pool segment the reply names.
+fn register_mapped(d: &mut Dealer, node: &LmNode, reg: &RegisterPayload) -> kvnode_hw::PoolMapping {
+    let r = d
+        .call(
+            Op::RegisterEngineDriven,
+            vec![wire::encode_register_payload(reg)],
+        )
+        .unwrap();
+    kvnode_hw::PoolMapping::open_posix_shm(&node.shm, get(&r, "pool_size").as_u64().unwrap())
+        .unwrap()
+}
+
 #[test]
 fn lmcache_clients_get_l2_hits_after_a_restart() {
     let l2 = std::env::temp_dir().join(format!("kvnode-lm-l2-{}", std::process::id()));
@@ -697,17 +709,7 @@ fn lmcache_clients_get_l2_hits_after_a_restart() {
     {
         let node = start_with("l2a", &l2_args);
         let mut d = Dealer::connect(node.port);
-        let r = d
-            .call(
-                Op::RegisterEngineDriven,
-                vec![wire::encode_register_payload(&reg)],
-            )
-            .unwrap();
-        let pool = kvnode_hw::PoolMapping::open_posix_shm(
-            &node.shm,
-            get(&r, "pool_size").as_u64().unwrap(),
-        )
-        .unwrap();
+        let pool = register_mapped(&mut d, &node, &reg);
         let p = d
             .call(
                 Op::PrepareStore,
