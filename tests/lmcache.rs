@@ -739,15 +739,7 @@ fn lmcache_clients_get_l2_hits_after_a_restart() {
     let st = common::NodeStatus::of(&node.socket);
     assert_eq!(num(&st, &["l2", "recovered"]), 4, "{st:#}");
     let mut d = Dealer::connect(node.port);
-    let r = d
-        .call(
-            Op::RegisterEngineDriven,
-            vec![wire::encode_register_payload(&reg)],
-        )
-        .unwrap();
-    let pool =
-        kvnode_hw::PoolMapping::open_posix_shm(&node.shm, get(&r, "pool_size").as_u64().unwrap())
-            .unwrap();
+    let pool = register_mapped(&mut d, &node, &reg);
     assert_eq!(
         d.call(
             Op::Lookup,
