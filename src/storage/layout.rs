@@ -89,14 +89,20 @@ pub struct Layout {
     /// Element type.
     pub dtype: Dtype,
     object_bytes: u64,
+    fingerprint: u64,
 }
 
 impl Layout {
     /// A stable 64-bit fingerprint of shape and dtype (never 0; 0 means "unknown" in L2
-    /// headers). Equal layouts have equal fingerprints across runs and machines.
+    /// headers). Equal layouts have equal fingerprints across runs and machines. Computed once
+    /// at construction (it is read on every commit when L2 is on).
     pub fn fingerprint(&self) -> u64 {
-        let mut text = self.dtype.name().to_owned();
-        for d in &self.shape {
+        self.fingerprint
+    }
+
+    fn compute_fingerprint(shape: &[u64], dtype: Dtype) -> u64 {
+        let mut text = dtype.name().to_owned();
+        for d in shape {
             text.push(',');
             text.push_str(&d.to_string());
         }
@@ -126,6 +132,7 @@ impl Layout {
                 })?;
         }
         Ok(Layout {
+            fingerprint: Self::compute_fingerprint(&shape, dtype),
             shape,
             dtype,
             object_bytes: n,
