@@ -170,7 +170,7 @@ impl NodeContext {
     /// Fingerprint of the layout `key`'s model is registered with now (0 when no instance of
     /// that model and world size is registered): recorded in L2 headers.
     pub fn layout_fingerprint(&self, key: &StorageKey) -> u64 {
-        let world_size = key.kv_rank >> 24;
+        let world_size = crate::storage::key::world_size_of(key.kv_rank);
         self.namespaces
             .name(key.namespace)
             .and_then(|(model, _)| self.layouts.get(&model, world_size))
