@@ -3,7 +3,6 @@
 //! object lives on the device its key hashes to, so devices add capacity and bandwidth without
 //! sharing any lock.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use kvnode_hw::SharedPool;
@@ -77,11 +76,6 @@ impl L2Set {
     /// The devices, in configuration order.
     pub fn tiers(&self) -> &[L2Tier] {
         &self.tiers
-    }
-
-    /// The device `key` is written to.
-    pub fn tier_of(&self, key: &StorageKey) -> &L2Tier {
-        &self.tiers[self.device_of(key)]
     }
 
     /// Routing uses only what a key is made of on disk (chunk hash, rank, group), never the
@@ -291,10 +285,5 @@ impl L2Set {
                 Vec::new()
             },
         }
-    }
-
-    /// The data files or devices.
-    pub fn paths(&self) -> Vec<&Path> {
-        self.tiers.iter().map(L2Tier::path).collect()
     }
 }

@@ -803,11 +803,6 @@ impl L2Tier {
         self.policy
     }
 
-    /// The engine in use.
-    pub fn engine_kind(&self) -> EngineKind {
-        self.write_engine.kind()
-    }
-
     /// Whether `key` is readable from L2.
     pub fn contains(&self, key: &StorageKey) -> bool {
         self.index.lock().contains(key)
@@ -999,7 +994,6 @@ impl L2Tier {
                 len,
                 extent_ok: true,
             });
-            let _ = grant;
         }
         // Extent headers first, so a slot is never written into an extent whose header says
         // otherwise (a crash in between leaves at worst an extent with no readable slots).
@@ -1325,16 +1319,11 @@ impl L2Tier {
         }
     }
 
-    /// Drops every object from L2 and makes the drop durable: a new format id is written, so
-    /// headers written before are ignored at the next start. Objects being written or loaded are
-    /// dropped when their I/O ends. Returns (removed now, deferred).
-    pub fn clear(&self) -> Result<(u64, u64)> {
-        self.clear_with(|| ()).map(|(_, r)| r)
-    }
-
     /// CLEAR of both tiers: runs `clear_l1` and empties L2 while no write-behind batch or load
     /// is in flight (they hold the gate shared), so nothing locked or pinned before the CLEAR
-    /// is written or published after it. Returns `clear_l1`'s result and (removed, deferred).
+    /// is written or published after it. The drop is durable: a new format id is written, so
+    /// headers written before are ignored at the next start. Returns `clear_l1`'s result and
+    /// (removed, deferred).
     pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
         self.clear_gate.exclusive(|| {
             let l1 = clear_l1();
@@ -1394,10 +1383,5 @@ impl L2Tier {
     /// Staging blocks not in use (all of them whenever no I/O is running).
     pub fn staging_free(&self) -> usize {
         self.staging.free.lock().len()
-    }
-
-    /// Path of the data file or device.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }

@@ -497,18 +497,9 @@ impl StorageCore {
 
     /// Takes `1 + extra` read locks on each key. Requires `Ready` and not doomed.
     pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Grant, KeyError>> {
-        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
-        self.reserve_read_until(keys, extra, deadline)
-    }
-
-    fn reserve_read_until(
-        &self,
-        keys: &[StorageKey],
-        extra: u32,
-        deadline: u64,
-    ) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
         let now = self.now_ms();
+        let deadline = now + self.config.read_ttl.as_millis() as u64;
         keys.iter()
             .map(|k| {
                 let mut shard = self.shard(k).lock();
