@@ -13,6 +13,18 @@ use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
 use crate::storage::{Layout, Namespaces, StorageCore, StorageKey};
 
+/// The device (of `devices`, at least 1) a key is written to. Uses only what a key is made of
+/// on disk (chunk hash, rank, group), never the namespace id, which is assigned per run: a key
+/// maps to the same device after a restart.
+fn device_for(key: &StorageKey, devices: usize) -> usize {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&key.chunk_hash[16..24]);
+    let h = u64::from_le_bytes(b)
+        ^ u64::from(key.kv_rank).rotate_left(17)
+        ^ u64::from(key.object_group).rotate_left(41);
+    (h % devices.max(1) as u64) as usize
+}
+
 /// The STATUS `l2` object: totals over the devices (same fields as one device) and, with more
 /// than one device, each device's own figures.
 #[derive(Debug, Clone, Serialize)]
@@ -78,15 +90,8 @@ impl L2Set {
         &self.tiers
     }
 
-    /// Routing uses only what a key is made of on disk (chunk hash, rank, group), never the
-    /// namespace id, which is assigned per run: a key maps to the same device after a restart.
     fn device_of(&self, key: &StorageKey) -> usize {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&key.chunk_hash[16..24]);
-        let h = u64::from_le_bytes(b)
-            ^ u64::from(key.kv_rank).rotate_left(17)
-            ^ u64::from(key.object_group).rotate_left(41);
-        (h % self.tiers.len() as u64) as usize
+        device_for(key, self.tiers.len())
     }
 
     /// The write policy in force.
@@ -285,5 +290,30 @@ impl L2Set {
                 Vec::new()
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::NamespaceId;
+
+    #[test]
+    fn devices_ignore_the_per_run_namespace_id_and_spread_keys() {
+        let key = |h: u8, ns: u32| StorageKey {
+            chunk_hash: [h; 32],
+            kv_rank: 0,
+            object_group: 0,
+            namespace: NamespaceId(ns),
+        };
+        for h in 0..=255u8 {
+            assert_eq!(device_for(&key(h, 0), 4), device_for(&key(h, 7), 4));
+        }
+        let mut used = [0usize; 4];
+        for h in 0..=255u8 {
+            used[device_for(&key(h, 0), 4)] += 1;
+        }
+        assert!(used.iter().all(|&n| n > 0), "{used:?}");
+        assert_eq!(device_for(&key(9, 0), 1), 0);
     }
 }
