@@ -128,6 +128,10 @@ pub struct L2Config {
     pub write_queue: usize,
     /// Objects per write-behind batch.
     pub batch_objects: usize,
+    /// How long start-up waits for another process's lock on a device to go away (a node
+    /// killed a moment ago keeps its files open until the kernel has finished its in-flight
+    /// I/O); after that the node refuses to start.
+    pub lock_wait_ms: u64,
 }
 
 impl Default for L2Config {
@@ -144,6 +148,7 @@ impl Default for L2Config {
             max_prefetch_objects: 1024,
             write_queue: 65_536,
             batch_objects: 64,
+            lock_wait_ms: 5_000,
         }
     }
 }

@@ -210,20 +210,40 @@ pub fn open_block_device(path: &Path) -> HwResult<(File, u64)> {
     Ok((file, size & !(BLOCK_ALIGN - 1)))
 }
 
-/// Takes an exclusive, non-blocking `flock` on `file` (held until every
-/// duplicate of the descriptor is closed), so two nodes never share one data
-/// file or device.
+/// Takes an exclusive `flock` on `file` (held until every duplicate of the
+/// descriptor is closed), so two nodes never share one data file or device.
+///
+/// A lock still held is retried every 10 ms for up to `wait`: after a crash the
+/// kernel keeps the dead process's file open until its io_uring teardown has
+/// finished the I/Os still in flight, so waiting for the lock is also waiting
+/// for those writes to land before this process reads the device.
 ///
 /// Errors: `Os { op: "flock", .. }` with `EWOULDBLOCK` if another process
-/// holds it.
-pub fn lock_exclusive(file: &File) -> HwResult<()> {
+/// still holds it after `wait`.
+pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
     use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        return Err(HwError::os("flock", std::io::Error::last_os_error()));
+    let deadline = std::time::Instant::now() + wait;
+    let mut logged = false;
+    loop {
+        // SAFETY: flock on a descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        let held = err.raw_os_error() == Some(libc::EWOULDBLOCK);
+        if err.raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        if !held || std::time::Instant::now() >= deadline {
+            return Err(HwError::os("flock", err));
+        }
+        if !logged {
+            tracing::info!(?wait, "data file locked by another process; waiting for it");
+            logged = true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    Ok(())
 }
 
 fn open_direct_with(path: &Path, size: u64, reserve: bool) -> HwResult<File> {

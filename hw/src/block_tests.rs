@@ -557,3 +557,40 @@ fn uring_with_several_rings_runs_batches_from_threads_side_by_side() {
         }
     });
 }
+
+#[test]
+fn lock_exclusive_refuses_a_held_lock_and_waits_for_its_release() {
+    let dir = TempDir::new(&std::env::temp_dir(), "lock");
+    let path = dir.0.join("data");
+    let open = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap()
+    };
+    // Two open file descriptions conflict even within one process.
+    let holder = open();
+    crate::lock_exclusive(&holder, std::time::Duration::ZERO).unwrap();
+    let second = open();
+    let err = crate::lock_exclusive(&second, std::time::Duration::ZERO).unwrap_err();
+    match err {
+        HwError::Os { op, source } => {
+            assert_eq!(op, "flock");
+            assert_eq!(source.raw_os_error(), Some(libc::EWOULDBLOCK));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Released while the second waits (the way a crashed node's files close once
+    // its in-flight I/O has finished): the waiter gets the lock.
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(holder);
+    });
+    crate::lock_exclusive(&second, std::time::Duration::from_secs(60)).unwrap();
+    releaser.join().unwrap();
+    let third = open();
+    assert!(crate::lock_exclusive(&third, std::time::Duration::ZERO).is_err());
+}

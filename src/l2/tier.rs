@@ -443,9 +443,10 @@ impl L2Tier {
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> Result<L2Tier> {
         let (file, file_bytes, path) = open_data(cfg, path)?;
-        kvnode_hw::lock_exclusive(&file).map_err(|e| {
-            Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
-        })?;
+        kvnode_hw::lock_exclusive(&file, std::time::Duration::from_millis(cfg.lock_wait_ms))
+            .map_err(|e| {
+                Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
+            })?;
         let write_engine = wrap(make_engine(
             cfg.engine_kind()?,
             &pool,
