@@ -68,43 +68,162 @@ fn cpu_now() -> f64 {
     kvnode_hw::process_cpu_seconds().unwrap_or(0.0)
 }
 
-fn run_pass(
-    engine: &dyn BlockEngine,
-    write: bool,
+/// A scratch file on the disk under test, opened `O_DIRECT`, with a small pool of reused
+/// buffers and one block engine: the raw device path every node figure is compared with.
+/// The file is removed (and the pool's registration released) on drop.
+pub struct RawFile {
+    engine: Box<dyn BlockEngine>,
+    pool: Arc<SharedPool>,
+    path: std::path::PathBuf,
+    kind: EngineKind,
     object_bytes: u64,
     objects: u64,
-    batch: usize,
+    /// Distinct pool buffers the I/Os cycle through (>= 1).
     ring: u64,
-) -> Result<(), String> {
-    let mut ios = Vec::with_capacity(batch);
-    let mut next = 0u64;
-    while next < objects {
-        ios.clear();
-        while ios.len() < batch && next < objects {
-            ios.push(BlockIo {
-                pool_offset: (next % ring) * object_bytes,
-                file_offset: next * object_bytes,
-                len: object_bytes,
-            });
-            next += 1;
+}
+
+impl RawFile {
+    /// Creates `name` in `dir` with room for `objects` objects of `object_bytes`, preallocated
+    /// like the node's data file, and fills the buffers with a non-zero pattern (so nothing on
+    /// the way can shortcut zero blocks). Buffers: at most [`RING_BYTES`] and `max_batch`.
+    pub fn create(
+        dir: &Path,
+        name: &str,
+        kind: EngineKind,
+        object_bytes: u64,
+        objects: u64,
+        max_batch: usize,
+        queue_depth: u32,
+    ) -> Result<RawFile, String> {
+        let ring = (RING_BYTES / object_bytes).clamp(1, max_batch.max(1) as u64);
+        let pool = SharedPool::create(&PoolOptions {
+            bytes: ring * object_bytes,
+            prefer: PagePreference::Huge2M,
+            prefault: true,
+            name: "kvnode-bench-raw".into(),
+            posix_shm_name: None,
+        })
+        .map_err(|e| format!("raw baseline pool: {e}"))?;
+        let mut pattern = vec![0u8; object_bytes as usize];
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for w in pattern.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
         }
-        let results = if write {
-            engine.write_batch(&ios)
-        } else {
-            engine.read_batch(&ios)
-        };
-        for (io, r) in ios.iter().zip(results) {
-            if let Err(e) = r {
-                return Err(format!(
-                    "raw {} {} at file offset {}: {e}",
-                    engine.kind(),
-                    if write { "write" } else { "read" },
-                    io.file_offset
-                ));
+        for i in 0..ring {
+            pool.region()
+                .write_at(i * object_bytes, &pattern)
+                .map_err(|e| e.to_string())?;
+        }
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path);
+        let file = kvnode_hw::open_direct(&path, objects * object_bytes)
+            .map_err(|e| format!("opening {}: {e}", path.display()))?;
+        let pool = Arc::new(pool);
+        let engine = kvnode_hw::open_engine(Some(kind), pool.clone(), file, queue_depth)
+            .map_err(|e| format!("{kind} engine: {e}"))?;
+        Ok(RawFile {
+            engine,
+            pool,
+            path,
+            kind,
+            object_bytes,
+            objects,
+            ring,
+        })
+    }
+
+    /// I/Os per call: no buffer is used twice within one batch.
+    pub fn max_batch(&self) -> usize {
+        self.ring as usize
+    }
+
+    /// Writes (or reads) objects `[first, first + count)` in order, `batch` I/Os per engine call
+    /// (clamped to [`RawFile::max_batch`]); returns the time it took.
+    pub fn pass(
+        &self,
+        write: bool,
+        first: u64,
+        count: u64,
+        batch: usize,
+    ) -> Result<Duration, String> {
+        self.pass_then(write, first, count, batch, false)
+    }
+
+    /// [`RawFile::pass`]; with `checksum`, reads also compute the node's payload checksum of
+    /// each object as its read completes (the work a node's L2 load must do before serving it).
+    pub fn pass_then(
+        &self,
+        write: bool,
+        first: u64,
+        count: u64,
+        batch: usize,
+        checksum: bool,
+    ) -> Result<Duration, String> {
+        let end = (first + count).min(self.objects);
+        let batch = batch.clamp(1, self.max_batch());
+        let mut ios = Vec::with_capacity(batch);
+        let mut next = first;
+        let t0 = Instant::now();
+        while next < end {
+            ios.clear();
+            while ios.len() < batch && next < end {
+                ios.push(BlockIo {
+                    pool_offset: (next % self.ring) * self.object_bytes,
+                    file_offset: next * self.object_bytes,
+                    len: self.object_bytes,
+                });
+                next += 1;
+            }
+            let results = if write {
+                self.engine.write_batch(&ios)
+            } else if checksum {
+                let pool = &self.pool;
+                self.engine.read_batch_then(&ios, &|j| {
+                    let io = &ios[j];
+                    let sum = pool.region().with_bytes(
+                        io.pool_offset,
+                        io.len,
+                        kvnode::l2::format::payload_checksum,
+                    );
+                    std::hint::black_box(sum.ok());
+                })
+            } else {
+                self.engine.read_batch(&ios)
+            };
+            for (io, r) in ios.iter().zip(results) {
+                if let Err(e) = r {
+                    return Err(format!(
+                        "raw {} {} at file offset {}: {e}",
+                        self.kind,
+                        if write { "write" } else { "read" },
+                        io.file_offset
+                    ));
+                }
             }
         }
+        Ok(t0.elapsed())
     }
-    Ok(())
+
+    /// `fdatasync` of the file; returns the time it took.
+    pub fn sync(&self) -> Result<Duration, String> {
+        let t = Instant::now();
+        self.engine
+            .sync()
+            .map_err(|e| format!("raw fdatasync: {e}"))?;
+        Ok(t.elapsed())
+    }
+}
+
+impl Drop for RawFile {
+    fn drop(&mut self) {
+        // Unpin the buffers now: left to the kernel's asynchronous ring teardown, the hugepages
+        // stay pinned for a while and the node started next would not get its pool on them.
+        self.engine.release();
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// Writes `total` bytes as objects of `object_bytes` to a fresh scratch file in `dir`
@@ -120,88 +239,39 @@ pub fn raw_baseline(
     queue_depth: u32,
 ) -> Result<RawResult, String> {
     let objects = total / object_bytes;
-    let ring = (RING_BYTES / object_bytes).clamp(1, batch.max(1) as u64);
-    // No buffer is used twice within one batch.
-    let batch_ios = batch.clamp(1, ring as usize);
-    let pool = SharedPool::create(&PoolOptions {
-        bytes: ring * object_bytes,
-        prefer: PagePreference::Huge2M,
-        prefault: true,
-        name: "kvnode-bench-raw".into(),
-        posix_shm_name: None,
+    let raw = RawFile::create(
+        dir,
+        &format!("raw-{kind}.dat"),
+        kind,
+        object_bytes,
+        objects,
+        batch,
+        queue_depth,
+    )?;
+    let batch_ios = raw.max_batch();
+    let bytes = objects * object_bytes;
+    let c0 = cpu_now();
+    let write = raw.pass(true, 0, objects, batch_ios)?;
+    let c1 = cpu_now();
+    let sync = raw.sync()?;
+    let c2 = cpu_now();
+    let read = raw.pass(false, 0, objects, batch_ios)?;
+    let c3 = cpu_now();
+    Ok(RawResult {
+        engine: kind.as_str().into(),
+        queue_depth,
+        batch_ios,
+        ring_buffers: raw.ring,
+        io_bytes: object_bytes,
+        bytes,
+        write_gbps: gbps(bytes, write),
+        read_gbps: gbps(bytes, read),
+        write_s: write.as_secs_f64(),
+        sync_s: sync.as_secs_f64(),
+        read_s: read.as_secs_f64(),
+        write_cpu_s_per_gb: cpu_per_gb(c1 - c0, bytes),
+        read_cpu_s_per_gb: cpu_per_gb(c3 - c2, bytes),
     })
-    .map_err(|e| format!("raw baseline pool: {e}"))?;
-    // Non-zero contents, so nothing on the way can shortcut zero blocks.
-    let mut pattern = vec![0u8; object_bytes as usize];
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    for w in pattern.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
-    }
-    for i in 0..ring {
-        pool.region()
-            .write_at(i * object_bytes, &pattern)
-            .map_err(|e| e.to_string())?;
-    }
-    let path = dir.join(format!("raw-{kind}.dat"));
-    let _ = std::fs::remove_file(&path);
-    let file = kvnode_hw::open_direct(&path, objects * object_bytes)
-        .map_err(|e| format!("opening {}: {e}", path.display()))?;
-    let engine = kvnode_hw::open_engine(Some(kind), Arc::new(pool), file, queue_depth)
-        .map_err(|e| format!("{kind} engine: {e}"))?;
-    let result = (|| {
-        let bytes = objects * object_bytes;
-        let c0 = cpu_now();
-        let t0 = Instant::now();
-        run_pass(
-            engine.as_ref(),
-            true,
-            object_bytes,
-            objects,
-            batch_ios,
-            ring,
-        )?;
-        let write = t0.elapsed();
-        let c1 = cpu_now();
-        let t1 = Instant::now();
-        engine.sync().map_err(|e| format!("raw fdatasync: {e}"))?;
-        let sync = t1.elapsed();
-        let c2 = cpu_now();
-        let t2 = Instant::now();
-        run_pass(
-            engine.as_ref(),
-            false,
-            object_bytes,
-            objects,
-            batch_ios,
-            ring,
-        )?;
-        let read = t2.elapsed();
-        let c3 = cpu_now();
-        Ok(RawResult {
-            engine: kind.as_str().into(),
-            queue_depth,
-            batch_ios,
-            ring_buffers: ring,
-            io_bytes: object_bytes,
-            bytes,
-            write_gbps: gbps(bytes, write),
-            read_gbps: gbps(bytes, read),
-            write_s: write.as_secs_f64(),
-            sync_s: sync.as_secs_f64(),
-            read_s: read.as_secs_f64(),
-            write_cpu_s_per_gb: cpu_per_gb(c1 - c0, bytes),
-            read_cpu_s_per_gb: cpu_per_gb(c3 - c2, bytes),
-        })
-    })();
-    // Unpin the buffers now: left to the kernel's asynchronous ring teardown, the hugepages
-    // stay pinned for a while and the node started next would not get its pool on them.
-    engine.release();
-    drop(engine);
-    let _ = std::fs::remove_file(&path);
-    result
 }
 
 /// Clock ticks per second of `/proc/<pid>/stat` times (`getconf CLK_TCK`, 100 if unknown).

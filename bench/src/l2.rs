@@ -19,7 +19,7 @@ use kvnode::protocol::RegisterRequest;
 use kvnode_hw::EngineKind;
 use serde_json::{json, Value};
 
-use crate::disk::{self, cpu_per_gb, gbps, RawResult};
+use crate::disk::{self, cpu_per_gb, gbps, RawFile, RawResult};
 use crate::node::SpawnedNode;
 
 /// Tokens per chunk of the layout (a spawned node gets it as `--chunk-size`).
@@ -187,6 +187,9 @@ struct NodePlan<'a> {
     batch: usize,
     poll: Duration,
     ticks: f64,
+    /// Engine of the raw reads interleaved with the node's L2 reads.
+    paired_engine: EngineKind,
+    raw_queue_depth: u32,
 }
 
 impl NodePlan<'_> {
@@ -251,14 +254,28 @@ impl NodePlan<'_> {
             Err(e) => return Err(format!("{e}\nnode log:\n{}", node.log())),
         };
         let shutdown = node.stop(Duration::from_secs(300))?;
+        // The paired baseline: the same objects written raw on the same disk, read back batch
+        // for batch between the node's L2 reads, so both see the disk in the same state.
+        let paired = RawFile::create(
+            &self.dir,
+            "raw-paired.dat",
+            self.paired_engine,
+            self.object_bytes,
+            n,
+            self.batch,
+            self.raw_queue_depth,
+        )?;
+        paired.pass(true, 0, n, self.batch)?;
+        paired.sync()?;
         let drop_caches = std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
         eprintln!("kvnode-bench l2: node {} cold read", self.engine);
         let (node, restart) = self.start()?;
-        let read = match self.read_phase(&node, payload) {
+        let read = match self.read_phase(&node, payload, &paired) {
             Ok(r) => r,
             Err(e) => return Err(format!("{e}\nnode log:\n{}", node.log())),
         };
         node.stop(Duration::from_secs(300))?;
+        drop(paired);
         let _ = std::fs::remove_dir_all(&self.dir);
         let s = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
         let written = &write["status"];
@@ -288,6 +305,11 @@ impl NodePlan<'_> {
             "restart_s": restart.as_secs_f64(),
             "recovered": s(loaded, "recovered"),
             "read_gbps": read["read_gbps"],
+            "paired_raw_engine": self.paired_engine.as_str(),
+            "paired_raw_read_gbps": read["paired_raw_read_gbps"],
+            "read_vs_paired": read["read_vs_paired"],
+            "paired_raw_checksum_read_gbps": read["paired_raw_checksum_read_gbps"],
+            "read_vs_paired_checksum": read["read_vs_paired_checksum"],
             "retrieve_gbps": read["retrieve_gbps"],
             "retrieve_s": read["retrieve_s"],
             "read_s": read["read_s"],
@@ -377,7 +399,12 @@ impl NodePlan<'_> {
         }))
     }
 
-    fn read_phase(&self, node: &SpawnedNode, payload: &Payload) -> Result<Value, String> {
+    fn read_phase(
+        &self,
+        node: &SpawnedNode,
+        payload: &Payload,
+        paired: &RawFile,
+    ) -> Result<Value, String> {
         let n = self.hashes.len() as u64;
         let bytes = n * self.object_bytes;
         let mut client = Client::connect(&node.socket).map_err(|e| e.to_string())?;
@@ -394,9 +421,15 @@ impl NodePlan<'_> {
         self.register(&mut client, id)?;
         // Prefetch (what LMCache does: LOOKUP, then retrieve): each lookup loads its chunks
         // from L2 into L1, checksums verified, before it answers. This is the L2 read rate.
+        // Between lookups the same number of objects is read raw from the paired file (not
+        // counted in the node's time), so node and device are timed under the same conditions.
         let cpu_l0 = self.cpu(node);
-        let tl = Instant::now();
+        let mut prefetch = Duration::ZERO;
+        let mut raw_read = Duration::ZERO;
+        let mut raw_checked = Duration::ZERO;
+        let mut cpu_raw = 0.0;
         for (b, hashes) in self.hashes.chunks(self.batch).enumerate() {
+            let tl = Instant::now();
             let req = format!("l2-read-{b}");
             let range = ChunkRangeBuilder::all_ranks(MODEL, 1)
                 .hashes((b * self.batch) as u32, hashes.to_vec());
@@ -412,9 +445,25 @@ impl NodePlan<'_> {
             client
                 .end_session(&req)
                 .map_err(|e| format!("end_session: {e}"))?;
+            prefetch += tl.elapsed();
+            let c = self.cpu(node);
+            raw_read += paired.pass(
+                false,
+                (b * self.batch) as u64,
+                hashes.len() as u64,
+                self.batch,
+            )?;
+            raw_checked += paired.pass_then(
+                false,
+                (b * self.batch) as u64,
+                hashes.len() as u64,
+                self.batch,
+                true,
+            )?;
+            cpu_raw += self.cpu(node) - c;
         }
-        let prefetch = tl.elapsed();
-        let prefetch_cpu = self.cpu(node) - cpu_l0;
+        // The node's CPU while the raw reads ran (idle polling, if any) is not the L2 read's.
+        let prefetch_cpu = self.cpu(node) - cpu_l0 - cpu_raw;
         let mut dest = vec![0u8; self.object_bytes as usize];
         let (mut verified, mut corrupt, mut misses, mut moved) = (0u64, 0u64, 0u64, 0u64);
         let mut prepare = Duration::ZERO;
@@ -463,6 +512,10 @@ impl NodePlan<'_> {
         Ok(json!({
             "read_gbps": gbps(bytes, prefetch),
             "read_s": prefetch.as_secs_f64(),
+            "paired_raw_read_gbps": gbps(bytes, raw_read),
+            "read_vs_paired": ratio(raw_read.as_secs_f64(), prefetch.as_secs_f64()),
+            "paired_raw_checksum_read_gbps": gbps(bytes, raw_checked),
+            "read_vs_paired_checksum": ratio(raw_checked.as_secs_f64(), prefetch.as_secs_f64()),
             "node_cpu_s": prefetch_cpu,
             "node_cpu_s_per_gb": cpu_per_gb(prefetch_cpu, bytes),
             "retrieve_gbps": gbps(moved, elapsed),
@@ -590,6 +643,12 @@ fn run_in(
             batch: args.batch_chunks,
             poll: Duration::from_millis(args.poll_ms.max(1)),
             ticks,
+            paired_engine: if args.engines.iter().any(|e| e.kind() == EngineKind::Uring) {
+                EngineKind::Uring
+            } else {
+                EngineKind::Pread
+            },
+            raw_queue_depth: args.queue_depth,
         };
         nodes.insert(e.kind().as_str().into(), plan.run(&mut payload)?);
     }
@@ -641,6 +700,7 @@ fn run_in(
         "node_vs_device_min": TARGET_VS_DEVICE,
         "write_met": all("write_vs_device"),
         "read_met": all("read_vs_device"),
+        "read_paired_met": all("read_vs_paired"),
         "cpu_uring_below_pread_write": lt1(&cpu["node_write"]),
         "cpu_uring_below_pread_read": lt1(&cpu["node_read"]),
     });
@@ -746,6 +806,18 @@ pub fn print_table(j: &Value) {
                 100.0 * f(&n["read_vs_raw"]),
                 target(f(&n["read_vs_device"])),
                 f(&n["read_cpu_s_per_gb"]),
+            );
+        println!(
+                "            L2 read vs raw reads of the same batches interleaved with it ({} {:.2} GB/s): {:>3.0}% [>= 90%: {}]",
+                n["paired_raw_engine"].as_str().unwrap_or("?"),
+                f(&n["paired_raw_read_gbps"]),
+                100.0 * f(&n["read_vs_paired"]),
+                target(f(&n["read_vs_paired"])),
+            );
+        println!(
+                "            L2 read vs the same raw reads checksummed like the node does ({:.2} GB/s): {:>3.0}%",
+                f(&n["paired_raw_checksum_read_gbps"]),
+                100.0 * f(&n["read_vs_paired_checksum"]),
             );
         println!(
             "            then retrieve from L1 {:.2} GB/s (client copy out, after the prefetch)",

@@ -116,10 +116,16 @@ fn check(j: &serde_json::Value, engine: &str) {
         "write_vs_device",
         "read_vs_raw",
         "read_vs_device",
+        "paired_raw_read_gbps",
+        "read_vs_paired",
+        "paired_raw_checksum_read_gbps",
+        "read_vs_paired_checksum",
     ] {
         number(n, k);
     }
     assert_eq!(n["engine"], engine);
+    assert!(n["paired_raw_engine"] == "uring" || n["paired_raw_engine"] == "pread");
+    assert!(n["paired_raw_read_gbps"].as_f64().unwrap() > 0.0);
     assert!(n["drop_caches"].is_boolean());
     assert_eq!(n["verified"], true);
     assert_eq!(n["objects"], chunks);
