@@ -82,6 +82,7 @@ for name, rs in sorted(runs.items(), key=lambda kv: kv[1][0]["object_bytes"]):
         wv, _ = med(rs, "node", e, "write_vs_device"); rv, _ = med(rs, "node", e, "read_vs_device")
         wr, _ = med(rs, "node", e, "write_vs_raw"); rr, _ = med(rs, "node", e, "read_vs_raw")
         rp, _ = med(rs, "node", e, "read_vs_paired"); rpg, _ = med(rs, "node", e, "paired_raw_read_gbps")
+        rc_, _ = med(rs, "node", e, "read_vs_paired_checksum")
         rec = all(r["node"][e]["recovered"] == r["objects"] for r in rs)
         ver = all(r["node"][e]["verified"] for r in rs)
         rs_s, _ = med(rs, "node", e, "restart_s")
@@ -89,6 +90,7 @@ for name, rs in sorted(runs.items(), key=lambda kv: kv[1][0]["object_bytes"]):
         print(f"- node {e}: write-behind {pct(wv)} of device ({pct(wr)} of raw {e}) [>= 90%: {tgt(wv)}], "
               f"cold read {pct(rv)} of device ({pct(rr)} of raw {e}) [>= 90%: {tgt(rv)}], "
               f"{pct(rp)} of paired raw reads ({rpg:.2f} GB/s) [>= 90%: {tgt(rp)}], "
+              f"{pct(rc_)} of paired raw reads checksummed like the node, "
               f"restart {rs_s:.2f} s, recovered all: {'yes' if rec else 'NO'}, verified: {'yes' if ver else 'NO'}")
     cw, _ = med(rs, "cpu_uring_over_pread", "node_write"); cr, _ = med(rs, "cpu_uring_over_pread", "node_read")
     if cw is not None:
