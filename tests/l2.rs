@@ -384,6 +384,38 @@ fn serve_must_fail(dir: &L2Dir) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// A burst of stores into a small L1 outruns the write-behind: eviction takes objects already on
+/// L2 before any still waiting for their write, and every object is afterwards either served
+/// (exact bytes) or counted as evicted before it could be written; none vanishes silently.
+#[test]
+fn l1_pressure_evicts_written_objects_before_unwritten_ones() {
+    let dir = L2Dir::new("pressure", "auto");
+    // 32 objects of 64 KiB fit in L1; 240 single-chunk conversations are stored without pause.
+    let node = start("l2pressure", &dir, "4MiB", &[]);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    // (A store finding L1 full of objects being written is refused, not queued: counted here.)
+    let stored = store_all(&mut c, 0..240, 1) as u64;
+    assert!(stored > 32, "{stored}");
+    // Wait until the writer has dealt with every object: written, or skipped because it was
+    // evicted from L1 before its turn (the only reason to skip here).
+    let s = node.wait_status("the write-behind to catch up", |s| {
+        l2(s, "queued") == 0 && l2(s, "writes") + l2(s, "skipped") >= stored
+    });
+    let lost = num(&s, &["eviction_counters", "unwritten_evictions"]);
+    assert_eq!(l2(&s, "errors"), 0, "{s:#}");
+    assert_eq!(l2(&s, "writes") + l2(&s, "skipped"), stored, "{s:#}");
+    assert_eq!(l2(&s, "skipped"), lost, "{s:#}");
+    let hits = verify_all(&mut c, 0..240, 1);
+    assert_eq!(
+        u64::from(hits) + lost,
+        stored,
+        "every object served or counted lost: {s:#}"
+    );
+    let s = node.status();
+    assert_eq!(s["memcheck_ok"], true, "{s:#}");
+}
+
 #[test]
 fn second_node_on_the_same_l2_is_refused() {
     let dir = L2Dir::new("lock", "auto");

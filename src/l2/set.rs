@@ -116,21 +116,22 @@ impl L2Set {
     }
 
     /// Queues committed keys (with the fingerprint of the layout they were committed under)
-    /// for write-behind on their devices.
-    pub fn enqueue(&self, keys: impl IntoIterator<Item = (StorageKey, u64)>) {
+    /// for write-behind on their devices; returns the keys that did not fit (not to be written).
+    pub fn enqueue(&self, keys: impl IntoIterator<Item = (StorageKey, u64)>) -> Vec<StorageKey> {
         if let [one] = self.tiers.as_slice() {
-            one.queue.push(keys);
-            return;
+            return one.queue.push(keys);
         }
         let mut per: Vec<Vec<(StorageKey, u64)>> = vec![Vec::new(); self.tiers.len()];
         for k in keys {
             per[self.device_of(&k.0)].push(k);
         }
+        let mut refused = Vec::new();
         for (t, keys) in self.tiers.iter().zip(per) {
             if !keys.is_empty() {
-                t.queue.push(keys);
+                refused.extend(t.queue.push(keys));
             }
         }
+        refused
     }
 
     /// [`L2Tier::persist`] on each key's device; returns the number written.

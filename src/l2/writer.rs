@@ -50,15 +50,18 @@ impl WriteQueue {
         }
     }
 
-    /// Queues keys for write-behind; returns how many did not fit (counted as dropped).
-    pub fn push(&self, keys: impl IntoIterator<Item = Queued>) -> u64 {
-        let mut dropped = 0;
+    /// Queues keys for write-behind; returns those that did not fit (counted as dropped).
+    pub fn push(&self, keys: impl IntoIterator<Item = Queued>) -> Vec<StorageKey> {
+        let mut refused = Vec::new();
         let closed = self.closed.load(Ordering::Acquire);
         for k in keys {
-            if closed || self.keys.push(k).is_err() {
-                dropped += 1;
+            if closed {
+                refused.push(k.0);
+            } else if let Err(back) = self.keys.push(k) {
+                refused.push(back.0);
             }
         }
+        let dropped = refused.len() as u64;
         if closed && dropped > 0 {
             tracing::warn!(
                 dropped,
@@ -70,7 +73,7 @@ impl WriteQueue {
             tracing::debug!(dropped, "L2 write-behind queue full");
         }
         self.wake.notify_one();
-        dropped
+        refused
     }
 
     /// Keys waiting.
@@ -154,12 +157,16 @@ fn run(ctx: &NodeContext, device: usize) {
                 continue;
             }
             let (keys, layout_of) = split_queued(items);
-            if let Some(batch) = l2.prepare_write(
+            let batch = l2.prepare_write(
                 &ctx.storage,
                 &ctx.namespaces,
                 &|k| layout_of.get(k).copied().unwrap_or(0),
                 &keys,
-            ) {
+            );
+            // Those being written are read-locked now (not evictable until written); the rest
+            // will not be written: either way eviction may treat them like any object again.
+            ctx.storage.clear_unwritten(&keys);
+            if let Some(batch) = batch {
                 if let Err(back) = tx.send(batch) {
                     // The I/O thread is gone (a bug): finish here so nothing stays locked.
                     l2.complete_write(&ctx.storage, back.0);
@@ -231,6 +238,7 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
             &|k| layout_of.get(k).copied().unwrap_or(0),
             &keys,
         );
+        ctx.storage.clear_unwritten(&keys);
     }
     let _ = sync(l2);
     if n > 0 {
@@ -320,7 +328,7 @@ mod tests {
         let q = WriteQueue::new(2);
         assert_eq!(
             q.push([(key(1), 7), (key(2), 7), (key(3), 7)]),
-            1,
+            vec![key(3)],
             "beyond capacity: dropped"
         );
         assert_eq!((q.len(), q.dropped()), (2, 1));
@@ -328,7 +336,7 @@ mod tests {
         q.closed.store(true, Ordering::Release);
         assert_eq!(
             q.push([(key(4), 7)]),
-            1,
+            vec![key(4)],
             "after the shutdown drain: dropped, not queued"
         );
         assert!(q.is_empty());

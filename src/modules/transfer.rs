@@ -209,21 +209,26 @@ fn count_ok<T, E>(results: &[std::result::Result<T, E>]) -> u32 {
 
 fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<Response> {
     let w = take_pending_write(inst, transfer_id)?;
-    let results = ctx.storage.finish_write(&w.items);
-    let published = count_ok(&results);
-    if let Some(l2) = ctx
+    let write_behind = ctx
         .l2
         .as_ref()
-        .filter(|l2| l2.policy() == WritePolicy::Always)
-    {
+        .filter(|l2| l2.policy() == WritePolicy::Always);
+    // Published as waiting for write-behind before it is queued, so the writer's clearing of
+    // the mark can never come first.
+    let results = ctx
+        .storage
+        .finish_write_pending_l2(&w.items, write_behind.is_some());
+    let published = count_ok(&results);
+    if let Some(l2) = write_behind {
         let layout = inst.layout.fingerprint();
-        l2.enqueue(
+        let refused = l2.enqueue(
             w.items
                 .iter()
                 .zip(&results)
                 .filter(|(_, r)| r.is_ok())
                 .map(|((k, _), _)| (*k, layout)),
         );
+        ctx.storage.clear_unwritten(&refused);
     }
     ctx.storage.assert_consistent();
     Ok(Response::StoreCommitted { published })

@@ -95,6 +95,9 @@ pub struct EvictionCounters {
     pub sync_evictions: u64,
     /// Objects evicted by the watermark pass.
     pub background_evictions: u64,
+    /// Evicted objects (of both kinds above) whose L2 write-behind had not run yet: nothing
+    /// else was evictable, and they are lost to both tiers.
+    pub unwritten_evictions: u64,
     /// Write reservations deleted by TTL expiry.
     pub expired_writes: u64,
     /// Read locks dropped by TTL expiry (objects affected).
@@ -140,6 +143,7 @@ pub struct StorageCore {
     object_count: AtomicU64,
     sync_evictions: AtomicU64,
     background_evictions: AtomicU64,
+    unwritten_evictions: AtomicU64,
     expired_writes: AtomicU64,
     expired_reads: AtomicU64,
     oom_keys: AtomicU64,
@@ -164,6 +168,7 @@ impl StorageCore {
             object_count: AtomicU64::new(0),
             sync_evictions: AtomicU64::new(0),
             background_evictions: AtomicU64::new(0),
+            unwritten_evictions: AtomicU64::new(0),
             expired_writes: AtomicU64::new(0),
             expired_reads: AtomicU64::new(0),
             oom_keys: AtomicU64::new(0),
@@ -307,6 +312,7 @@ impl StorageCore {
                     readers: 0,
                     temporary,
                     doomed: false,
+                    unwritten: false,
                     stamp: 0,
                     lease,
                     lock_deadline_ms: deadline,
@@ -330,7 +336,7 @@ impl StorageCore {
                     return Vec::new();
                 }
             }
-            if !self.evict_one(false) {
+            if !self.evict_one() {
                 break;
             }
         }
@@ -346,12 +352,18 @@ impl StorageCore {
         got
     }
 
-    /// Evicts the globally oldest evictable object. Returns false when none exists.
-    fn evict_one(&self, background: bool) -> bool {
+    /// Evicts the globally oldest evictable object whose L2 write-behind is not pending, else
+    /// the oldest one still waiting for it (counted in `unwritten_evictions`: that object is
+    /// lost to both tiers). Returns false when nothing is evictable. (Allocation path only.)
+    fn evict_one(&self) -> bool {
+        self.evict_oldest(false, false) || self.evict_oldest(false, true)
+    }
+
+    fn evict_oldest(&self, background: bool, unwritten: bool) -> bool {
         loop {
             let mut best: Option<(u64, StorageKey)> = None;
             for shard in self.shards.iter() {
-                if let Some(c) = shard.lock().oldest_evictable() {
+                if let Some(c) = shard.lock().oldest_evictable(unwritten) {
                     if best.is_none_or(|b| c.0 < b.0) {
                         best = Some(c);
                     }
@@ -361,9 +373,9 @@ impl StorageCore {
                 return false;
             };
             let mut shard = self.shard(&key).lock();
-            // Re-check under the lock: it may have been locked, touched or removed meanwhile.
+            // Re-check under the lock: it may have been locked, touched, written or removed.
             match shard.map.get(&key) {
-                Some(e) if e.evictable() && e.stamp == stamp => {}
+                Some(e) if e.evictable() && e.stamp == stamp && e.unwritten == unwritten => {}
                 _ => continue,
             }
             let e = shard.remove(&key).expect("checked present");
@@ -374,6 +386,9 @@ impl StorageCore {
                 &self.sync_evictions
             };
             counter.fetch_add(1, Ordering::Relaxed);
+            if unwritten {
+                self.unwritten_evictions.fetch_add(1, Ordering::Relaxed);
+            }
             return true;
         }
     }
@@ -392,10 +407,29 @@ impl StorageCore {
     /// reservations are freed instead and reported `KeyNotExist`. Keys are given in chunk order;
     /// they get recency stamps in reverse so later chunks are evicted before earlier ones.
     pub fn finish_write(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
-        self.publish(items, None)
+        self.finish_write_pending_l2(items, false)
+    }
+
+    /// [`StorageCore::finish_write`]; with `unwritten`, the published objects are marked as
+    /// waiting for their L2 write-behind, so eviction prefers every other object to them until
+    /// [`StorageCore::clear_unwritten`].
+    pub fn finish_write_pending_l2(
+        &self,
+        items: &[(StorageKey, Grant)],
+        unwritten: bool,
+    ) -> Vec<Result<(), KeyError>> {
+        self.publish(items, None, unwritten)
             .into_iter()
             .map(|r| r.map(|_| ()))
             .collect()
+    }
+
+    /// Clears the pending-L2-write mark of those `keys` present: their write-behind has run
+    /// (written, failed or skipped) or was never queued.
+    pub fn clear_unwritten(&self, keys: &[StorageKey]) {
+        for k in keys {
+            self.shard(k).lock().set_unwritten(k, false);
+        }
     }
 
     /// [`StorageCore::finish_write`] that also takes `1 + extra` read locks on each published
@@ -406,13 +440,14 @@ impl StorageCore {
         items: &[(StorageKey, Grant)],
         extra: u32,
     ) -> Vec<Result<u64, KeyError>> {
-        self.publish(items, Some(extra))
+        self.publish(items, Some(extra), false)
     }
 
     fn publish(
         &self,
         items: &[(StorageKey, Grant)],
         lock_extra: Option<u32>,
+        unwritten: bool,
     ) -> Vec<Result<u64, KeyError>> {
         let _g = self.gate.read();
         let n = items.len() as u64;
@@ -443,6 +478,7 @@ impl StorageCore {
                     e.lock_deadline_ms = read_deadline;
                 }
                 e.stamp = base + (n - 1 - i as u64);
+                e.unwritten = unwritten;
                 let lease = e.lease;
                 shard.sync_recency(k);
                 Ok(lease)
@@ -457,9 +493,15 @@ impl StorageCore {
         let mut all: Vec<(u64, StorageKey, u64)> = Vec::new();
         for shard in self.shards.iter() {
             let shard = shard.lock();
-            all.extend(shard.recency.iter().filter_map(|(stamp, k)| {
-                shard.map.get(k).map(|e| (*stamp, *k, e.slot.class_bytes))
-            }));
+            all.extend(
+                shard
+                    .recency
+                    .iter()
+                    .chain(shard.recency_unwritten.iter())
+                    .filter_map(|(stamp, k)| {
+                        shard.map.get(k).map(|e| (*stamp, *k, e.slot.class_bytes))
+                    }),
+            );
         }
         all.sort_unstable_by_key(|c| c.0);
         let mut total = 0u64;
@@ -688,7 +730,8 @@ impl StorageCore {
     }
 
     /// The watermark pass: when usage is at or above the high watermark, evicts oldest-first down
-    /// to the low watermark. Returns the number evicted.
+    /// to the low watermark, skipping objects whose L2 write-behind is pending. Returns the
+    /// number evicted.
     pub fn evict_to_watermark(&self) -> u64 {
         let cap = self.capacity() as f64;
         if cap == 0.0 || (self.used_bytes() as f64) < cap * self.config.high_watermark {
@@ -696,8 +739,10 @@ impl StorageCore {
         }
         let _g = self.gate.read();
         let mut n = 0;
+        // Objects still waiting for their L2 write are left alone here: the write-behind will
+        // make them cheap to evict soon; only an allocation that needs the room takes them.
         while (self.used_bytes() as f64) > cap * self.config.low_watermark {
-            if !self.evict_one(true) {
+            if !self.evict_oldest(true, false) {
                 break;
             }
             n += 1;
@@ -744,6 +789,7 @@ impl StorageCore {
         EvictionCounters {
             sync_evictions: self.sync_evictions.load(Ordering::Relaxed),
             background_evictions: self.background_evictions.load(Ordering::Relaxed),
+            unwritten_evictions: self.unwritten_evictions.load(Ordering::Relaxed),
             expired_writes: self.expired_writes.load(Ordering::Relaxed),
             expired_reads: self.expired_reads.load(Ordering::Relaxed),
             oom_keys: self.oom_keys.load(Ordering::Relaxed),
@@ -773,17 +819,22 @@ impl StorageCore {
                 }
                 if e.evictable() {
                     evictable += 1;
-                    if shard.recency.get(&e.stamp) != Some(k) {
+                    let list = if e.unwritten {
+                        &shard.recency_unwritten
+                    } else {
+                        &shard.recency
+                    };
+                    if list.get(&e.stamp) != Some(k) {
                         problems.push(format!(
-                            "shard {si}: evictable object missing from recency list"
+                            "shard {si}: evictable object missing from its recency list"
                         ));
                     }
                 }
             }
-            if evictable != shard.recency.len() {
+            let listed = shard.recency.len() + shard.recency_unwritten.len();
+            if evictable != listed {
                 problems.push(format!(
-                    "shard {si}: recency list has {} entries for {evictable} evictable objects",
-                    shard.recency.len()
+                    "shard {si}: recency lists have {listed} entries for {evictable} evictable objects"
                 ));
             }
         }

@@ -43,8 +43,9 @@ pub enum ObjectState {
     Ready,
 }
 
-/// One object in the index. Invariants: `readers == 0` while `WriteReserved`; the entry is in the
-/// shard's recency list under `stamp` exactly when it is evictable (`Ready`, no readers, not doomed).
+/// One object in the index. Invariants: `readers == 0` while `WriteReserved`; the entry is in
+/// exactly one of the shard's recency lists under `stamp` (`recency`, or `recency_unwritten` when
+/// `unwritten`) exactly when it is evictable (`Ready`, no readers, not doomed).
 #[derive(Debug, Clone)]
 pub struct Entry {
     /// Where the bytes live.
@@ -65,6 +66,10 @@ pub struct Entry {
     pub lease: u64,
     /// Millisecond deadline of the current lock (write reservation or read locks): the TTL safety net.
     pub lock_deadline_ms: u64,
+    /// Committed with an L2 write-behind still to come: eviction takes it only when no other
+    /// object can go (dropping it loses the only copy). Cleared once the write-behind has run
+    /// (written, failed or skipped) or if it was never queued.
+    pub unwritten: bool,
 }
 
 impl Entry {
@@ -74,33 +79,60 @@ impl Entry {
     }
 }
 
-/// One index shard. Invariant: `recency` holds exactly the evictable entries, each once, under
-/// its stamp.
+/// One index shard. Invariant: `recency` and `recency_unwritten` together hold exactly the
+/// evictable entries, each once, under its stamp, in the list its `unwritten` flag names.
 #[derive(Default)]
 pub struct Shard {
     /// Key -> entry.
     pub map: HashMap<StorageKey, Entry, BuildHasherDefault<FingerprintHasher>>,
-    /// Stamp -> key for evictable entries, oldest first.
+    /// Stamp -> key for evictable entries without a pending L2 write, oldest first.
     pub recency: BTreeMap<u64, StorageKey>,
+    /// Stamp -> key for evictable entries whose L2 write-behind has not run yet, oldest first.
+    pub recency_unwritten: BTreeMap<u64, StorageKey>,
 }
 
 impl Shard {
+    fn list(&mut self, unwritten: bool) -> &mut BTreeMap<u64, StorageKey> {
+        if unwritten {
+            &mut self.recency_unwritten
+        } else {
+            &mut self.recency
+        }
+    }
+
+    /// Takes `key` (listed under `stamp`) out of whichever recency list holds it.
+    fn unlist(&mut self, key: &StorageKey, stamp: u64) {
+        for list in [&mut self.recency, &mut self.recency_unwritten] {
+            if list.get(&stamp) == Some(key) {
+                list.remove(&stamp);
+            }
+        }
+    }
+
     /// Re-establishes the recency invariant for `key` after its state changed: inserts it when it
     /// became evictable, removes it when it stopped being evictable.
     pub fn sync_recency(&mut self, key: &StorageKey) {
         let Some(e) = self.map.get(key) else { return };
-        if e.evictable() {
-            let prev = self.recency.insert(e.stamp, *key);
-            debug_assert!(
-                prev.is_none() || prev == Some(*key),
-                "recency stamps are unique"
-            );
-        } else if self.recency.get(&e.stamp) == Some(key) {
-            self.recency.remove(&e.stamp);
+        let (stamp, evictable, unwritten) = (e.stamp, e.evictable(), e.unwritten);
+        self.unlist(key, stamp);
+        if evictable {
+            let prev = self.list(unwritten).insert(stamp, *key);
+            debug_assert!(prev.is_none(), "recency stamps are unique");
         }
     }
 
-    /// Gives an entry a new stamp (recency refresh), keeping the recency list in sync.
+    /// Sets or clears `key`'s pending-L2-write mark, moving it between the recency lists.
+    pub fn set_unwritten(&mut self, key: &StorageKey, unwritten: bool) {
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
+        if e.unwritten != unwritten {
+            e.unwritten = unwritten;
+            self.sync_recency(key);
+        }
+    }
+
+    /// Gives an entry a new stamp (recency refresh), keeping the recency lists in sync.
     pub fn restamp(&mut self, key: &StorageKey, stamp: u64) {
         let Some(e) = self.map.get_mut(key) else {
             return;
@@ -110,25 +142,33 @@ impl Shard {
         }
         let old = e.stamp;
         e.stamp = stamp;
-        if self.recency.get(&old) == Some(key) {
-            self.recency.remove(&old);
-            self.recency.insert(stamp, *key);
+        let unwritten = e.unwritten;
+        if self.list(unwritten).get(&old) == Some(key) {
+            self.list(unwritten).remove(&old);
+            self.list(unwritten).insert(stamp, *key);
         }
     }
 
-    /// Removes an entry from the map and the recency list, returning it.
+    /// Removes an entry from the map and the recency lists, returning it.
     pub fn remove(&mut self, key: &StorageKey) -> Option<Entry> {
         let e = self.map.remove(key)?;
-        if self.recency.get(&e.stamp) == Some(key) {
-            self.recency.remove(&e.stamp);
-        }
+        self.unlist(key, e.stamp);
         Some(e)
     }
 
-    /// The oldest evictable entry's stamp and key.
-    pub fn oldest_evictable(&self) -> Option<(u64, StorageKey)> {
-        let (s, k) = self.recency.first_key_value()?;
-        debug_assert!(self.map.get(k).is_some_and(Entry::evictable));
+    /// The oldest evictable entry's stamp and key among those with (`unwritten`) or without a
+    /// pending L2 write.
+    pub fn oldest_evictable(&self, unwritten: bool) -> Option<(u64, StorageKey)> {
+        let list = if unwritten {
+            &self.recency_unwritten
+        } else {
+            &self.recency
+        };
+        let (s, k) = list.first_key_value()?;
+        debug_assert!(self
+            .map
+            .get(k)
+            .is_some_and(|e| e.evictable() && e.unwritten == unwritten));
         Some((*s, *k))
     }
 }

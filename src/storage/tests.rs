@@ -307,6 +307,54 @@ fn lock_prefix_stops_at_first_gap() {
 }
 
 #[test]
+fn objects_waiting_for_write_behind_are_evicted_last() {
+    // 8 MiB pool, 2 MiB objects: 4 fit. Keys 0 and 1 (the oldest) wait for their L2 write.
+    let c = core(8 * MIB);
+    let commit = |keys: &[StorageKey], unwritten: bool| {
+        let items: Vec<_> = keys
+            .iter()
+            .copied()
+            .zip(c.reserve_write(keys, 2 * MIB, false))
+            .map(|(k, r)| (k, r.unwrap()))
+            .collect();
+        assert!(ok_all(&c.finish_write_pending_l2(&items, unwritten)));
+    };
+    commit(&[key(0), key(1)], true);
+    commit(&[key(2), key(3)], false);
+    check(&c);
+    // Two allocations take the newer, written objects although they are more recent.
+    assert!(ok_all(&c.reserve_write(
+        &[key(10), key(11)],
+        2 * MIB,
+        false
+    )));
+    assert!(c.contains_ready(&key(0)) && c.contains_ready(&key(1)));
+    assert!(!c.contains_ready(&key(2)) && !c.contains_ready(&key(3)));
+    assert_eq!(c.eviction_counters().unwritten_evictions, 0);
+    check(&c);
+    // The watermark pass leaves unwritten objects alone (the write-behind will catch up)...
+    assert_eq!(c.evict_to_watermark(), 0);
+    // ...once written they are ordinary LRU victims again: key 1 (older than 0) goes first.
+    c.clear_unwritten(&[key(0), key(1)]);
+    check(&c);
+    assert!(ok_all(&c.reserve_write(&[key(12)], 2 * MIB, false)));
+    assert!(c.contains_ready(&key(0)) && !c.contains_ready(&key(1)));
+    // With nothing else evictable, an allocation still takes an unwritten object, counted.
+    let c2 = core(4 * MIB);
+    let items: Vec<_> = [key(0), key(1)]
+        .iter()
+        .copied()
+        .zip(c2.reserve_write(&[key(0), key(1)], 2 * MIB, false))
+        .map(|(k, r)| (k, r.unwrap()))
+        .collect();
+    assert!(ok_all(&c2.finish_write_pending_l2(&items, true)));
+    assert!(ok_all(&c2.reserve_write(&[key(5)], 2 * MIB, false)));
+    let ev = c2.eviction_counters();
+    assert_eq!((ev.sync_evictions, ev.unwritten_evictions), (1, 1));
+    check(&c2);
+}
+
+#[test]
 fn watermark_pass_evicts_down_to_low_mark() {
     let cfg = StorageConfig {
         high_watermark: 0.5,
@@ -325,7 +373,8 @@ fn watermark_pass_evicts_down_to_low_mark() {
 #[derive(Debug, Clone)]
 enum Op {
     Reserve(Vec<u32>, u64),
-    Commit(usize),
+    Commit(usize, bool),
+    Written(Vec<u32>),
     Abort(usize),
     Read(Vec<u32>, u32),
     Unread(usize),
@@ -339,7 +388,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (keys.clone(), prop_oneof![Just(64 * 1024u64), Just(MIB + 4096), Just(3 * MIB)])
             .prop_map(|(k, s)| Op::Reserve(k, s)),
-        3 => (0usize..8).prop_map(Op::Commit),
+        3 => (0usize..8, any::<bool>()).prop_map(|(i, u)| Op::Commit(i, u)),
+        1 => proptest::collection::vec(0u32..24, 1..5).prop_map(Op::Written),
         1 => (0usize..8).prop_map(Op::Abort),
         2 => (keys, 0u32..3).prop_map(|(k, e)| Op::Read(k, e)),
         2 => (0usize..8).prop_map(Op::Unread),
@@ -364,9 +414,9 @@ proptest! {
                         .filter_map(|(k, r)| r.ok().map(|g| (k, g))).collect();
                     if !got.is_empty() { writes.push(got); }
                 }
-                Op::Commit(i) if i < writes.len() => {
+                Op::Commit(i, unwritten) if i < writes.len() => {
                     let items = writes.remove(i);
-                    for (k, r) in items.iter().zip(c.finish_write(&items)) {
+                    for (k, r) in items.iter().zip(c.finish_write_pending_l2(&items, unwritten)) {
                         // A successful commit makes the key readable. (A failed one was doomed or
                         // expired; the key may since belong to a newer reservation.)
                         if r.is_ok() { prop_assert!(c.contains_ready(&k.0)); }
@@ -379,7 +429,11 @@ proptest! {
                         if r.is_ok() { prop_assert!(!c.contains_ready(k)); }
                     }
                 }
-                Op::Commit(_) | Op::Abort(_) => {}
+                Op::Commit(..) | Op::Abort(_) => {}
+                Op::Written(ids) => {
+                    let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+                    c.clear_unwritten(&keys);
+                }
                 Op::Read(ids, e) => {
                     let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
                     let got: Vec<_> = keys.iter().copied().zip(c.reserve_read(&keys, e))
