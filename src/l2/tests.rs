@@ -519,3 +519,28 @@ fn an_uncompleted_write_batch_releases_everything_it_holds() {
     assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 5);
     r.check_clean();
 }
+
+#[test]
+fn write_batches_are_bounded_by_objects_and_bytes() {
+    use super::tier::{byte_bounded_parts, WRITE_BATCH_BYTES};
+    let keys: Vec<StorageKey> = (0..10u8)
+        .map(|i| StorageKey {
+            chunk_hash: [i; 32],
+            kv_rank: 0,
+            object_group: 0,
+            namespace: crate::storage::NamespaceId(0),
+        })
+        .collect();
+    let sizes = |parts: &[&[StorageKey]]| parts.iter().map(|p| p.len()).collect::<Vec<_>>();
+    // Small objects: the object bound.
+    let small = byte_bounded_parts(&keys, 4, &|_| 1 << 20);
+    assert_eq!(sizes(&small), vec![4, 4, 2]);
+    // 32 MiB objects: four reach the byte bound, whatever the object bound.
+    let big = byte_bounded_parts(&keys, 64, &|_| WRITE_BATCH_BYTES / 4);
+    assert_eq!(sizes(&big), vec![4, 4, 2]);
+    // An object over the bound is a batch of its own; nothing is lost or reordered.
+    let huge = byte_bounded_parts(&keys, 64, &|_| WRITE_BATCH_BYTES * 2);
+    assert_eq!(sizes(&huge), vec![1; 10]);
+    assert_eq!(huge.concat(), keys);
+    assert!(byte_bounded_parts(&[], 4, &|_| 1).is_empty());
+}

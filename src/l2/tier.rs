@@ -292,6 +292,35 @@ fn layout_matches(layout: &Layout, l: &super::space::Located) -> bool {
 }
 
 /// How long a load waits, in all, for keys another request is loading or storing into L1.
+/// Payload bytes per write batch at most (besides `l2.batch_objects`): batch k+1 is locked and
+/// checksummed while batch k is on the disk, which only overlaps when one batch is a small part
+/// of the work (64 objects of 32 MiB would be one 2 GiB batch, checksummed before any of it is
+/// written).
+pub const WRITE_BATCH_BYTES: u64 = 128 << 20;
+
+/// Splits `keys` into consecutive parts of at most `max_objects` keys whose lengths (`len_of`)
+/// reach at most [`WRITE_BATCH_BYTES`] (a part ends with the key that reaches it; every part
+/// holds at least one key).
+pub(crate) fn byte_bounded_parts<'k>(
+    keys: &'k [StorageKey],
+    max_objects: usize,
+    len_of: &dyn Fn(&StorageKey) -> u64,
+) -> Vec<&'k [StorageKey]> {
+    let mut parts = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, k) in keys.iter().enumerate() {
+        bytes += len_of(k);
+        if i + 1 - start >= max_objects.max(1) || bytes >= WRITE_BATCH_BYTES {
+            parts.push(&keys[start..=i]);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < keys.len() {
+        parts.push(&keys[start..]);
+    }
+    parts
+}
+
 const WAIT_CONTENDED: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Waits until `deadline` for a key that another request is loading or storing into L1 to
@@ -825,7 +854,9 @@ impl L2Tier {
         layout_of: &LayoutOf<'_>,
         keys: &[StorageKey],
     ) -> u64 {
-        let parts: Vec<&[StorageKey]> = keys.chunks(self.batch_objects).collect();
+        let parts = byte_bounded_parts(keys, self.batch_objects, &|k| {
+            storage.ready_len(k).unwrap_or(0)
+        });
         if parts.len() <= 1 {
             return parts
                 .into_iter()

@@ -95,6 +95,24 @@ impl WriteQueue {
         std::iter::from_fn(|| self.keys.pop()).take(max).collect()
     }
 
+    /// Pops keys until `max` of them or until their lengths (`len_of`) reach `max_bytes`,
+    /// whichever comes first; at least one key if any is queued.
+    fn pop_batch_within(
+        &self,
+        max: usize,
+        max_bytes: u64,
+        len_of: &dyn Fn(&StorageKey) -> u64,
+    ) -> Vec<Queued> {
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
+        while out.len() < max && bytes < max_bytes {
+            let Some(q) = self.keys.pop() else { break };
+            bytes += len_of(&q.0);
+            out.push(q);
+        }
+        out
+    }
+
     fn wait(&self) {
         let mut g = self.idle.lock();
         if self.keys.is_empty() {
@@ -135,7 +153,11 @@ fn run(ctx: &NodeContext, device: usize) {
         // for a while: each round scans and sorts L1's evictable objects.
         let mut idle_demotion: Option<Instant> = None;
         loop {
-            let items = l2.queue.pop_batch(l2.batch_objects());
+            let items = l2.queue.pop_batch_within(
+                l2.batch_objects(),
+                super::tier::WRITE_BATCH_BYTES,
+                &|k| ctx.storage.ready_len(k).unwrap_or(0),
+            );
             if items.is_empty() {
                 if device == 0
                     && l2.policy() == WritePolicy::OnEvict
@@ -341,5 +363,18 @@ mod tests {
         );
         assert!(q.is_empty());
         assert_eq!(q.dropped(), 2);
+    }
+
+    #[test]
+    fn batches_are_bounded_by_count_and_bytes() {
+        let q = WriteQueue::new(16);
+        assert!(q.push((1..=6).map(|i| (key(i), 0))).is_empty());
+        // Objects of 40 bytes under a 100-byte budget: the third one crosses it and ends the batch.
+        let len = |_: &StorageKey| 40;
+        assert_eq!(q.pop_batch_within(8, 100, &len).len(), 3);
+        assert_eq!(q.pop_batch_within(2, 1000, &len).len(), 2, "count bound");
+        // One object larger than the budget still makes a batch of one.
+        assert_eq!(q.pop_batch_within(8, 10, &len), vec![(key(6), 0)]);
+        assert!(q.pop_batch_within(8, 10, &len).is_empty());
     }
 }
