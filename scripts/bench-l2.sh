@@ -11,8 +11,9 @@
 # Usage: scripts/bench-l2.sh [quick]     RUNS=5 TOTAL=4GiB L2DIR=/mnt/nvme scripts/bench-l2.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The node's pool (1.25 GiB) and the raw baselines' buffers (up to 256 MiB) all on hugepages.
-KVNODE_HUGEPAGES=${KVNODE_HUGEPAGES:-800} bash scripts/setup.sh
+# The node's pool (1.25 GiB) and the raw baselines' buffers (up to 512 MiB: one lookup's worth
+# of 32 MiB objects for the paired reads) all on hugepages.
+KVNODE_HUGEPAGES=${KVNODE_HUGEPAGES:-960} bash scripts/setup.sh
 if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
 cargo build --release --locked -p kvnode -p kvnode-bench
 RUNS=${RUNS:-3}

@@ -85,7 +85,8 @@ pub struct RawFile {
 impl RawFile {
     /// Creates `name` in `dir` with room for `objects` objects of `object_bytes`, preallocated
     /// like the node's data file, and fills the buffers with a non-zero pattern (so nothing on
-    /// the way can shortcut zero blocks). Buffers: at most [`RING_BYTES`] and `max_batch`.
+    /// the way can shortcut zero blocks). Buffers: `max_batch`, but at most `ring_bytes`.
+    #[allow(clippy::too_many_arguments)]
     pub fn create(
         dir: &Path,
         name: &str,
@@ -93,9 +94,10 @@ impl RawFile {
         object_bytes: u64,
         objects: u64,
         max_batch: usize,
+        ring_bytes: u64,
         queue_depth: u32,
     ) -> Result<RawFile, String> {
-        let ring = (RING_BYTES / object_bytes).clamp(1, max_batch.max(1) as u64);
+        let ring = (ring_bytes / object_bytes).clamp(1, max_batch.max(1) as u64);
         let pool = SharedPool::create(&PoolOptions {
             bytes: ring * object_bytes,
             prefer: PagePreference::Huge2M,
@@ -246,6 +248,7 @@ pub fn raw_baseline(
         object_bytes,
         objects,
         batch,
+        RING_BYTES,
         queue_depth,
     )?;
     let batch_ios = raw.max_batch();

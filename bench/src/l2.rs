@@ -263,6 +263,9 @@ impl NodePlan<'_> {
             self.object_bytes,
             n,
             self.batch,
+            // One buffer per object of a lookup, so a lookup's worth is one raw batch, like
+            // the node's single load of it (512 MiB of buffers for 16 x 32 MiB).
+            self.batch as u64 * self.object_bytes,
             self.raw_queue_depth,
         )?;
         paired.pass(true, 0, n, self.batch)?;
@@ -447,19 +450,18 @@ impl NodePlan<'_> {
                 .map_err(|e| format!("end_session: {e}"))?;
             prefetch += tl.elapsed();
             let c = self.cpu(node);
-            raw_read += paired.pass(
-                false,
-                (b * self.batch) as u64,
-                hashes.len() as u64,
-                self.batch,
-            )?;
-            raw_checked += paired.pass_then(
-                false,
-                (b * self.batch) as u64,
-                hashes.len() as u64,
-                self.batch,
-                true,
-            )?;
+            // Plain and checksummed raw reads of the same objects, in alternating order (the
+            // second read of a block could profit from anything the host caches).
+            let first = (b * self.batch) as u64;
+            let count = hashes.len() as u64;
+            for checksum in [b % 2 == 1, b % 2 == 0] {
+                let t = paired.pass_then(false, first, count, self.batch, checksum)?;
+                if checksum {
+                    raw_checked += t;
+                } else {
+                    raw_read += t;
+                }
+            }
             cpu_raw += self.cpu(node) - c;
         }
         // The node's CPU while the raw reads ran (idle polling, if any) is not the L2 read's.

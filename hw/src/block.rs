@@ -222,7 +222,8 @@ pub fn open_block_device(path: &Path) -> HwResult<(File, u64)> {
 /// still holds it after `wait`.
 pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
     use std::os::fd::AsRawFd;
-    let deadline = std::time::Instant::now() + wait;
+    // A wait too long to represent (`u64::MAX` ms, say) waits as long as it takes.
+    let deadline = std::time::Instant::now().checked_add(wait);
     let mut logged = false;
     loop {
         // SAFETY: flock on a descriptor we own; no memory is passed.
@@ -235,7 +236,7 @@ pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
         if err.raw_os_error() == Some(libc::EINTR) {
             continue;
         }
-        if !held || std::time::Instant::now() >= deadline {
+        if !held || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
             return Err(HwError::os("flock", err));
         }
         if !logged {

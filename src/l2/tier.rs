@@ -291,7 +291,6 @@ fn layout_matches(layout: &Layout, l: &super::space::Located) -> bool {
     l.object_len == layout.object_bytes() && (l.layout == 0 || l.layout == layout.fingerprint())
 }
 
-/// How long a load waits, in all, for keys another request is loading or storing into L1.
 /// Payload bytes per write batch at most (besides `l2.batch_objects`): batch k+1 is locked and
 /// checksummed while batch k is on the disk, which only overlaps when one batch is a small part
 /// of the work (64 objects of 32 MiB would be one 2 GiB batch, checksummed before any of it is
@@ -321,6 +320,7 @@ pub(crate) fn byte_bounded_parts<'k>(
     parts
 }
 
+/// How long a load waits, in all, for keys another request is loading or storing into L1.
 const WAIT_CONTENDED: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Waits until `deadline` for a key that another request is loading or storing into L1 to

@@ -34,6 +34,9 @@ pub struct WriteQueue {
     dropped: AtomicU64,
     /// Set by the shutdown drain: later pushes are counted as dropped, never left queued.
     closed: std::sync::atomic::AtomicBool,
+    /// Pushes between their check of `closed` and their last push: the drain waits for them
+    /// after closing, so nothing lands behind its final pop.
+    pushing: std::sync::atomic::AtomicUsize,
     idle: Mutex<()>,
     wake: Condvar,
 }
@@ -45,6 +48,7 @@ impl WriteQueue {
             keys: ArrayQueue::new(capacity.max(1)),
             dropped: AtomicU64::new(0),
             closed: std::sync::atomic::AtomicBool::new(false),
+            pushing: std::sync::atomic::AtomicUsize::new(0),
             idle: Mutex::new(()),
             wake: Condvar::new(),
         }
@@ -53,7 +57,10 @@ impl WriteQueue {
     /// Queues keys for write-behind; returns those that did not fit (counted as dropped).
     pub fn push(&self, keys: impl IntoIterator<Item = Queued>) -> Vec<StorageKey> {
         let mut refused = Vec::new();
-        let closed = self.closed.load(Ordering::Acquire);
+        // SeqCst on both sides (here and in `close`): either the drain sees this push in
+        // flight and waits for it, or this push sees the queue closed.
+        self.pushing.fetch_add(1, Ordering::SeqCst);
+        let closed = self.closed.load(Ordering::SeqCst);
         for k in keys {
             if closed {
                 refused.push(k.0);
@@ -61,6 +68,7 @@ impl WriteQueue {
                 refused.push(back.0);
             }
         }
+        self.pushing.fetch_sub(1, Ordering::SeqCst);
         let dropped = refused.len() as u64;
         if closed && dropped > 0 {
             tracing::warn!(
@@ -89,6 +97,15 @@ impl WriteQueue {
     /// Keys that did not fit so far.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Refuses every later push, then waits for pushes already past their check to finish,
+    /// so that whatever they queued is in the queue when this returns.
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        while self.pushing.load(Ordering::SeqCst) > 0 {
+            std::thread::yield_now();
+        }
     }
 
     fn pop_batch(&self, max: usize) -> Vec<Queued> {
@@ -146,8 +163,9 @@ fn run(ctx: &NodeContext, device: usize) {
             .name("kvnode-l2-io".into())
             .spawn_scoped(scope, move || complete_batches(ctx, l2, rx));
         if let Err(e) = io {
-            tracing::error!(error = %e, "cannot start the L2 I/O thread: write-behind is off");
-            return;
+            // Its receiver is gone with it: every batch is then completed (and synced) on this
+            // thread below, so the queue still drains and no object stays marked unwritten.
+            tracing::error!(error = %e, "cannot start the L2 I/O thread: writing without pipelining");
         }
         // A demotion round that found nothing to evict (every candidate locked) is not retried
         // for a while: each round scans and sorts L1's evictable objects.
@@ -190,8 +208,10 @@ fn run(ctx: &NodeContext, device: usize) {
             ctx.storage.clear_unwritten(&keys);
             if let Some(batch) = batch {
                 if let Err(back) = tx.send(batch) {
-                    // The I/O thread is gone (a bug): finish here so nothing stays locked.
-                    l2.complete_write(&ctx.storage, back.0);
+                    // No I/O thread: finish here so nothing stays locked, and make it durable.
+                    if l2.complete_write(&ctx.storage, back.0) > 0 {
+                        sync(l2);
+                    }
                 }
             }
         }
@@ -247,7 +267,7 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
     let mut n = 0;
     loop {
         if l2.queue.is_empty() {
-            l2.queue.closed.store(true, Ordering::Release);
+            l2.queue.close();
         }
         let items = l2.queue.pop_batch(l2.batch_objects() * PIPELINE_BATCHES);
         if items.is_empty() {
@@ -355,7 +375,7 @@ mod tests {
         );
         assert_eq!((q.len(), q.dropped()), (2, 1));
         assert_eq!(q.pop_batch(8), vec![(key(1), 7), (key(2), 7)]);
-        q.closed.store(true, Ordering::Release);
+        q.close();
         assert_eq!(
             q.push([(key(4), 7)]),
             vec![key(4)],
@@ -363,6 +383,43 @@ mod tests {
         );
         assert!(q.is_empty());
         assert_eq!(q.dropped(), 2);
+    }
+
+    #[test]
+    fn closing_while_pushing_leaves_nothing_behind_the_drain() {
+        let q = Arc::new(WriteQueue::new(1 << 16));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let pushers: Vec<_> = (0..4u8)
+            .map(|t| {
+                let (q, accepted) = (q.clone(), accepted.clone());
+                std::thread::spawn(move || {
+                    for i in 0..2000u32 {
+                        let mut k = key(t);
+                        k.chunk_hash[4..8].copy_from_slice(&i.to_le_bytes());
+                        let refused = q.push([(k, 0), (k, 1)]).len() as u64;
+                        accepted.fetch_add(2 - refused, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        // The shutdown drain's loop, racing the pushers.
+        let mut popped = 0u64;
+        loop {
+            if q.is_empty() {
+                q.close();
+            }
+            let items = q.pop_batch(64);
+            if items.is_empty() {
+                break;
+            }
+            popped += items.len() as u64;
+        }
+        for p in pushers {
+            p.join().unwrap();
+        }
+        assert!(q.is_empty(), "a push landed behind the drain's last pop");
+        assert_eq!(popped, accepted.load(Ordering::Relaxed));
+        assert_eq!(popped + q.dropped(), 4 * 2000 * 2);
     }
 
     #[test]

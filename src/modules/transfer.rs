@@ -221,14 +221,17 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
     let published = count_ok(&results);
     if let Some(l2) = write_behind {
         let layout = inst.layout.fingerprint();
-        let refused = l2.enqueue(
-            w.items
-                .iter()
-                .zip(&results)
-                .filter(|(_, r)| r.is_ok())
-                .map(|((k, _), _)| (*k, layout)),
-        );
-        ctx.storage.clear_unwritten(&refused);
+        // A key stored again while L2 still holds it is not written twice (nor marked waiting).
+        let (on_l2, to_write): (Vec<StorageKey>, Vec<StorageKey>) = w
+            .items
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|((k, _), _)| *k)
+            .partition(|k| l2.contains(k));
+        let mut settled = l2.enqueue(to_write.into_iter().map(|k| (k, layout)));
+        settled.extend(on_l2);
+        ctx.storage.clear_unwritten(&settled);
     }
     ctx.storage.assert_consistent();
     Ok(Response::StoreCommitted { published })

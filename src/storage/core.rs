@@ -22,6 +22,9 @@ use super::key::StorageKey;
 
 /// Number of index shards (a power of two).
 pub const INDEX_SHARDS: usize = 64;
+/// Rounds of the two eviction passes an allocation tries while objects are evictable but keep
+/// moving between the recency lists under it.
+const EVICT_ATTEMPTS: usize = 4;
 
 /// Per-key error codes of the L1 state machine (LMCache `distributed/error.py`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -356,7 +359,20 @@ impl StorageCore {
     /// the oldest one still waiting for it (counted in `unwritten_evictions`: that object is
     /// lost to both tiers). Returns false when nothing is evictable. (Allocation path only.)
     fn evict_one(&self) -> bool {
-        self.evict_oldest(false, false) || self.evict_oldest(false, true)
+        // An object can move from the unwritten list to the other between the two passes (its
+        // write-behind ran meanwhile): look again while anything at all is evictable.
+        for _ in 0..EVICT_ATTEMPTS {
+            if self.evict_oldest(false, false) || self.evict_oldest(false, true) {
+                return true;
+            }
+            if !self.shards.iter().any(|s| {
+                let s = s.lock();
+                !s.recency.is_empty() || !s.recency_unwritten.is_empty()
+            }) {
+                return false;
+            }
+        }
+        false
     }
 
     fn evict_oldest(&self, background: bool, unwritten: bool) -> bool {
@@ -486,8 +502,9 @@ impl StorageCore {
             .collect()
     }
 
-    /// The oldest evictable objects (least recently used first) whose slots add up to at least
-    /// `bytes` (or all of them): what the next eviction passes would take. Takes no lock on the
+    /// The oldest evictable objects (least recently used first, whether or not their L2 write is
+    /// pending) whose slots add up to at least `bytes` (or all of them): under the `on-evict`
+    /// policy (nothing is ever marked unwritten) what the next eviction passes would take. Takes no lock on the
     /// objects; callers that act on them (L2 demotion) lock them first.
     pub fn eviction_candidates(&self, bytes: u64) -> Vec<StorageKey> {
         let mut all: Vec<(u64, StorageKey, u64)> = Vec::new();
