@@ -364,8 +364,9 @@ fn clear_empties_l2_durably(engine: &'static str) {
     );
 }
 
-/// Runs `kvnode serve` on `dir`'s L2 (64 MiB), expecting it to refuse to start; returns stderr.
-fn serve_must_fail(dir: &L2Dir) -> String {
+/// Runs `kvnode serve` on `dir`'s L2 of `l2_size`, expecting it to refuse to start; returns
+/// stderr.
+fn serve_must_fail(dir: &L2Dir, l2_size: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvnode"))
         .args([
             "serve",
@@ -376,7 +377,7 @@ fn serve_must_fail(dir: &L2Dir) -> String {
             "--l2-path",
             dir.path(),
             "--l2-size",
-            "64MiB",
+            l2_size,
         ])
         .output()
         .unwrap();
@@ -420,8 +421,12 @@ fn l1_pressure_evicts_written_objects_before_unwritten_ones() {
 fn second_node_on_the_same_l2_is_refused() {
     let dir = L2Dir::new("lock", "auto");
     let _node = start("l2lock", &dir, "16MiB", &[]);
-    let err = serve_must_fail(&dir);
+    let data = dir.0.join("kvnode-l2.dat");
+    assert_eq!(std::fs::metadata(&data).unwrap().len(), 64 << 20);
+    // Asking for a bigger file must not grow the one the running node holds.
+    let err = serve_must_fail(&dir, "128MiB");
     assert!(err.contains("in use by another kvnode"), "{err}");
+    assert_eq!(std::fs::metadata(&data).unwrap().len(), 64 << 20);
 }
 
 fn full_l2_evicts_least_recently_used(engine: &'static str) {
@@ -456,7 +461,7 @@ fn foreign_data_is_never_overwritten() {
     let mut bytes = vec![0u8; 64 << 20];
     bytes[..26].copy_from_slice(b"someone else's file system");
     std::fs::write(&data, &bytes).unwrap();
-    let err = serve_must_fail(&dir);
+    let err = serve_must_fail(&dir, "64MiB");
     assert!(err.contains("not a kvnode L2 tier"), "{err}");
     assert_eq!(
         std::fs::read(&data).unwrap()[..26],

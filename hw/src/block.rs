@@ -247,20 +247,51 @@ pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
     }
 }
 
-fn open_direct_with(path: &Path, size: u64, reserve: bool) -> HwResult<File> {
+/// [`open_direct`] (with `reserve`) or [`open_direct_sparse`] (without), holding
+/// [`lock_exclusive`] (waiting up to `wait`) *before* the file's length is
+/// touched: a process that cannot have the file never grows it under the one
+/// that has it.
+///
+/// Errors: as [`open_direct`], plus `Os { op: "flock", .. }` from the lock.
+pub fn open_direct_locked(
+    path: &Path,
+    size: u64,
+    reserve: bool,
+    wait: std::time::Duration,
+) -> HwResult<File> {
+    check_data_size(size)?;
+    let file = open_o_direct(path)?;
+    lock_exclusive(&file, wait)?;
+    size_data_file(file, path, size, reserve)
+}
+
+fn check_data_size(size: u64) -> HwResult<()> {
     if size & (BLOCK_ALIGN - 1) != 0 || size > i64::MAX as u64 {
         return Err(HwError::Invalid(format!(
             "data file size {size} is not a multiple of {BLOCK_ALIGN}"
         )));
     }
-    let file = std::fs::OpenOptions::new()
+    Ok(())
+}
+
+fn open_o_direct(path: &Path) -> HwResult<File> {
+    std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .mode(0o600)
         .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| HwError::os("open(O_DIRECT)", e))?;
+        .map_err(|e| HwError::os("open(O_DIRECT)", e))
+}
+
+fn open_direct_with(path: &Path, size: u64, reserve: bool) -> HwResult<File> {
+    check_data_size(size)?;
+    size_data_file(open_o_direct(path)?, path, size, reserve)
+}
+
+/// Grows `file` to `size` (reserved with `fallocate`, or sparse), refusing a longer file.
+fn size_data_file(file: File, path: &Path, size: u64, reserve: bool) -> HwResult<File> {
     let cur = file.metadata().map_err(|e| HwError::os("fstat", e))?.len();
     if cur > size {
         return Err(HwError::Invalid(format!(

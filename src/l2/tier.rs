@@ -170,9 +170,11 @@ fn random_format_id() -> u64 {
     id.max(1)
 }
 
-/// Opens the data file or device at `p`: returns it and its usable size.
+/// Opens the data file or device at `p`, locked for this process (waiting up to
+/// `l2.lock_wait_ms` for a previous holder), and returns it with its usable size.
 fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
     use std::os::unix::fs::FileTypeExt;
+    let lock_wait = std::time::Duration::from_millis(cfg.lock_wait_ms);
     let p = &p.to_path_buf();
     let meta = match std::fs::metadata(p) {
         Ok(m) => Some(m),
@@ -183,6 +185,7 @@ fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
         Some(m) if m.file_type().is_block_device() => {
             let (f, dev_bytes) =
                 kvnode_hw::open_block_device(p).map_err(hw("opening the L2 device"))?;
+            kvnode_hw::lock_exclusive(&f, lock_wait).map_err(|e| in_use(p, e))?;
             let bytes = dev_bytes.min(cfg.bytes) & !((2 << 20) - 1);
             return Ok((f, bytes, p.clone()));
         }
@@ -202,8 +205,11 @@ fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
         }
     };
     let bytes = cfg.bytes & !((2 << 20) - 1);
-    let file = match kvnode_hw::open_direct(&file_path, bytes) {
+    // The lock comes before the file is sized: a node refused here never grows the file of
+    // the node that holds it.
+    let file = match kvnode_hw::open_direct_locked(&file_path, bytes, true, lock_wait) {
         Ok(f) => f,
+        Err(e @ HwError::Os { op: "flock", .. }) => return Err(in_use(&file_path, e)),
         Err(HwError::Os {
             op: "fallocate",
             source,
@@ -214,7 +220,12 @@ fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
                 "not enough free space to reserve the L2 file; using a sparse file (writes that \
                  find the disk full fail per object and are counted as errors)"
             );
-            kvnode_hw::open_direct_sparse(&file_path, bytes).map_err(hw("opening the L2 file"))?
+            kvnode_hw::open_direct_locked(&file_path, bytes, false, lock_wait).map_err(
+                |e| match e {
+                    HwError::Os { op: "flock", .. } => in_use(&file_path, e),
+                    e => hw("opening the L2 file")(e),
+                },
+            )?
         }
         Err(HwError::Invalid(m)) => {
             return Err(Error::invalid(format!(
@@ -224,6 +235,11 @@ fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
         Err(e) => return Err(hw("opening the L2 file")(e)),
     };
     Ok((file, bytes, file_path))
+}
+
+/// The error for a data file or device another process holds locked.
+fn in_use(path: &Path, e: HwError) -> Error {
+    Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
 }
 
 /// Rings of the read engine: loads from different request threads run side by side.
@@ -472,10 +488,6 @@ impl L2Tier {
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> Result<L2Tier> {
         let (file, file_bytes, path) = open_data(cfg, path)?;
-        kvnode_hw::lock_exclusive(&file, std::time::Duration::from_millis(cfg.lock_wait_ms))
-            .map_err(|e| {
-                Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
-            })?;
         let write_engine = wrap(make_engine(
             cfg.engine_kind()?,
             &pool,
