@@ -101,8 +101,8 @@ pub const MAX_L2_DEVICES: usize = 16;
 #[serde(default, deny_unknown_fields)]
 pub struct L2Config {
     /// One entry per device: a directory (the data file `kvnode-l2.dat` is created in it), an
-    /// existing data file, or a block device. Objects are spread over them by key. Empty: no
-    /// L2 tier.
+    /// existing data file, or a block device. Objects are spread over them by key, in
+    /// proportion to their sizes. Empty: no L2 tier.
     #[serde(alias = "path", deserialize_with = "one_or_many_paths")]
     pub paths: Vec<PathBuf>,
     /// Bytes of each data file (a block device uses at most this much of itself).

@@ -1,7 +1,8 @@
 //! [`L2Set`]: the L2 tier over one or more devices. Each device is an independent
 //! [`L2Tier`] (its own data file, engines, index, write-behind queue and writer thread); an
 //! object lives on the device its key hashes to, so devices add capacity and bandwidth without
-//! sharing any lock.
+//! sharing any lock. Devices receive keys in proportion to their sizes (weighted rendezvous
+//! hashing), so a small device does not fill and evict while a big one has room.
 
 use std::sync::Arc;
 
@@ -13,16 +14,37 @@ use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
 use crate::storage::{Layout, Namespaces, StorageCore, StorageKey};
 
-/// The device (of `devices`, at least 1) a key is written to. Uses only what a key is made of
-/// on disk (chunk hash, rank, group), never the namespace id, which is assigned per run: a key
-/// maps to the same device after a restart.
-fn device_for(key: &StorageKey, devices: usize) -> usize {
+/// The device a key is written to, of devices with capacities `weights` (bytes; at least one
+/// device): weighted rendezvous hashing, so each device receives keys in proportion to its
+/// capacity, and adding a device moves only the keys that now belong to it (about
+/// `new / total` of them). Uses only what a key is made of on disk (chunk hash, rank, group),
+/// never the namespace id, which is assigned per run: a key maps to the same device after a
+/// restart with the same devices.
+fn device_for(key: &StorageKey, weights: &[u64]) -> usize {
     let mut b = [0u8; 8];
     b.copy_from_slice(&key.chunk_hash[16..24]);
-    let h = u64::from_le_bytes(b)
+    let k = u64::from_le_bytes(b)
         ^ u64::from(key.kv_rank).rotate_left(17)
         ^ u64::from(key.object_group).rotate_left(41);
-    (h % devices.max(1) as u64) as usize
+    let mut best = (0usize, f64::NEG_INFINITY);
+    for (d, &w) in weights.iter().enumerate() {
+        // A uniform draw strictly inside (0, 1) per (key, device), so ln(u) < 0 and the
+        // score -w / ln(u) is positive and finite; the largest score wins.
+        let h = mix64(k ^ (d as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let score = -(w.max(1) as f64) / u.ln();
+        if score > best.1 {
+            best = (d, score);
+        }
+    }
+    best.0
+}
+
+/// splitmix64's finalizer: a bijective mix of all 64 bits.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The STATUS `l2` object: totals over the devices (same fields as one device) and, with more
@@ -38,9 +60,10 @@ pub struct L2SetStatus {
 
 /// The devices. Invariant: at least one; device `i` owns staging blocks
 /// `[staging_base + i * STAGING_BYTES, +STAGING_BYTES)` of the pool; a key always maps to the
-/// same device.
+/// same device (by [`device_for`] over `weights`, one per tier).
 pub struct L2Set {
     tiers: Vec<L2Tier>,
+    weights: Vec<u64>,
 }
 
 impl L2Set {
@@ -82,7 +105,8 @@ impl L2Set {
         for t in &tiers[1..] {
             t.share_prefetch_budget(&budget);
         }
-        Ok(L2Set { tiers })
+        let weights = tiers.iter().map(L2Tier::bytes).collect();
+        Ok(L2Set { tiers, weights })
     }
 
     /// The devices, in configuration order.
@@ -91,7 +115,7 @@ impl L2Set {
     }
 
     fn device_of(&self, key: &StorageKey) -> usize {
-        device_for(key, self.tiers.len())
+        device_for(key, &self.weights)
     }
 
     /// The write policy in force.
@@ -299,22 +323,60 @@ mod tests {
     use super::*;
     use crate::storage::NamespaceId;
 
-    #[test]
-    fn devices_ignore_the_per_run_namespace_id_and_spread_keys() {
-        let key = |h: u8, ns: u32| StorageKey {
-            chunk_hash: [h; 32],
+    fn key(i: u32, ns: u32) -> StorageKey {
+        let mut h = [0u8; 32];
+        h[16..20].copy_from_slice(&i.to_le_bytes());
+        StorageKey {
+            chunk_hash: h,
             kv_rank: 0,
             object_group: 0,
             namespace: NamespaceId(ns),
-        };
-        for h in 0..=255u8 {
-            assert_eq!(device_for(&key(h, 0), 4), device_for(&key(h, 7), 4));
         }
-        let mut used = [0usize; 4];
-        for h in 0..=255u8 {
-            used[device_for(&key(h, 0), 4)] += 1;
+    }
+
+    fn spread(weights: &[u64], keys: u32) -> Vec<u32> {
+        let mut used = vec![0u32; weights.len()];
+        for i in 0..keys {
+            used[device_for(&key(i, 0), weights)] += 1;
         }
-        assert!(used.iter().all(|&n| n > 0), "{used:?}");
-        assert_eq!(device_for(&key(9, 0), 1), 0);
+        used
+    }
+
+    #[test]
+    fn devices_ignore_the_per_run_namespace_id_and_spread_keys() {
+        let w = [1u64 << 30; 4];
+        for i in 0..1000 {
+            assert_eq!(device_for(&key(i, 0), &w), device_for(&key(i, 7), &w));
+        }
+        // Equal devices: within 10 % of an even share each.
+        for n in spread(&w, 40_000) {
+            assert!((9_000..=11_000).contains(&n), "{n}");
+        }
+        assert_eq!(device_for(&key(9, 0), &[5]), 0);
+    }
+
+    #[test]
+    fn devices_receive_keys_in_proportion_to_their_capacity() {
+        let used = spread(&[1 << 30, 3 << 30], 40_000);
+        assert!((9_000..=11_000).contains(&used[0]), "{used:?}");
+        assert!((29_000..=31_000).contains(&used[1]), "{used:?}");
+    }
+
+    #[test]
+    fn adding_a_device_moves_only_the_keys_it_takes() {
+        let (three, four) = ([1u64 << 30; 3], [1u64 << 30; 4]);
+        let mut moved = 0;
+        for i in 0..40_000 {
+            let (a, b) = (
+                device_for(&key(i, 0), &three),
+                device_for(&key(i, 0), &four),
+            );
+            if a != b {
+                assert_eq!(b, 3, "a key only ever moves to the new device");
+                moved += 1;
+            }
+        }
+        // About a quarter of the keys (the new device's share), not most of them as `% n` would.
+        assert!((9_000..=11_000).contains(&moved), "{moved}");
     }
 }

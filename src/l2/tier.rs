@@ -1399,6 +1399,11 @@ impl L2Tier {
         self.index.lock().check()
     }
 
+    /// Usable bytes of this device (its data file, or its share of a block device).
+    pub fn bytes(&self) -> u64 {
+        self.file_bytes
+    }
+
     /// The STATUS object.
     pub fn status(&self) -> L2Status {
         let s = self.index.lock().stats();
