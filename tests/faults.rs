@@ -85,7 +85,7 @@ fn sigkill_between_prepare_and_commit_leaks_nothing() {
 fn silent_registered_client_is_reaped_by_the_timer_wheel() {
     let node = NodeProc::start(
         "reap",
-        &["--reap-timeout", "1", "--registration-grace", "1"],
+        &["--reap-timeout", "3", "--registration-grace", "3"],
     );
     // The silent client keeps its connection open, so only the wheel can reap it.
     let mut silent = node.client();
@@ -291,7 +291,7 @@ fn second_node_on_same_socket_is_refused() {
 fn prepared_transfers_that_are_never_committed_expire() {
     let node = NodeProc::start_with_config(
         "ttl",
-        "write_ttl_secs = 1\nread_ttl_secs = 1\n[limits]\nmax_pending_transfers = 2\n",
+        "write_ttl_secs = 3\nread_ttl_secs = 3\n[limits]\nmax_pending_transfers = 2\n",
         &[],
     );
     let mut c = node.client();

@@ -631,9 +631,9 @@ fn silent_lmcache_worker_is_reaped_and_its_reservation_freed() {
         "reap",
         &[
             "--worker-reap-timeout-seconds",
-            "1",
+            "3",
             "--worker-registration-grace-seconds",
-            "1",
+            "3",
         ],
     );
     let mut d = Dealer::connect(node.port);
