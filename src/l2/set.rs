@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvnode_hw::SharedPool;
 use serde::Serialize;
 
-use super::tier::{L2Status, L2Tier, LayoutOf, STAGING_BYTES};
+use super::tier::{L2Status, L2Tier, STAGING_BYTES};
 use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
 use crate::storage::{Layout, Namespaces, StorageCore, StorageKey};
@@ -128,6 +128,13 @@ impl L2Set {
         self.holder_of(key).is_some()
     }
 
+    /// Whether L2 holds `key` as the object of length `len` committed under layout fingerprint
+    /// `layout` (see [`L2Tier::holds_as`]).
+    pub fn holds_as(&self, key: &StorageKey, len: u64, layout: u64) -> bool {
+        self.holder_of(key)
+            .is_some_and(|d| self.tiers[d].holds_as(key, len, layout))
+    }
+
     /// The device holding `key`: the one it hashes to, else any other (after a restart with
     /// the paths in another order or count, objects stay where they were written and are
     /// still found; new writes go to the device the key hashes to now).
@@ -139,15 +146,15 @@ impl L2Set {
         (0..self.tiers.len()).find(|&d| d != routed && self.tiers[d].contains(key))
     }
 
-    /// Queues committed keys (with the fingerprint of the layout they were committed under)
-    /// for write-behind on their devices; returns the keys that did not fit (not to be written).
-    pub fn enqueue(&self, keys: impl IntoIterator<Item = (StorageKey, u64)>) -> Vec<StorageKey> {
+    /// Queues committed keys for write-behind on their devices; returns the keys that did not
+    /// fit (not to be written).
+    pub fn enqueue(&self, keys: impl IntoIterator<Item = StorageKey>) -> Vec<StorageKey> {
         if let [one] = self.tiers.as_slice() {
             return one.queue.push(keys);
         }
-        let mut per: Vec<Vec<(StorageKey, u64)>> = vec![Vec::new(); self.tiers.len()];
+        let mut per: Vec<Vec<StorageKey>> = vec![Vec::new(); self.tiers.len()];
         for k in keys {
-            per[self.device_of(&k.0)].push(k);
+            per[self.device_of(&k)].push(k);
         }
         let mut refused = Vec::new();
         for (t, keys) in self.tiers.iter().zip(per) {
@@ -163,7 +170,6 @@ impl L2Set {
         &self,
         storage: &StorageCore,
         namespaces: &Namespaces,
-        layout_of: &LayoutOf<'_>,
         keys: &[StorageKey],
     ) -> u64 {
         self.split(keys)
@@ -174,7 +180,7 @@ impl L2Set {
                 if ks.is_empty() {
                     0
                 } else {
-                    t.persist(storage, namespaces, layout_of, &ks)
+                    t.persist(storage, namespaces, &ks)
                 }
             })
             .sum()

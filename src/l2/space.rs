@@ -669,6 +669,15 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         .map(|e| e.located())
     }
 
+    /// [`L2Index::pin`] only if `wanted` accepts the visible entry: an entry refused is
+    /// neither pinned nor touched (a copy nobody can use must not look recently used).
+    pub fn pin_if(&mut self, key: &K, wanted: impl FnOnce(&Located) -> bool) -> Option<Located> {
+        if !self.get(key).is_some_and(|l| wanted(&l)) {
+            return None;
+        }
+        self.pin(key)
+    }
+
     /// Drops one pin taken on `slot`; frees a doomed entry when its last pin goes.
     pub fn unpin(&mut self, key: &K, slot: SlotRef) -> Result<(), StateError> {
         let e = self.entries.get(key).ok_or(StateError::NotFound)?;

@@ -29,6 +29,8 @@ enum Fault {
     ReadFlip = 4,
     /// Reads of slot headers (4 KiB, past the superblock) fail with EIO.
     HeaderReadEio = 5,
+    /// `fdatasync` fails with EIO.
+    SyncEio = 6,
 }
 
 struct FaultyEngine {
@@ -97,6 +99,12 @@ impl BlockEngine for FaultyEngine {
     }
 
     fn sync(&self) -> HwResult<()> {
+        if self.fault.load(Ordering::Relaxed) == Fault::SyncEio as u32 {
+            return Err(HwError::Os {
+                op: "fdatasync",
+                source: std::io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
         self.inner.sync()
     }
 
@@ -209,8 +217,14 @@ impl Rig {
             .collect()
     }
 
-    /// Stores each key in L1 with bytes derived from its hash.
+    /// Stores each key in L1 with bytes derived from its hash (layout unknown).
     fn store(&self, keys: &[StorageKey]) {
+        self.store_as(keys, 0, 0xa5);
+    }
+
+    /// Stores each key in L1 committed under layout fingerprint `layout`, with bytes derived
+    /// from its hash and `salt`.
+    fn store_as(&self, keys: &[StorageKey], layout: u64, salt: u8) {
         let grants: Vec<_> = self
             .storage
             .reserve_write(keys, OBJ, false)
@@ -220,11 +234,15 @@ impl Rig {
         for (k, g) in keys.iter().zip(&grants) {
             self.pool
                 .region()
-                .fill_at(g.slot.offset, OBJ, k.chunk_hash[0] ^ 0xa5)
+                .fill_at(g.slot.offset, OBJ, k.chunk_hash[0] ^ salt)
                 .unwrap();
         }
         let items: Vec<_> = keys.iter().copied().zip(grants).collect();
-        assert!(self.storage.finish_write(&items).iter().all(Result::is_ok));
+        assert!(self
+            .storage
+            .finish_write_as(&items, layout, false)
+            .iter()
+            .all(Result::is_ok));
     }
 
     /// Drops every L1 copy (as if evicted), so loads must come from L2.
@@ -258,6 +276,11 @@ impl Rig {
     }
 
     fn bytes_ok(&self, key: &StorageKey) -> bool {
+        self.pool_bytes_are(key, 0xa5)
+    }
+
+    /// Whether `key`'s L1 bytes are those [`Rig::store_as`] wrote with `salt`.
+    fn pool_bytes_are(&self, key: &StorageKey, salt: u8) -> bool {
         let g = self
             .storage
             .reserve_read(&[*key], 0)
@@ -268,7 +291,7 @@ impl Rig {
             .pool
             .region()
             .with_bytes(g.slot.offset, OBJ, |b| {
-                b.iter().all(|&x| x == key.chunk_hash[0] ^ 0xa5)
+                b.iter().all(|&x| x == key.chunk_hash[0] ^ salt)
             })
             .unwrap();
         self.storage.finish_read(&[(*key, g.lease)], 0);
@@ -287,9 +310,9 @@ fn write_then_load_round_trip() {
         let r = rig(&format!("rt-{engine}"), engine);
         let keys = r.keys(10);
         r.store(&keys);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 10);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 10);
         assert_eq!(
-            r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys),
+            r.tier.persist(&r.storage, &r.namespaces, &keys),
             0,
             "already on L2"
         );
@@ -311,20 +334,38 @@ fn failed_writes_are_counted_and_leave_l1_intact() {
         r.store(&keys);
         r.fault
             .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 4);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
         let s = r.tier.status();
         assert_eq!((s.writes, s.errors, s.objects), (4, 4, 4));
         r.fault.store(Fault::AllWrites as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 0);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 0);
         assert_eq!(r.tier.status().errors, 8);
         assert!(keys.iter().all(|k| r.bytes_ok(k)), "L1 keeps serving");
         r.check_clean();
         // Once the device recovers, the failed objects are written on the next attempt.
         r.fault.store(Fault::None as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 4);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
         assert_eq!(r.tier.status().objects, 8);
         r.check_clean();
     });
+}
+
+#[test]
+fn objects_are_not_written_into_an_extent_whose_header_is_not_durable() {
+    let r = rig("syncfail", "pread");
+    let keys = r.keys(4);
+    r.store(&keys);
+    // The first write assigns an extent; its header cannot be made durable: no slot of it
+    // is written (recovery could not tell its epoch), and the failure is counted per object.
+    r.fault.store(Fault::SyncEio as u32, Ordering::Relaxed);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 0);
+    let s = r.tier.status();
+    assert_eq!((s.writes, s.errors, s.objects), (0, 4, 0));
+    assert!(keys.iter().all(|k| r.bytes_ok(k)), "L1 keeps serving");
+    r.check_clean();
+    r.fault.store(Fault::None as u32, Ordering::Relaxed);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 4);
+    r.check_clean();
 }
 
 #[test]
@@ -333,7 +374,7 @@ fn read_errors_and_corruption_drop_objects_and_never_publish() {
         let r = rig(&format!("rfail-{engine}"), engine);
         let keys = r.keys(6);
         r.store(&keys);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 6);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 6);
         r.drop_l1();
         r.fault.store(Fault::ReadEio as u32, Ordering::Relaxed);
         assert!(r
@@ -366,11 +407,7 @@ fn prefetch_bound_and_missing_keys() {
     let r = rig_with("bound", "pread", 3);
     let keys = r.keys(5);
     r.store(&keys[..4]);
-    assert_eq!(
-        r.tier
-            .persist(&r.storage, &r.namespaces, &|_| 0, &keys[..4]),
-        4
-    );
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys[..4]), 4);
     r.drop_l1();
     // Budget 3: only the first three keys are loaded; the rest are left for a later call.
     let l = r.tier.load(&r.storage, &keys, 0, None);
@@ -392,7 +429,7 @@ fn concurrent_loads_of_a_shared_prefix_all_hit() {
     let r = rig("shared", "uring");
     let keys = r.keys(16);
     r.store(&keys);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 16);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 16);
     r.drop_l1();
     // Four lookups of the same prefix at once: whoever loads a key first publishes it; the
     // others wait for it instead of reporting a miss.
@@ -415,7 +452,7 @@ fn unreadable_headers_at_start_up_are_skipped_not_fatal() {
     let mut r = rig("hdr", "pread");
     let keys = r.keys(5);
     r.store(&keys);
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
     let owner = r.dir.take().expect("first rig owns the directory");
     let dir = owner.0.clone();
     drop(r);
@@ -452,10 +489,10 @@ fn pipelined_batches_write_and_load_everything() {
         r.store(&keys);
         r.fault
             .store(Fault::EveryOtherWrite as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 30);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
         r.check_clean();
         r.fault.store(Fault::None as u32, Ordering::Relaxed);
-        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 30);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 30);
         r.check_clean();
         r.drop_l1();
         let leases = r.tier.load(&r.storage, &keys, 1, None);
@@ -472,11 +509,10 @@ fn objects_of_another_layout_are_not_loaded() {
     use crate::storage::{Dtype, Layout};
     let r = rig("layout", "pread");
     let keys = r.keys(3);
-    r.store(&keys);
-    // Written while the model was registered with [2, 2, 16, 256] float32 (64 KiB).
+    // Committed under [2, 2, 16, 256] float32 (64 KiB): the L2 copy carries that layout.
     let f32_layout = Layout::new(vec![2, 2, 16, 256], Dtype::Float32).unwrap();
-    let fp = f32_layout.fingerprint();
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| fp, &keys), 3);
+    r.store_as(&keys, f32_layout.fingerprint(), 0xa5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 3);
     r.drop_l1();
     // Registered now with another size, or the same size in another dtype: not loaded.
     for other in [
@@ -508,7 +544,7 @@ fn an_uncompleted_write_batch_releases_everything_it_holds() {
     // thread meant to complete it is gone: dropping it gives everything back.
     let batch = r
         .tier
-        .prepare_write(&r.storage, &r.namespaces, &|_| 0, &keys)
+        .prepare_write(&r.storage, &r.namespaces, &keys)
         .expect("five objects to write");
     assert_eq!(r.storage.counts().read_locked, 5);
     drop(batch);
@@ -516,7 +552,7 @@ fn an_uncompleted_write_batch_releases_everything_it_holds() {
     let s = r.tier.status();
     assert_eq!((s.objects, s.writes, s.errors), (0, 0, 5));
     // Nothing is stuck: the next attempt writes them all.
-    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &|_| 0, &keys), 5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 5);
     r.check_clean();
 }
 
@@ -543,4 +579,49 @@ fn write_batches_are_bounded_by_objects_and_bytes() {
     assert_eq!(sizes(&huge), vec![1; 10]);
     assert_eq!(huge.concat(), keys);
     assert!(byte_bounded_parts(&[], 4, &|_| 1).is_empty());
+}
+
+#[test]
+fn an_object_stored_again_under_another_layout_replaces_its_l2_copy() {
+    use crate::storage::{Dtype, Layout};
+    let r = rig("relayout", "pread");
+    let keys = r.keys(3);
+    let f32_layout = Layout::new(vec![2, 2, 16, 256], Dtype::Float32).unwrap();
+    let bf16_layout = Layout::new(vec![2, 2, 16, 512], Dtype::Bfloat16).unwrap();
+    assert_eq!(f32_layout.object_bytes(), bf16_layout.object_bytes());
+    r.store_as(&keys, f32_layout.fingerprint(), 0xa5);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 3);
+    // The same object again under the same layout: nothing to write.
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 0);
+    assert!(keys
+        .iter()
+        .all(|k| r.tier.holds_as(k, OBJ, f32_layout.fingerprint())));
+    r.drop_l1();
+    // The model comes back in bf16 and stores the same prefixes (other bytes).
+    r.store_as(&keys, bf16_layout.fingerprint(), 0x3c);
+    assert!(keys
+        .iter()
+        .all(|k| !r.tier.holds_as(k, OBJ, bf16_layout.fingerprint())));
+    assert_eq!(
+        r.tier.persist(&r.storage, &r.namespaces, &keys),
+        3,
+        "replaced"
+    );
+    r.drop_l1();
+    let l = r.tier.load(&r.storage, &keys, 0, Some(&f32_layout));
+    assert!(l.iter().all(Option::is_none), "the f32 copy is gone");
+    let l = r.tier.load(&r.storage, &keys, 0, Some(&bf16_layout));
+    assert_eq!(r.unlock(&keys, &l, 0), 3);
+    // Loaded objects keep the layout they were written under (a later write-behind of them
+    // would stamp it again).
+    for k in &keys {
+        assert_eq!(
+            r.storage.ready_object(k),
+            Some((OBJ, bf16_layout.fingerprint()))
+        );
+        assert!(r.pool_bytes_are(k, 0x3c));
+    }
+    let s = r.tier.status();
+    assert_eq!((s.objects, s.writes, s.errors, s.corrupt), (3, 6, 0, 0));
+    r.check_clean();
 }

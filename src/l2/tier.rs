@@ -298,8 +298,11 @@ fn make_engine(
     ))
 }
 
-/// The layout fingerprint of an object about to be written (0 = unknown).
-pub type LayoutOf<'a> = dyn Fn(&StorageKey) -> u64 + Sync + 'a;
+/// Whether the L2 copy `l` is the object of length `len` committed under layout fingerprint
+/// `layout` (0 = unknown: any copy of that length).
+fn same_object(l: &super::space::Located, len: u64, layout: u64) -> bool {
+    l.object_len == len && (layout == 0 || l.layout == layout)
+}
 
 /// Whether an L2 object can be served under `layout`: same size, and the same layout if one
 /// was recorded (objects written while the model had no registered layout carry 0).
@@ -854,6 +857,15 @@ impl L2Tier {
         self.index.lock().contains(key)
     }
 
+    /// Whether L2 holds `key` as the object of length `len` committed under layout fingerprint
+    /// `layout` (0 = unknown: any copy of that length), i.e. writing it again would add nothing.
+    pub fn holds_as(&self, key: &StorageKey, len: u64, layout: u64) -> bool {
+        self.index
+            .lock()
+            .get(key)
+            .is_some_and(|l| same_object(&l, len, layout))
+    }
+
     /// Objects per write batch.
     pub fn batch_objects(&self) -> usize {
         self.batch_objects
@@ -867,7 +879,6 @@ impl L2Tier {
         &self,
         storage: &StorageCore,
         namespaces: &Namespaces,
-        layout_of: &LayoutOf<'_>,
         keys: &[StorageKey],
     ) -> u64 {
         let parts = byte_bounded_parts(keys, self.batch_objects, &|k| {
@@ -876,7 +887,7 @@ impl L2Tier {
         if parts.len() <= 1 {
             return parts
                 .into_iter()
-                .filter_map(|part| self.prepare_write(storage, namespaces, layout_of, part))
+                .filter_map(|part| self.prepare_write(storage, namespaces, part))
                 .map(|batch| self.complete_write(storage, batch))
                 .sum();
         }
@@ -896,13 +907,13 @@ impl L2Tier {
                     tracing::warn!(error = %e, "no L2 I/O thread: writing without pipelining");
                     return parts
                         .into_iter()
-                        .filter_map(|part| self.prepare_write(storage, namespaces, layout_of, part))
+                        .filter_map(|part| self.prepare_write(storage, namespaces, part))
                         .map(|batch| self.complete_write(storage, batch))
                         .sum();
                 }
             };
             for part in parts {
-                if let Some(batch) = self.prepare_write(storage, namespaces, layout_of, part) {
+                if let Some(batch) = self.prepare_write(storage, namespaces, part) {
                     if let Err(back) = tx.send(batch) {
                         // The I/O thread is gone (a bug): finish here so nothing stays locked.
                         self.complete_write(storage, back.0);
@@ -924,14 +935,24 @@ impl L2Tier {
         &'a self,
         storage: &'a StorageCore,
         namespaces: &Namespaces,
-        layout_of: &LayoutOf<'_>,
         part: &[StorageKey],
     ) -> Option<WriteBatch<'a>> {
         let gate = self.clear_gate.enter();
+        // Already on L2 as this very object (same length and layout): nothing to write. A copy
+        // stored under another layout is dropped and replaced (loads would never serve it).
         let todo: Vec<StorageKey> = {
-            let index = self.index.lock();
+            let mut index = self.index.lock();
             part.iter()
-                .filter(|k| !index.contains(k))
+                .filter(|k| {
+                    let Some(l) = index.get(k) else { return true };
+                    match storage.ready_object(k) {
+                        Some((len, layout)) if !same_object(&l, len, layout) => {
+                            index.remove(k);
+                            true
+                        }
+                        _ => false,
+                    }
+                })
                 .copied()
                 .collect()
         };
@@ -951,7 +972,7 @@ impl L2Tier {
         self.counters
             .skipped
             .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-        Some(self.plan_write(storage, namespaces, layout_of, locked, gate))
+        Some(self.plan_write(storage, namespaces, locked, gate))
     }
 
     /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
@@ -961,7 +982,6 @@ impl L2Tier {
         &'a self,
         storage: &'a StorageCore,
         namespaces: &Namespaces,
-        layout_of: &LayoutOf<'_>,
         locked: Vec<(StorageKey, Grant)>,
         gate: GateToken<'a>,
     ) -> WriteBatch<'a> {
@@ -1024,7 +1044,8 @@ impl L2Tier {
                 cache_salt,
                 object_len: len,
                 payload_checksum: checksum,
-                layout: layout_of(key),
+                // Read under the batch's L1 read lock: the layout of exactly these bytes.
+                layout: storage.ready_object(key).map_or(0, |(_, layout)| layout),
             };
             let mut b = vec![0u8; BLOCK];
             if let Err(e) = header.encode(&mut b) {
@@ -1057,6 +1078,21 @@ impl L2Tier {
                     // nothing is written into it.
                     self.index.lock().header_lost(*extent);
                     for p in plans.iter_mut().filter(|p| p.slot.extent == *extent) {
+                        p.extent_ok = false;
+                    }
+                }
+            }
+            // Durable before any slot of the extent is written: a crash must never leave slot
+            // headers of a new assignment without the extent header that carries its epoch
+            // (recovery would not know the epoch, could hand it out again, and the old slot
+            // headers would then look current).
+            if let Err(e) = self.write_engine.sync() {
+                tracing::warn!(error = %e, "L2 fdatasync after extent headers failed");
+                for (extent, _, _) in &extent_headers {
+                    self.index.lock().header_lost(*extent);
+                }
+                for p in plans.iter_mut() {
+                    if extent_headers.iter().any(|(e, _, _)| *e == p.slot.extent) {
                         p.extent_ok = false;
                     }
                 }
@@ -1178,9 +1214,12 @@ impl L2Tier {
             return out;
         }
         let keys = &keys[..budget];
+        // Copies that cannot be served under `expected` are not pinned (nor made recent).
         let pinned: Vec<Option<super::space::Located>> = {
             let mut index = self.index.lock();
-            keys.iter().map(|k| index.pin(k)).collect()
+            keys.iter()
+                .map(|k| index.pin_if(k, |l| expected.is_none_or(|e| layout_matches(e, l))))
+                .collect()
         };
         let mut held = LoadGuard {
             tier: self,
@@ -1302,7 +1341,10 @@ impl L2Tier {
             };
             if self.verdict(r, checksum_ok[j].load(Ordering::Relaxed), l) {
                 // An error here means the object was cleared meanwhile (and freed by publish).
-                if let Some(Ok(lease)) = storage.finish_write_locked(&[(keys[i], g)], extra).pop() {
+                if let Some(Ok(lease)) = storage
+                    .finish_write_locked(&[(keys[i], g)], extra, l.layout)
+                    .pop()
+                {
                     out[i] = Some(lease);
                     loaded += 1;
                     self.counters

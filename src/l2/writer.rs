@@ -22,10 +22,9 @@ const PIPELINE_BATCHES: usize = 8;
 /// Completed writes are made durable (fdatasync) at least this often while writing.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
-/// A committed object waiting for write-behind: its key and the fingerprint of the layout it
-/// was committed under (0 = unknown), recorded at commit because the instance may be gone by
-/// the time the object is written.
-pub type Queued = (StorageKey, u64);
+/// A committed object waiting for write-behind (the layout it was committed under is kept
+/// with the L1 object itself).
+pub type Queued = StorageKey;
 
 /// Keys committed in L1 and waiting for their write-behind. Invariant: holds at most its
 /// capacity; keys that do not fit are counted in `dropped` (they stay in L1 only).
@@ -63,9 +62,9 @@ impl WriteQueue {
         let closed = self.closed.load(Ordering::SeqCst);
         for k in keys {
             if closed {
-                refused.push(k.0);
+                refused.push(k);
             } else if let Err(back) = self.keys.push(k) {
-                refused.push(back.0);
+                refused.push(back);
             }
         }
         self.pushing.fetch_sub(1, Ordering::SeqCst);
@@ -124,7 +123,7 @@ impl WriteQueue {
         let mut bytes = 0u64;
         while out.len() < max && bytes < max_bytes {
             let Some(q) = self.keys.pop() else { break };
-            bytes += len_of(&q.0);
+            bytes += len_of(&q);
             out.push(q);
         }
         out
@@ -196,13 +195,8 @@ fn run(ctx: &NodeContext, device: usize) {
                 l2.queue.wait();
                 continue;
             }
-            let (keys, layout_of) = split_queued(items);
-            let batch = l2.prepare_write(
-                &ctx.storage,
-                &ctx.namespaces,
-                &|k| layout_of.get(k).copied().unwrap_or(0),
-                &keys,
-            );
+            let keys = items;
+            let batch = l2.prepare_write(&ctx.storage, &ctx.namespaces, &keys);
             // Those being written are read-locked now (not evictable until written); the rest
             // will not be written: either way eviction may treat them like any object again.
             ctx.storage.clear_unwritten(&keys);
@@ -273,14 +267,8 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
         if items.is_empty() {
             break;
         }
-        let (keys, layout_of) = split_queued(items);
-        n += l2.persist(
-            &ctx.storage,
-            &ctx.namespaces,
-            &|k| layout_of.get(k).copied().unwrap_or(0),
-            &keys,
-        );
-        ctx.storage.clear_unwritten(&keys);
+        n += l2.persist(&ctx.storage, &ctx.namespaces, &items);
+        ctx.storage.clear_unwritten(&items);
     }
     let _ = sync(l2);
     if n > 0 {
@@ -304,21 +292,30 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     let mut written = 0;
     let per_round = l2.tiers()[0].batch_objects() * PIPELINE_BATCHES;
     for part in victims.chunks(per_round) {
-        // Objects whose model has no registered layout now cannot be stamped with the layout
-        // they were stored under: they are evicted without a disk copy rather than risk being
-        // served under another layout later.
+        // Objects of unknown layout are not demoted (they could later be served under
+        // another layout); each object is stamped with the layout it was committed under.
         let todo: Vec<StorageKey> = part
             .iter()
-            .filter(|k| !l2.contains(k) && ctx.layout_fingerprint(k) != 0)
+            .filter(|k| {
+                ctx.storage
+                    .ready_object(k)
+                    .is_some_and(|(len, layout)| layout != 0 && !l2.holds_as(k, len, layout))
+            })
             .copied()
             .collect();
-        written += l2.persist(
-            &ctx.storage,
-            &ctx.namespaces,
-            &|k| ctx.layout_fingerprint(k),
-            &todo,
-        );
-        evicted += ctx.storage.evict_if_idle(part);
+        written += l2.persist(&ctx.storage, &ctx.namespaces, &todo);
+        // Only what is now on L2 goes: an object whose write failed or was not attempted stays
+        // (an allocation that needs its room still evicts it, counted).
+        let on_l2: Vec<StorageKey> = part
+            .iter()
+            .filter(|k| {
+                ctx.storage
+                    .ready_object(k)
+                    .is_some_and(|(len, layout)| l2.holds_as(k, len, layout))
+            })
+            .copied()
+            .collect();
+        evicted += ctx.storage.evict_if_idle(&on_l2);
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
         }
@@ -330,14 +327,6 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
     Some(evicted)
-}
-
-/// Keys of queued objects, and the layout each was committed under.
-fn split_queued(
-    items: Vec<Queued>,
-) -> (Vec<StorageKey>, std::collections::HashMap<StorageKey, u64>) {
-    let keys = items.iter().map(|(k, _)| *k).collect();
-    (keys, items.into_iter().collect())
 }
 
 /// `fdatasync`; false (logged) if it failed, so the caller tries again later.
@@ -369,15 +358,15 @@ mod tests {
     fn queue_bounds_and_closing() {
         let q = WriteQueue::new(2);
         assert_eq!(
-            q.push([(key(1), 7), (key(2), 7), (key(3), 7)]),
+            q.push([key(1), key(2), key(3)]),
             vec![key(3)],
             "beyond capacity: dropped"
         );
         assert_eq!((q.len(), q.dropped()), (2, 1));
-        assert_eq!(q.pop_batch(8), vec![(key(1), 7), (key(2), 7)]);
+        assert_eq!(q.pop_batch(8), vec![key(1), key(2)]);
         q.close();
         assert_eq!(
-            q.push([(key(4), 7)]),
+            q.push([key(4)]),
             vec![key(4)],
             "after the shutdown drain: dropped, not queued"
         );
@@ -396,7 +385,9 @@ mod tests {
                     for i in 0..2000u32 {
                         let mut k = key(t);
                         k.chunk_hash[4..8].copy_from_slice(&i.to_le_bytes());
-                        let refused = q.push([(k, 0), (k, 1)]).len() as u64;
+                        let mut k2 = k;
+                        k2.kv_rank = 1;
+                        let refused = q.push([k, k2]).len() as u64;
                         accepted.fetch_add(2 - refused, Ordering::Relaxed);
                     }
                 })
@@ -425,13 +416,13 @@ mod tests {
     #[test]
     fn batches_are_bounded_by_count_and_bytes() {
         let q = WriteQueue::new(16);
-        assert!(q.push((1..=6).map(|i| (key(i), 0))).is_empty());
+        assert!(q.push((1..=6).map(key)).is_empty());
         // Objects of 40 bytes under a 100-byte budget: the third one crosses it and ends the batch.
         let len = |_: &StorageKey| 40;
         assert_eq!(q.pop_batch_within(8, 100, &len).len(), 3);
         assert_eq!(q.pop_batch_within(2, 1000, &len).len(), 2, "count bound");
         // One object larger than the budget still makes a batch of one.
-        assert_eq!(q.pop_batch_within(8, 10, &len), vec![(key(6), 0)]);
+        assert_eq!(q.pop_batch_within(8, 10, &len), vec![key(6)]);
         assert!(q.pop_batch_within(8, 10, &len).is_empty());
     }
 }

@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::liveness::Liveness;
 use crate::protocol::{RegisterRequest, WireLayout};
 use crate::storage::key::{validate_model_name, validate_rank};
-use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore, StorageKey};
+use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore};
 
 /// Reference-counted layouts per `(model, world_size)`, as LMCache's `LayoutDescRegistry`.
 /// Invariant: an entry exists iff at least one live instance of that pair holds a reference.
@@ -165,16 +165,6 @@ impl NodeContext {
             pool,
             config,
         }
-    }
-
-    /// Fingerprint of the layout `key`'s model is registered with now (0 when no instance of
-    /// that model and world size is registered): recorded in L2 headers.
-    pub fn layout_fingerprint(&self, key: &StorageKey) -> u64 {
-        let world_size = crate::storage::key::world_size_of(key.kv_rank);
-        self.namespaces
-            .name(key.namespace)
-            .and_then(|(model, _)| self.layouts.get(&model, world_size))
-            .map_or(0, |l| l.fingerprint())
     }
 
     /// The consistency check of every tier: L1 (index vs allocator) and the L2 index.

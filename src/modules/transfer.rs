@@ -215,21 +215,23 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
         .filter(|l2| l2.policy() == WritePolicy::Always);
     // Published as waiting for write-behind before it is queued, so the writer's clearing of
     // the mark can never come first.
+    let layout = inst.layout.fingerprint();
     let results = ctx
         .storage
-        .finish_write_pending_l2(&w.items, write_behind.is_some());
+        .finish_write_as(&w.items, layout, write_behind.is_some());
     let published = count_ok(&results);
     if let Some(l2) = write_behind {
-        let layout = inst.layout.fingerprint();
-        // A key stored again while L2 still holds it is not written twice (nor marked waiting).
+        // A key stored again while L2 still holds this same object is not written twice (nor
+        // marked waiting); a copy under another layout is replaced by the write-behind.
+        let len = inst.layout.object_bytes();
         let (on_l2, to_write): (Vec<StorageKey>, Vec<StorageKey>) = w
             .items
             .iter()
             .zip(&results)
             .filter(|(_, r)| r.is_ok())
             .map(|((k, _), _)| *k)
-            .partition(|k| l2.contains(k));
-        let mut settled = l2.enqueue(to_write.into_iter().map(|k| (k, layout)));
+            .partition(|k| l2.holds_as(k, len, layout));
+        let mut settled = l2.enqueue(to_write);
         settled.extend(on_l2);
         ctx.storage.clear_unwritten(&settled);
     }

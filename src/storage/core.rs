@@ -315,6 +315,7 @@ impl StorageCore {
                     readers: 0,
                     temporary,
                     doomed: false,
+                    layout: 0,
                     unwritten: false,
                     stamp: 0,
                     lease,
@@ -423,18 +424,20 @@ impl StorageCore {
     /// reservations are freed instead and reported `KeyNotExist`. Keys are given in chunk order;
     /// they get recency stamps in reverse so later chunks are evicted before earlier ones.
     pub fn finish_write(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
-        self.finish_write_pending_l2(items, false)
+        self.finish_write_as(items, 0, false)
     }
 
-    /// [`StorageCore::finish_write`]; with `unwritten`, the published objects are marked as
-    /// waiting for their L2 write-behind, so eviction prefers every other object to them until
-    /// [`StorageCore::clear_unwritten`].
-    pub fn finish_write_pending_l2(
+    /// [`StorageCore::finish_write`] recording `layout` (the fingerprint of the layout the
+    /// objects were committed under, 0 = unknown; see [`StorageCore::layout_of`]). With
+    /// `unwritten`, the published objects are marked as waiting for their L2 write-behind, so
+    /// eviction prefers every other object to them until [`StorageCore::clear_unwritten`].
+    pub fn finish_write_as(
         &self,
         items: &[(StorageKey, Grant)],
+        layout: u64,
         unwritten: bool,
     ) -> Vec<Result<(), KeyError>> {
-        self.publish(items, None, unwritten)
+        self.publish(items, None, layout, unwritten)
             .into_iter()
             .map(|r| r.map(|_| ()))
             .collect()
@@ -448,21 +451,24 @@ impl StorageCore {
         }
     }
 
-    /// [`StorageCore::finish_write`] that also takes `1 + extra` read locks on each published
-    /// object in the same step (L2 prefetch: the loaded object cannot be evicted between its
-    /// publication and the lookup that locks it). Returns each object's lease for the unlock.
+    /// [`StorageCore::finish_write_as`] (not unwritten) that also takes `1 + extra` read locks
+    /// on each published object in the same step (L2 prefetch: the loaded object cannot be
+    /// evicted between its publication and the lookup that locks it). Returns each object's
+    /// lease for the unlock.
     pub fn finish_write_locked(
         &self,
         items: &[(StorageKey, Grant)],
         extra: u32,
+        layout: u64,
     ) -> Vec<Result<u64, KeyError>> {
-        self.publish(items, Some(extra), false)
+        self.publish(items, Some(extra), layout, false)
     }
 
     fn publish(
         &self,
         items: &[(StorageKey, Grant)],
         lock_extra: Option<u32>,
+        layout: u64,
         unwritten: bool,
     ) -> Vec<Result<u64, KeyError>> {
         let _g = self.gate.read();
@@ -495,6 +501,7 @@ impl StorageCore {
                 }
                 e.stamp = base + (n - 1 - i as u64);
                 e.unwritten = unwritten;
+                e.layout = layout;
                 let lease = e.lease;
                 shard.sync_recency(k);
                 Ok(lease)
@@ -672,6 +679,17 @@ impl StorageCore {
             .map
             .get(key)
             .is_some_and(|e| e.state == ObjectState::Ready && !e.doomed)
+    }
+
+    /// The slot length and layout fingerprint (0 = unknown) of `key` if it is present and
+    /// `Ready` (not doomed); `None` otherwise. Stable while the caller holds a read lock on it.
+    pub fn ready_object(&self, key: &StorageKey) -> Option<(u64, u64)> {
+        let shard = self.shard(key).lock();
+        shard
+            .map
+            .get(key)
+            .filter(|e| e.state == ObjectState::Ready && !e.doomed)
+            .map(|e| (e.slot.len, e.layout))
     }
 
     /// The slot length of `key` if it is present and `Ready` (not doomed); `None` otherwise.

@@ -66,6 +66,9 @@ pub struct Entry {
     pub lease: u64,
     /// Millisecond deadline of the current lock (write reservation or read locks): the TTL safety net.
     pub lock_deadline_ms: u64,
+    /// Fingerprint of the layout the object was committed (or loaded from L2) under, 0 if
+    /// unknown: what its L2 copy is stamped with.
+    pub layout: u64,
     /// Committed with an L2 write-behind still to come: eviction takes it only when no other
     /// object can go (dropping it loses the only copy). Cleared once the write-behind has run
     /// (written, failed or skipped) or if it was never queued.

@@ -23,11 +23,6 @@ pub fn pack_kv_rank(world_size: u32, worker_id: u32) -> u32 {
     (world_size << 24) | (worker_id << 16) | (world_size << 8) | worker_id
 }
 
-/// The world size a packed `kv_rank` carries (the inverse of [`pack_kv_rank`]'s top byte).
-pub fn world_size_of(kv_rank: u32) -> u32 {
-    kv_rank >> 24
-}
-
 /// Checks that a `(world_size, worker_id)` pair fits the `kv_rank` packing.
 pub fn validate_rank(world_size: u32, worker_id: u32) -> Result<()> {
     if world_size == 0 || world_size > MAX_WORLD_SIZE {
@@ -205,13 +200,6 @@ impl Namespaces {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn world_size_round_trips_through_kv_rank() {
-        for (w, r) in [(1, 0), (4, 3), (255, 254)] {
-            assert_eq!(world_size_of(pack_kv_rank(w, r)), w);
-        }
-    }
 
     #[test]
     fn kv_rank_packing_matches_lmcache() {

@@ -317,7 +317,7 @@ fn objects_waiting_for_write_behind_are_evicted_last() {
             .zip(c.reserve_write(keys, 2 * MIB, false))
             .map(|(k, r)| (k, r.unwrap()))
             .collect();
-        assert!(ok_all(&c.finish_write_pending_l2(&items, unwritten)));
+        assert!(ok_all(&c.finish_write_as(&items, 0, unwritten)));
     };
     commit(&[key(0), key(1)], true);
     commit(&[key(2), key(3)], false);
@@ -347,7 +347,7 @@ fn objects_waiting_for_write_behind_are_evicted_last() {
         .zip(c2.reserve_write(&[key(0), key(1)], 2 * MIB, false))
         .map(|(k, r)| (k, r.unwrap()))
         .collect();
-    assert!(ok_all(&c2.finish_write_pending_l2(&items, true)));
+    assert!(ok_all(&c2.finish_write_as(&items, 0, true)));
     assert!(ok_all(&c2.reserve_write(&[key(5)], 2 * MIB, false)));
     let ev = c2.eviction_counters();
     assert_eq!((ev.sync_evictions, ev.unwritten_evictions), (1, 1));
@@ -416,7 +416,7 @@ proptest! {
                 }
                 Op::Commit(i, unwritten) if i < writes.len() => {
                     let items = writes.remove(i);
-                    for (k, r) in items.iter().zip(c.finish_write_pending_l2(&items, unwritten)) {
+                    for (k, r) in items.iter().zip(c.finish_write_as(&items, 0, unwritten)) {
                         // A successful commit makes the key readable. (A failed one was doomed or
                         // expired; the key may since belong to a newer reservation.)
                         if r.is_ok() { prop_assert!(c.contains_ready(&k.0)); }
