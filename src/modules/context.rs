@@ -88,6 +88,9 @@ pub struct NodeCounters {
     pub reaped: AtomicU64,
     /// Instances released because their connection closed.
     pub disconnected: AtomicU64,
+    /// Requests inside `server::dispatch` right now (shutdown waits for them before it drains
+    /// the write-behind and releases the L2 engines).
+    pub dispatching: AtomicUsize,
 }
 
 /// Shared node state. Invariant: built once by `server::Node::start`; lives until every thread

@@ -10,6 +10,15 @@ use crate::modules::{management, NodeContext};
 use crate::protocol::{RegisterReply, Request, Response};
 use crate::transport::ReplySink;
 
+/// Counts a request out of `dispatching` when dispatch returns (also on unwind).
+struct InFlight<'a>(&'a NodeContext);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.counters.dispatching.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Routes one decoded request. `registered` collects instance ids registered over this
 /// connection (released when it closes).
 pub fn dispatch(
@@ -20,7 +29,11 @@ pub fn dispatch(
     registered: &mut Vec<u64>,
 ) {
     let opcode = req.opcode();
-    if ctx.shutting_down.load(Ordering::Acquire) {
+    // SeqCst here and in `Node::shutdown`: either shutdown sees this request in flight and
+    // waits for it, or this request sees the node stopping and is refused.
+    ctx.counters.dispatching.fetch_add(1, Ordering::SeqCst);
+    let _in_flight = InFlight(ctx);
+    if ctx.shutting_down.load(Ordering::SeqCst) {
         let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
         return reply(ctx, sink, request_id, opcode, Response::error(&e));
     }

@@ -22,6 +22,9 @@ use crate::modules::NodeContext;
 use crate::storage::Namespaces;
 use crate::transport::uds;
 
+/// How long shutdown waits for requests that were already being handled when it began.
+const DISPATCH_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A running node. Dropping it without [`Node::shutdown`] leaves threads running (the process
 /// exit reaps them); `shutdown` is the clean path.
 pub struct Node {
@@ -113,7 +116,7 @@ impl Node {
 
     /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket.
     pub fn shutdown(self) {
-        self.ctx.shutting_down.store(true, Ordering::Release);
+        self.ctx.shutting_down.store(true, Ordering::SeqCst);
         // Wake the accept loop so it sees the flag.
         let has_socket = !self.socket.as_os_str().is_empty();
         if has_socket {
@@ -128,6 +131,19 @@ impl Node {
         self.ctx.pool.unlink_shm_name();
         for t in self.threads {
             let _ = t.join();
+        }
+        // Requests already past the shutdown check (run inline on connection threads) finish
+        // before the write-behind drains and the L2 engines let go of the pool.
+        let deadline = std::time::Instant::now() + DISPATCH_DRAIN;
+        while self.ctx.counters.dispatching.load(Ordering::SeqCst) > 0 {
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    in_flight = self.ctx.counters.dispatching.load(Ordering::SeqCst),
+                    "requests still running at shutdown; stopping anyway"
+                );
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
         crate::l2::writer::drain(&self.ctx);
         if let Some(l2) = &self.ctx.l2 {
