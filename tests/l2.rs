@@ -163,7 +163,19 @@ fn restart_after_clean_stop(engine: &'static str) {
     assert_eq!(l2(&s, "objects"), 40);
     assert_eq!(num(&s, &["objects", "ready"]), 0, "L1 starts empty");
     let mut c = node.client();
+    // Before any instance of the model registers, nothing on disk can be checked against its
+    // layout: a lookup sees L1 only and loads nothing.
+    let lookup = |c: &mut Client, conv: u32| {
+        let r =
+            kvnode::client::ChunkRangeBuilder::all_ranks(MODEL, 1).tokens(&tokens(conv, 4), CHUNK);
+        let n = c.lookup("early", &r, 1).unwrap();
+        c.end_session("early").unwrap();
+        n
+    };
+    assert_eq!(lookup(&mut c, 0), 0);
+    assert_eq!(l2(&node.status(), "hits"), 0);
     c.register(&reg64k(1)).unwrap();
+    assert_eq!(lookup(&mut c, 0), 4);
     assert_eq!(verify_all(&mut c, 0..10, 4), 10);
     assert_eq!(l2(&node.status(), "hits"), 40);
 }

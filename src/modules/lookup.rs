@@ -188,10 +188,12 @@ pub fn lookup(
         .map(|h| chunk_keys(namespace, range.world_size, h));
     let locked = match &ctx.l2 {
         None => ctx.storage.lock_prefix(chunks, extra),
-        Some(l2) => {
-            let expected = ctx.layouts.get(&range.model, range.world_size);
-            lock_prefix_tiered(ctx, l2, chunks, extra, expected.as_ref())
-        }
+        // Without a registered layout for the model nothing on disk can be checked against
+        // it (nor retrieved by anyone): the lookup sees L1 only.
+        Some(l2) => match ctx.layouts.get(&range.model, range.world_size) {
+            Some(expected) => lock_prefix_tiered(ctx, l2, chunks, extra, Some(&expected)),
+            None => ctx.storage.lock_prefix(chunks, extra),
+        },
     };
     let hit = locked.len() as u32;
     let replaced = ctx.sessions.insert(
