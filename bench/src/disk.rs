@@ -46,6 +46,19 @@ pub struct RawResult {
     pub read_cpu_s_per_gb: f64,
 }
 
+/// `len` deterministic pseudo-random bytes (xorshift64 from `seed`, which must not be 0).
+pub fn pseudo_random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let mut x = seed;
+    for w in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
+    }
+    out
+}
+
 /// Rate in 1e9 bytes per second (0 for an empty interval).
 pub fn gbps(bytes: u64, d: Duration) -> f64 {
     if d.is_zero() {
@@ -106,14 +119,7 @@ impl RawFile {
             posix_shm_name: None,
         })
         .map_err(|e| format!("raw baseline pool: {e}"))?;
-        let mut pattern = vec![0u8; object_bytes as usize];
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        for w in pattern.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
-        }
+        let pattern = pseudo_random_bytes(object_bytes as usize, 0x2545_F491_4F6C_DD1D);
         for i in 0..ring {
             pool.region()
                 .write_at(i * object_bytes, &pattern)

@@ -128,14 +128,7 @@ struct Payload {
 
 impl Payload {
     fn new(bytes: usize) -> Payload {
-        let mut source = vec![0u8; bytes];
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        for w in source.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
-        }
+        let source = disk::pseudo_random_bytes(bytes, 0x9E37_79B9_7F4A_7C15);
         Payload {
             buf: source.clone(),
             source,
