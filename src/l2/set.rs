@@ -135,6 +135,15 @@ impl L2Set {
             .is_some_and(|d| self.tiers[d].holds_as(key, len, layout))
     }
 
+    /// [`L2Set::holds_as`] for each of `keys` (all of length `len`, layout `layout`), taking
+    /// each device's index lock once rather than once per key (the commit path).
+    pub fn held_as(&self, keys: &[StorageKey], len: u64, layout: u64) -> Vec<bool> {
+        if let [one] = self.tiers.as_slice() {
+            return one.held_as(keys, len, layout);
+        }
+        keys.iter().map(|k| self.holds_as(k, len, layout)).collect()
+    }
+
     /// The device holding `key`: the one it hashes to, else any other (after a restart with
     /// the paths in another order or count, objects stay where they were written and are
     /// still found; new writes go to the device the key hashes to now).

@@ -860,10 +860,15 @@ impl L2Tier {
     /// Whether L2 holds `key` as the object of length `len` committed under layout fingerprint
     /// `layout` (0 = unknown: any copy of that length), i.e. writing it again would add nothing.
     pub fn holds_as(&self, key: &StorageKey, len: u64, layout: u64) -> bool {
-        self.index
-            .lock()
-            .get(key)
-            .is_some_and(|l| same_object(&l, len, layout))
+        self.held_as(std::slice::from_ref(key), len, layout)[0]
+    }
+
+    /// [`L2Tier::holds_as`] for each of `keys` under one index lock.
+    pub fn held_as(&self, keys: &[StorageKey], len: u64, layout: u64) -> Vec<bool> {
+        let index = self.index.lock();
+        keys.iter()
+            .map(|k| index.get(k).is_some_and(|l| same_object(&l, len, layout)))
+            .collect()
     }
 
     /// Objects per write batch.

@@ -223,16 +223,17 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
     if let Some(l2) = write_behind {
         // A key stored again while L2 still holds this same object is not written twice (nor
         // marked waiting); a copy under another layout is replaced by the write-behind.
-        let len = inst.layout.object_bytes();
-        let (on_l2, to_write): (Vec<StorageKey>, Vec<StorageKey>) = w
+        let keys: Vec<StorageKey> = w
             .items
             .iter()
             .zip(&results)
             .filter(|(_, r)| r.is_ok())
             .map(|((k, _), _)| *k)
-            .partition(|k| l2.holds_as(k, len, layout));
-        let mut settled = l2.enqueue(to_write);
-        settled.extend(on_l2);
+            .collect();
+        let held = l2.held_as(&keys, inst.layout.object_bytes(), layout);
+        let (on_l2, to_write): (Vec<_>, Vec<_>) = keys.into_iter().zip(held).partition(|p| p.1);
+        let mut settled = l2.enqueue(to_write.into_iter().map(|p| p.0));
+        settled.extend(on_l2.into_iter().map(|p| p.0));
         ctx.storage.clear_unwritten(&settled);
     }
     ctx.storage.assert_consistent();
