@@ -429,6 +429,30 @@ fn l1_pressure_evicts_written_objects_before_unwritten_ones() {
     assert_eq!(s["memcheck_ok"], true, "{s:#}");
 }
 
+/// Storing again objects that L2 already holds (same layout) writes nothing twice.
+#[test]
+fn objects_already_on_l2_are_not_written_again() {
+    let dir = L2Dir::new("again", "auto");
+    // 32 objects of 64 KiB fit in L1.
+    let node = start("l2again", &dir, "4MiB", &[]);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(store_all(&mut c, 0..4, 8), 32);
+    wait_written(&node, 32);
+    // Another 32 push the first ones out of L1 (they are on L2, so that costs nothing).
+    assert_eq!(store_all(&mut c, 4..8, 8), 32);
+    wait_written(&node, 64);
+    // The engine recomputes and stores the first prefixes again: nothing new for L2, so they
+    // are neither queued nor marked as waiting for a write (evicted last) at commit.
+    assert_eq!(store_all(&mut c, 0..4, 8), 32);
+    assert_eq!(num(&node.status(), &["objects", "unwritten"]), 0);
+    let s = node.wait_status("the re-stores to settle", |s| l2(s, "queued") == 0);
+    assert_eq!((l2(&s, "writes"), l2(&s, "skipped")), (64, 0), "{s:#}");
+    assert_eq!(num(&s, &["eviction_counters", "unwritten_evictions"]), 0);
+    assert_eq!(verify_all(&mut c, 0..8, 8), 8);
+    assert_eq!(l2(&node.status(), "writes"), 64);
+}
+
 #[test]
 fn second_node_on_the_same_l2_is_refused() {
     let dir = L2Dir::new("lock", "auto");

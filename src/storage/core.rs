@@ -89,6 +89,8 @@ pub struct ObjectCounts {
     pub temporary: u64,
     /// Objects waiting for their transfer to end before deletion.
     pub doomed: u64,
+    /// Committed objects whose L2 write-behind has not run yet (evicted last).
+    pub unwritten: u64,
 }
 
 /// Eviction and expiry counters.
@@ -824,6 +826,7 @@ impl StorageCore {
                 }
                 c.temporary += u64::from(e.temporary);
                 c.doomed += u64::from(e.doomed);
+                c.unwritten += u64::from(e.unwritten);
             }
         }
         c
