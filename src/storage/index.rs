@@ -108,6 +108,7 @@ impl Shard {
         for list in [&mut self.recency, &mut self.recency_unwritten] {
             if list.get(&stamp) == Some(key) {
                 list.remove(&stamp);
+                return; // listed at most once
             }
         }
     }
