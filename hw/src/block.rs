@@ -171,17 +171,8 @@ pub trait BlockEngine: Send + Sync {
 /// for open (e.g. `EINVAL` where the filesystem has no `O_DIRECT`),
 /// `fallocate` (e.g. `ENOSPC`) or `ftruncate` failures.
 pub fn open_direct(path: &Path, size: u64) -> HwResult<File> {
-    open_direct_with(path, size, true)
-}
-
-/// [`open_direct`] without reserving space: a shorter file is extended
-/// sparsely (`ftruncate`), so later writes may fail with `ENOSPC` when the
-/// file system fills up. For callers that prefer a smaller working cache to
-/// failing at start-up when `fallocate` reports `ENOSPC`.
-///
-/// Invariant of the result: as [`open_direct`].
-pub fn open_direct_sparse(path: &Path, size: u64) -> HwResult<File> {
-    open_direct_with(path, size, false)
+    check_data_size(size)?;
+    size_data_file(open_o_direct(path)?, path, size, true)
 }
 
 /// Opens an existing block device read-write with `O_DIRECT` and returns it
@@ -247,10 +238,12 @@ pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
     }
 }
 
-/// [`open_direct`] (with `reserve`) or [`open_direct_sparse`] (without), holding
-/// [`lock_exclusive`] (waiting up to `wait`) *before* the file's length is
-/// touched: a process that cannot have the file never grows it under the one
-/// that has it.
+/// [`open_direct`] holding [`lock_exclusive`] (waiting up to `wait`) *before*
+/// the file's length is touched: a process that cannot have the file never
+/// grows it under the one that has it. Without `reserve`, a shorter file is
+/// extended sparsely (`ftruncate`) instead of with `fallocate`, so later writes
+/// may fail with `ENOSPC` when the file system fills up: for callers that
+/// prefer a smaller working cache to failing at start-up.
 ///
 /// Errors: as [`open_direct`], plus `Os { op: "flock", .. }` from the lock.
 pub fn open_direct_locked(
@@ -283,11 +276,6 @@ fn open_o_direct(path: &Path) -> HwResult<File> {
         .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| HwError::os("open(O_DIRECT)", e))
-}
-
-fn open_direct_with(path: &Path, size: u64, reserve: bool) -> HwResult<File> {
-    check_data_size(size)?;
-    size_data_file(open_o_direct(path)?, path, size, reserve)
 }
 
 /// Grows `file` to `size` (reserved with `fallocate`, or sparse), refusing a longer file.

@@ -36,8 +36,8 @@ mod uring;
 mod block_tests;
 
 pub use block::{
-    lock_exclusive, open_block_device, open_direct, open_direct_locked, open_direct_sparse,
-    open_engine, BlockEngine, BlockIo, EngineKind, BLOCK_ALIGN,
+    lock_exclusive, open_block_device, open_direct, open_direct_locked, open_engine, BlockEngine,
+    BlockIo, EngineKind, BLOCK_ALIGN,
 };
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};

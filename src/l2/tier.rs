@@ -887,7 +887,7 @@ impl L2Tier {
         keys: &[StorageKey],
     ) -> u64 {
         let parts = byte_bounded_parts(keys, self.batch_objects, &|k| {
-            storage.ready_len(k).unwrap_or(0)
+            storage.ready_object(k).map_or(0, |(len, _)| len)
         });
         if parts.len() <= 1 {
             return parts

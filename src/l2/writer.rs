@@ -173,7 +173,7 @@ fn run(ctx: &NodeContext, device: usize) {
             let items = l2.queue.pop_batch_within(
                 l2.batch_objects(),
                 super::tier::WRITE_BATCH_BYTES,
-                &|k| ctx.storage.ready_len(k).unwrap_or(0),
+                &|k| ctx.storage.ready_object(k).map_or(0, |(len, _)| len),
             );
             if items.is_empty() {
                 if device == 0

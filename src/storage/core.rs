@@ -694,16 +694,6 @@ impl StorageCore {
             .map(|e| (e.slot.len, e.layout))
     }
 
-    /// The slot length of `key` if it is present and `Ready` (not doomed); `None` otherwise.
-    pub fn ready_len(&self, key: &StorageKey) -> Option<u64> {
-        let shard = self.shard(key).lock();
-        shard
-            .map
-            .get(key)
-            .filter(|e| e.state == ObjectState::Ready && !e.doomed)
-            .map(|e| e.slot.len)
-    }
-
     /// Refreshes recency of present `Ready` keys, given in chunk order (later chunks stay older).
     pub fn touch(&self, keys: &[StorageKey]) {
         let n = keys.len() as u64;
