@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod error;
 pub mod hashing;
@@ -17,6 +18,7 @@ pub mod lmcache;
 pub mod modules;
 pub mod protocol;
 pub mod server;
+pub mod sim;
 pub mod storage;
 pub mod transport;
 

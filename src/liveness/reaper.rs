@@ -116,13 +116,48 @@ impl Liveness {
 fn run(ctx: &NodeContext) {
     let lv = &ctx.liveness;
     let _ = lv.thread.set(thread::current());
-    let capacity = ctx.config.limits.max_instances + WHEEL_CAPACITY_SLACK;
-    let mut wheel: TimerWheel<u64> = TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity);
-    let mut timers: HashMap<u64, TimerId> = HashMap::new();
-    let mut fired = Vec::new();
+    let mut reaper = Reaper::new(ctx);
     while !lv.stop.load(Ordering::Acquire) {
+        let sleep_ms = reaper.step(ctx);
+        thread::park_timeout(Duration::from_millis(sleep_ms));
+    }
+}
+
+/// The reaper's state: the timer wheel and the timer of each watched instance. The thread drives
+/// it in real time; the simulator calls [`Reaper::step`] after each advance of its manual clock.
+/// Invariant: `timers` and the wheel hold the same set of timers.
+pub struct Reaper {
+    wheel: TimerWheel<u64>,
+    timers: HashMap<u64, TimerId>,
+    fired: Vec<(TimerId, u64, u64)>,
+}
+
+impl Reaper {
+    /// An empty reaper for `ctx`'s limits, starting at `ctx`'s current time.
+    pub fn new(ctx: &NodeContext) -> Reaper {
+        let lv = &ctx.liveness;
+        let capacity = ctx.config.limits.max_instances + WHEEL_CAPACITY_SLACK;
+        Reaper {
+            wheel: TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity),
+            timers: HashMap::new(),
+            fired: Vec::new(),
+        }
+    }
+
+    /// Instance ids with a timer armed (the simulator checks them against the live instances).
+    pub fn watched(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.timers.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// One pass at the node's current time: takes the queued arm requests, fires the due
+    /// timers, reaps the instances past their deadline and re-arms the others. Returns how long
+    /// to sleep before the next pass (1..=1000 ms).
+    pub fn step(&mut self, ctx: &NodeContext) -> u64 {
+        let lv = &ctx.liveness;
         while let Some(id) = lv.arm_requests.pop() {
-            if timers.contains_key(&id) {
+            if self.timers.contains_key(&id) {
                 continue;
             }
             let Some(inst) = ctx.instances.get(id) else {
@@ -132,9 +167,9 @@ fn run(ctx: &NodeContext) {
                 inst.last_seen_ms.load(Ordering::Relaxed),
                 inst.pinged.load(Ordering::Relaxed),
             );
-            match wheel.insert(lv.to_tick(d), id) {
+            match self.wheel.insert(lv.to_tick(d), id) {
                 Ok(t) => {
-                    timers.insert(id, t);
+                    self.timers.insert(id, t);
                 }
                 Err(_) => {
                     tracing::error!(instance = id, "liveness wheel full: instance not watched")
@@ -142,10 +177,10 @@ fn run(ctx: &NodeContext) {
             }
         }
         let now = ctx.now_ms();
-        fired.clear();
-        wheel.advance(now / lv.tick_ms, &mut fired);
-        for (_, _, id) in fired.drain(..) {
-            timers.remove(&id);
+        self.fired.clear();
+        self.wheel.advance(now / lv.tick_ms, &mut self.fired);
+        for (_, _, id) in std::mem::take(&mut self.fired) {
+            self.timers.remove(&id);
             let Some(inst) = ctx.instances.get(id) else {
                 continue;
             };
@@ -162,15 +197,14 @@ fn run(ctx: &NodeContext) {
                 );
                 ctx.release(&inst, "reaped");
                 ctx.counters.reaped.fetch_add(1, Ordering::Relaxed);
-            } else if let Ok(t) = wheel.insert(lv.to_tick(lv.wake_ms(&inst, now)), id) {
-                timers.insert(id, t);
+            } else if let Ok(t) = self.wheel.insert(lv.to_tick(lv.wake_ms(&inst, now)), id) {
+                self.timers.insert(id, t);
             }
         }
-        lv.tracked.store(timers.len(), Ordering::Relaxed);
-        let sleep_ms = wheel.next_deadline().map_or(1000, |t| {
+        lv.tracked.store(self.timers.len(), Ordering::Relaxed);
+        self.wheel.next_deadline().map_or(1000, |t| {
             (t * lv.tick_ms).saturating_sub(now).clamp(1, 1000)
-        });
-        thread::park_timeout(Duration::from_millis(sleep_ms));
+        })
     }
 }
 

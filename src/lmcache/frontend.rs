@@ -69,6 +69,59 @@ impl ReplySink for WaitSink {
 /// reply to handlers that return None).
 pub type Reply = Option<Vec<u8>>;
 
+/// The typed answer to one LMCache request, before encoding (what the simulator reads).
+/// Invariant: [`LmReply::encode`] gives the exact frame LMCache's own server sends for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LmReply {
+    /// No reply frame (handlers that return None in LMCache).
+    Nothing,
+    /// An unsigned integer.
+    Uint(u64),
+    /// A boolean.
+    Bool(bool),
+    /// A string.
+    Str(String),
+    /// A list of strings.
+    StrList(Vec<String>),
+    /// PREPARE_STORE: slots and the chunk indices they are for (`None`: pickle mode).
+    PrepareStore(Option<(Vec<SlotDesc>, Vec<u32>)>),
+    /// PREPARE_RETRIEVE: the slots of a hit, `None` for a miss.
+    PrepareRetrieve(Option<Vec<SlotDesc>>),
+    /// REGISTER: the segment name and pool size.
+    Register {
+        /// POSIX shm segment name.
+        shm_name: String,
+        /// Pool bytes.
+        pool_bytes: u64,
+    },
+    /// The GPU-path STORE/RETRIEVE negative answer.
+    BinBool(bool),
+}
+
+impl LmReply {
+    /// The reply frame.
+    pub fn encode(&self) -> Reply {
+        Some(match self {
+            LmReply::Nothing => return None,
+            LmReply::Uint(v) => wire::encode_uint(*v),
+            LmReply::Bool(v) => wire::encode_bool(*v),
+            LmReply::Str(v) => wire::encode_str(v),
+            LmReply::StrList(v) => {
+                let items: Vec<&str> = v.iter().map(String::as_str).collect();
+                wire::encode_str_list(&items)
+            }
+            LmReply::PrepareStore(None) => wire::encode_prepare_store_reply(None),
+            LmReply::PrepareStore(Some((d, c))) => wire::encode_prepare_store_reply(Some((d, c))),
+            LmReply::PrepareRetrieve(v) => wire::encode_prepare_retrieve_reply(v.as_deref()),
+            LmReply::Register {
+                shm_name,
+                pool_bytes,
+            } => wire::encode_register_reply(shm_name, *pool_bytes),
+            LmReply::BinBool(ok) => wire::encode_bin_bool(&[0u8; 64], *ok),
+        })
+    }
+}
+
 /// The LMCache semantics layer. Invariant: every map is bounded by [`MAX_FRONTEND_ENTRIES`].
 pub struct LmFrontend {
     ctx: Arc<NodeContext>,
@@ -200,38 +253,50 @@ impl LmFrontend {
     /// (chunk size, NOOP, GET_EXPERIMENTAL), otherwise the well-typed negative answer (empty
     /// slots, a miss, `false`, `0`) used when a request fails or is not served: never silence.
     pub fn stateless_reply(&self, op: Op) -> Reply {
+        self.stateless(op).encode()
+    }
+
+    fn stateless(&self, op: Op) -> LmReply {
         match op {
-            Op::GetChunkSize => Some(wire::encode_uint(self.chunk())),
-            Op::GetExperimental => Some(wire::encode_str_list(&[])),
-            Op::Noop => Some(wire::encode_str("OK")),
-            Op::Ping | Op::CommitRetrieve => Some(wire::encode_bool(true)),
-            Op::CommitStore => Some(wire::encode_bool(false)),
-            Op::PrepareStore => Some(wire::encode_prepare_store_reply(Some((&[], &[])))),
-            Op::PrepareRetrieve => Some(wire::encode_prepare_retrieve_reply(None)),
+            Op::GetChunkSize => LmReply::Uint(self.chunk()),
+            Op::GetExperimental => LmReply::StrList(Vec::new()),
+            Op::Noop => LmReply::Str("OK".into()),
+            Op::Ping | Op::CommitRetrieve => LmReply::Bool(true),
+            Op::CommitStore => LmReply::Bool(false),
+            Op::PrepareStore => LmReply::PrepareStore(Some((Vec::new(), Vec::new()))),
+            Op::PrepareRetrieve => LmReply::PrepareRetrieve(None),
             Op::QueryPrefetchStatus | Op::WaitPrefetchStatus | Op::QueryPrefetchLookupHits => {
-                Some(wire::encode_uint(0))
+                LmReply::Uint(0)
             }
-            Op::RegisterEngineDriven => Some(wire::encode_register_reply("", 0)),
-            Op::Store | Op::Retrieve => Some(wire::encode_bin_bool(&[0u8; 64], false)),
-            _ => None,
+            Op::RegisterEngineDriven => LmReply::Register {
+                shm_name: String::new(),
+                pool_bytes: 0,
+            },
+            Op::Store | Op::Retrieve => LmReply::BinBool(false),
+            _ => LmReply::Nothing,
         }
     }
 
     /// Executes one decoded request and returns its reply frame.
     pub fn handle(&self, req: LmRequest) -> Reply {
+        self.handle_typed(req).encode()
+    }
+
+    /// Executes one decoded request and returns its typed reply.
+    pub fn handle_typed(&self, req: LmRequest) -> LmReply {
         match req {
-            LmRequest::GetChunkSize => Some(wire::encode_uint(self.chunk())),
-            LmRequest::GetExperimental => Some(wire::encode_str_list(&[])),
-            LmRequest::Noop => Some(wire::encode_str("OK")),
+            LmRequest::GetChunkSize => LmReply::Uint(self.chunk()),
+            LmRequest::GetExperimental => LmReply::StrList(Vec::new()),
+            LmRequest::Noop => LmReply::Str("OK".into()),
             LmRequest::Ping { instance_id } => {
                 self.call(Request::Ping { instance_id });
-                Some(wire::encode_bool(true))
+                LmReply::Bool(true)
             }
             LmRequest::RegisterEngineDriven(p) => self.register(p),
             LmRequest::UnregisterEngineDriven { instance_id } => {
                 self.forget_instance(instance_id);
                 self.call(Request::Unregister { instance_id });
-                None
+                LmReply::Nothing
             }
             LmRequest::PrepareStore { key, instance_id } => self.prepare_store(&key, instance_id),
             LmRequest::CommitStore {
@@ -252,21 +317,21 @@ impl LmFrontend {
                         });
                     }
                 }
-                Some(wire::encode_bool(true))
+                LmReply::Bool(true)
             }
             LmRequest::Lookup { key, tp_size } => {
                 self.lookup(&key, tp_size);
-                None
+                LmReply::Nothing
             }
             LmRequest::QueryPrefetchStatus { request_id }
             | LmRequest::WaitPrefetchStatus { request_id, .. } => {
                 // Lookups complete synchronously (no L2 yet): the job is ready, handed out once.
                 let hits = self.prefetch.lock().remove(&request_id).unwrap_or(0);
-                Some(wire::encode_uint(u64::from(hits)))
+                LmReply::Uint(u64::from(hits))
             }
             LmRequest::QueryPrefetchLookupHits { request_id } => {
                 let hits = self.prefetch.lock().get(&request_id).copied().unwrap_or(0);
-                Some(wire::encode_uint(u64::from(hits)))
+                LmReply::Uint(u64::from(hits))
             }
             LmRequest::FreeLookupLocks { key, .. } => {
                 let c = self.chunk();
@@ -278,12 +343,12 @@ impl LmFrontend {
                     start_chunk: clamp(key.start),
                     end_chunk: clamp(key.end),
                 });
-                None
+                LmReply::Nothing
             }
             LmRequest::EndSession { request_id } => {
                 self.hashes.lock().remove(&request_id);
                 self.call(Request::EndSession { request_id });
-                None
+                LmReply::Nothing
             }
             LmRequest::ReportBlockAllocation {
                 instance_id,
@@ -303,7 +368,7 @@ impl LmFrontend {
                     model: model_name,
                     records,
                 });
-                None
+                LmReply::Nothing
             }
             LmRequest::Clear { force } => {
                 // kvnode's CLEAR is always safe: in-flight objects are freed when their
@@ -314,7 +379,7 @@ impl LmFrontend {
                     );
                 }
                 self.call(Request::Clear);
-                None
+                LmReply::Nothing
             }
             LmRequest::Unsupported { op, name } => {
                 tracing::warn!(
@@ -323,12 +388,12 @@ impl LmFrontend {
                      answering negatively. Use the engine-driven transfer mode \
                      (LMCACHE_MP_TRANSFER_MODE=engine_driven)"
                 );
-                self.stateless_reply(op)
+                self.stateless(op)
             }
         }
     }
 
-    fn register(&self, p: wire::RegisterPayload) -> Reply {
+    fn register(&self, p: wire::RegisterPayload) -> LmReply {
         let resp = self.call(Request::Register(RegisterRequest {
             instance_id: p.instance_id,
             model: p.model_name,
@@ -340,10 +405,13 @@ impl LmFrontend {
             use_mla: p.use_mla,
         }));
         match resp {
-            Response::Registered(r) => Some(wire::encode_register_reply(&r.shm_name, r.pool_bytes)),
+            Response::Registered(r) => LmReply::Register {
+                shm_name: r.shm_name,
+                pool_bytes: r.pool_bytes,
+            },
             other => {
                 tracing::warn!(instance = p.instance_id, response = ?other, "LMCache registration refused");
-                self.stateless_reply(Op::RegisterEngineDriven)
+                self.stateless(Op::RegisterEngineDriven)
             }
         }
     }
@@ -358,16 +426,16 @@ impl LmFrontend {
             .retain(|k, _| k.instance != instance);
     }
 
-    fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> Reply {
+    fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> LmReply {
         let (first, hashes) = match self.range_hashes(key) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_STORE refused");
-                return self.stateless_reply(Op::PrepareStore);
+                return self.stateless(Op::PrepareStore);
             }
         };
         if hashes.is_empty() {
-            return Some(wire::encode_prepare_store_reply(Some((&[], &[]))));
+            return LmReply::PrepareStore(Some((Vec::new(), Vec::new())));
         }
         let id = Self::key_id(key, instance_id, &hashes);
         let range = Self::worker_range(key, first, hashes);
@@ -391,21 +459,18 @@ impl LmFrontend {
                     }
                 }
                 let descs = Self::slots(&slots, &layout);
-                Some(wire::encode_prepare_store_reply(Some((
-                    &descs,
-                    &chunk_indices,
-                ))))
+                LmReply::PrepareStore(Some((descs, chunk_indices)))
             }
             other => {
                 tracing::warn!(instance = instance_id, response = ?other, "PREPARE_STORE failed");
-                self.stateless_reply(Op::PrepareStore)
+                self.stateless(Op::PrepareStore)
             }
         }
     }
 
-    fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> Reply {
+    fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> LmReply {
         let Ok((_, hashes)) = self.range_hashes(key) else {
-            return Some(wire::encode_bool(false));
+            return LmReply::Bool(false);
         };
         let pending = self
             .pending_writes
@@ -425,10 +490,10 @@ impl LmFrontend {
                 });
             }
             bounded_insert(&mut self.pickle_instances.lock(), instance_id, ());
-            return Some(wire::encode_bool(false));
+            return LmReply::Bool(false);
         }
         let Some(transfer_id) = pending else {
-            return Some(wire::encode_bool(false));
+            return LmReply::Bool(false);
         };
         let ok = matches!(
             self.call(Request::CommitStore {
@@ -437,15 +502,15 @@ impl LmFrontend {
             }),
             Response::StoreCommitted { .. }
         );
-        Some(wire::encode_bool(ok))
+        LmReply::Bool(ok)
     }
 
-    fn prepare_retrieve(&self, key: &IpcKey, instance_id: u64) -> Reply {
+    fn prepare_retrieve(&self, key: &IpcKey, instance_id: u64) -> LmReply {
         let (first, hashes) = match self.range_hashes(key) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_RETRIEVE refused");
-                return self.stateless_reply(Op::PrepareRetrieve);
+                return self.stateless(Op::PrepareRetrieve);
             }
         };
         if self.pickle_instances.lock().contains_key(&instance_id) {
@@ -453,10 +518,10 @@ impl LmFrontend {
                 instance = instance_id,
                 "PREPARE_RETRIEVE from a pickle-mode client: answering a miss (shared memory only)"
             );
-            return Some(wire::encode_prepare_retrieve_reply(None));
+            return LmReply::PrepareRetrieve(None);
         }
         if hashes.is_empty() {
-            return Some(wire::encode_prepare_retrieve_reply(Some(&[])));
+            return LmReply::PrepareRetrieve(Some(Vec::new()));
         }
         let id = Self::key_id(key, instance_id, &hashes);
         let range = Self::worker_range(key, first, hashes);
@@ -479,14 +544,12 @@ impl LmFrontend {
                     });
                 }
                 let descs = Self::slots(&slots, &layout);
-                Some(wire::encode_prepare_retrieve_reply(Some(&descs)))
+                LmReply::PrepareRetrieve(Some(descs))
             }
-            Response::RetrievePrepared { hit: false, .. } => {
-                Some(wire::encode_prepare_retrieve_reply(None))
-            }
+            Response::RetrievePrepared { hit: false, .. } => LmReply::PrepareRetrieve(None),
             other => {
                 tracing::warn!(instance = instance_id, response = ?other, "PREPARE_RETRIEVE failed");
-                self.stateless_reply(Op::PrepareRetrieve)
+                self.stateless(Op::PrepareRetrieve)
             }
         }
     }

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use crossbeam_queue::ArrayQueue;
 use kvnode_hw::SharedPool;
@@ -14,6 +13,7 @@ use super::events::{Event, EventBus};
 use super::instances::{Instance, InstanceTable, PendingTransfers};
 use super::lookup::SessionTable;
 use super::shards::ShardPool;
+use crate::clock::Clock;
 use crate::config::NodeConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::liveness::Liveness;
@@ -123,7 +123,7 @@ pub struct NodeContext {
     /// Set once shutdown starts.
     pub shutting_down: AtomicBool,
     next_transfer: AtomicU64,
-    epoch: Instant,
+    clock: Clock,
 }
 
 impl NodeContext {
@@ -136,12 +136,24 @@ impl NodeContext {
         namespaces: Namespaces,
         l2: Option<crate::l2::L2Set>,
     ) -> NodeContext {
+        NodeContext::with_clock(config, pool, namespaces, l2, Clock::real())
+    }
+
+    /// [`NodeContext::new`] on `clock`: every deadline of the node (TTLs, sessions, liveness)
+    /// reads it. The simulator passes a manual clock.
+    pub fn with_clock(
+        config: NodeConfig,
+        pool: Arc<SharedPool>,
+        namespaces: Namespaces,
+        l2: Option<crate::l2::L2Set>,
+        clock: Clock,
+    ) -> NodeContext {
         let reserved = if l2.is_some() {
             crate::l2::L2Set::staging_bytes(&config.l2)
         } else {
             0
         };
-        let storage = StorageCore::new(
+        let storage = StorageCore::with_clock(
             pool.len() - reserved,
             StorageConfig {
                 write_ttl: std::time::Duration::from_secs(config.write_ttl_secs),
@@ -150,6 +162,7 @@ impl NodeContext {
                 low_watermark: config.low_watermark,
                 max_objects: config.limits.max_objects,
             },
+            clock.clone(),
         );
         NodeContext {
             storage,
@@ -164,7 +177,7 @@ impl NodeContext {
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
             next_transfer: AtomicU64::new(1),
-            epoch: Instant::now(),
+            clock,
             pool,
             config,
         }
@@ -180,9 +193,14 @@ impl NodeContext {
         r
     }
 
-    /// Milliseconds since the node started (liveness clock).
+    /// Milliseconds on the node's clock (liveness, TTLs, sessions).
     pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock.now_ms()
+    }
+
+    /// The node's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// A fresh, never-reused transfer id (never 0).
@@ -320,6 +338,20 @@ impl NodeContext {
             }
         }
         (w, r)
+    }
+
+    /// A connection closed: every instance it registered that no other open connection
+    /// registered is released at once (a dead local engine leaks nothing and waits for no
+    /// timeout). `registered` lists the instance ids registered over it.
+    pub fn connection_closed(&self, connection: u64, registered: &[u64]) {
+        for &iid in registered {
+            if let Some(inst) = self.instances.get(iid) {
+                if inst.detach(connection) {
+                    self.counters.disconnected.fetch_add(1, Ordering::Relaxed);
+                    self.release(&inst, "disconnected");
+                }
+            }
+        }
     }
 
     /// Releases an instance (unregister, reaping, disconnect): marks it released, removes it from

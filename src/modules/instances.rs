@@ -1,7 +1,7 @@
 //! Registered engine instances: identity, layout, liveness stamps, the per-instance lock-free
 //! mailbox of queued requests, and the pending (prepared, uncommitted) transfers.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -42,12 +42,13 @@ pub struct PendingRead {
 
 /// Pending transfers of one instance. Invariant: every reservation listed here is
 /// `WriteReserved` in storage (or doomed/expired), and every read listed holds one lock per key.
+/// Ordered by transfer id, so sweeps release them in a deterministic order.
 #[derive(Default)]
 pub struct PendingTransfers {
     /// transfer id -> prepared store.
-    pub writes: HashMap<u64, PendingWrite>,
+    pub writes: BTreeMap<u64, PendingWrite>,
     /// transfer id -> prepared retrieve.
-    pub reads: HashMap<u64, PendingRead>,
+    pub reads: BTreeMap<u64, PendingRead>,
 }
 
 /// One registered engine instance (a worker process of an engine).

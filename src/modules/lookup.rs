@@ -2,7 +2,7 @@
 //! request id. Lookups lock the hit prefix for every rank so the retrieve that follows is
 //! guaranteed to find it; sessions expire after an idle time (not after creation, fixing W5).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
@@ -60,9 +60,10 @@ fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<
 
 const SESSION_SHARDS: usize = 16;
 
-/// Sessions by request id. Invariant: at most `limit` sessions.
+/// Sessions by request id. Invariant: at most `limit` sessions. Ordered maps: clients choose
+/// request ids, so no hash flooding, and sweeps run in a deterministic order.
 pub struct SessionTable {
-    shards: Vec<Mutex<HashMap<String, Session>>>,
+    shards: Vec<Mutex<BTreeMap<String, Session>>>,
     count: AtomicUsize,
     limit: usize,
 }
@@ -77,7 +78,7 @@ impl SessionTable {
         }
     }
 
-    fn shard(&self, id: &str) -> &Mutex<HashMap<String, Session>> {
+    fn shard(&self, id: &str) -> &Mutex<BTreeMap<String, Session>> {
         let h = blake3::hash(id.as_bytes());
         &self.shards[h.as_bytes()[0] as usize % SESSION_SHARDS]
     }
@@ -106,6 +107,33 @@ impl SessionTable {
             self.count.fetch_sub(1, Ordering::Relaxed);
         }
         old
+    }
+
+    /// Every lock the sessions hold: `(request id, key, lease, locks remaining)`, sorted
+    /// (the simulator's lock-ownership check). O(sessions x keys): never on a request path.
+    pub fn held_locks(&self) -> Vec<(String, StorageKey, u64, u32)> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            for (id, s) in shard.lock().iter() {
+                for h in s.locked.iter().flatten() {
+                    out.push((id.clone(), h.key, h.lease, h.remaining));
+                }
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The namespace of every live session (the namespace reclaimer keeps them).
+    pub fn namespaces(&self) -> Vec<NamespaceId> {
+        let mut out: Vec<NamespaceId> = self
+            .shards
+            .iter()
+            .flat_map(|s| s.lock().values().map(|v| v.namespace).collect::<Vec<_>>())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Removes sessions idle since before `cutoff_ms` and returns them, so the caller releases

@@ -98,13 +98,6 @@ pub fn serve_frames<S: FrameSource>(
             }
         }
     }
-    for iid in registered {
-        if let Some(inst) = ctx.instances.get(iid) {
-            if inst.detach(id) {
-                ctx.counters.disconnected.fetch_add(1, Ordering::Relaxed);
-                ctx.release(&inst, "disconnected");
-            }
-        }
-    }
+    ctx.connection_closed(id, &registered);
     tracing::debug!(connection = id, "client disconnected");
 }

@@ -65,32 +65,39 @@ fn run(ctx: &NodeContext) {
         }
         if last_ttl.elapsed() >= ttl_every {
             last_ttl = Instant::now();
-            let (pw, pr) = ctx.expire_pending();
-            if pw + pr > 0 {
-                tracing::warn!(
-                    expired_prepared_stores = pw,
-                    expired_prepared_retrieves = pr,
-                    "prepared transfers never committed: released by the TTL safety net"
-                );
-            }
-            let (w, r) = ctx.storage.expire_locks(ctx.storage.now_ms());
-            if w + r > 0 {
-                tracing::warn!(
-                    expired_writes = w,
-                    expired_reads = r,
-                    "lock TTL expired (a client forgot to commit)"
-                );
-            }
-            let cutoff = ctx
-                .now_ms()
-                .saturating_sub(ctx.config.session_ttl_secs.saturating_mul(1000));
-            let expired = ctx.sessions.expire(cutoff);
-            for s in &expired {
-                crate::modules::lookup::release_session(ctx, s);
-            }
-            if !expired.is_empty() {
-                tracing::debug!(sessions = expired.len(), "idle lookup sessions dropped");
-            }
+            ttl_sweep(ctx);
         }
+    }
+}
+
+/// The TTL safety nets, in order: prepared transfers never committed (released and freed),
+/// expired object locks, idle lookup sessions (their locks released). The maintenance thread
+/// runs it every few seconds; the simulator runs it on its own schedule.
+pub fn ttl_sweep(ctx: &NodeContext) {
+    let (pw, pr) = ctx.expire_pending();
+    if pw + pr > 0 {
+        tracing::warn!(
+            expired_prepared_stores = pw,
+            expired_prepared_retrieves = pr,
+            "prepared transfers never committed: released by the TTL safety net"
+        );
+    }
+    let (w, r) = ctx.storage.expire_locks(ctx.storage.now_ms());
+    if w + r > 0 {
+        tracing::warn!(
+            expired_writes = w,
+            expired_reads = r,
+            "lock TTL expired (a client forgot to commit)"
+        );
+    }
+    let cutoff = ctx
+        .now_ms()
+        .saturating_sub(ctx.config.session_ttl_secs.saturating_mul(1000));
+    let expired = ctx.sessions.expire(cutoff);
+    for s in &expired {
+        crate::modules::lookup::release_session(ctx, s);
+    }
+    if !expired.is_empty() {
+        tracing::debug!(sessions = expired.len(), "idle lookup sessions dropped");
     }
 }

@@ -11,7 +11,9 @@
 //! `memcheck` (exclusive) sees a consistent snapshot; no exclusive lock is held across a batch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::clock::Clock;
 
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
@@ -143,7 +145,7 @@ pub struct StorageCore {
     alloc: Mutex<SlabAllocator>,
     gate: RwLock<()>,
     stamp: AtomicU64,
-    epoch: Instant,
+    clock: Clock,
     config: StorageConfig,
     object_count: AtomicU64,
     sync_evictions: AtomicU64,
@@ -155,8 +157,13 @@ pub struct StorageCore {
 }
 
 impl StorageCore {
-    /// A core managing `pool_bytes` of pool address space (offsets from 0).
+    /// A core managing `pool_bytes` of pool address space (offsets from 0), on real time.
     pub fn new(pool_bytes: u64, config: StorageConfig) -> StorageCore {
+        StorageCore::with_clock(pool_bytes, config, Clock::real())
+    }
+
+    /// [`StorageCore::new`] reading its TTL deadlines from `clock` (the simulator's manual clock).
+    pub fn with_clock(pool_bytes: u64, config: StorageConfig, clock: Clock) -> StorageCore {
         assert!(
             0.0 < config.low_watermark
                 && config.low_watermark <= config.high_watermark
@@ -168,7 +175,7 @@ impl StorageCore {
             alloc: Mutex::new(SlabAllocator::new(pool_bytes)),
             gate: RwLock::new(()),
             stamp: AtomicU64::new(1),
-            epoch: Instant::now(),
+            clock,
             config,
             object_count: AtomicU64::new(0),
             sync_evictions: AtomicU64::new(0),
@@ -180,9 +187,9 @@ impl StorageCore {
         }
     }
 
-    /// Milliseconds since this core was created (the TTL clock).
+    /// Milliseconds on the TTL clock.
     pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock.now_ms()
     }
 
     /// The configuration in force.
@@ -802,6 +809,18 @@ impl StorageCore {
         }
         self.background_evictions.fetch_add(n, Ordering::Relaxed);
         n
+    }
+
+    /// Every object in the index with its entry, on a consistent snapshot (the simulator's
+    /// checkers compare it with what clients were promised). O(objects): never on a request path.
+    pub fn snapshot(&self) -> Vec<(StorageKey, Entry)> {
+        let _g = self.gate.write();
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            out.extend(shard.lock().map.iter().map(|(k, e)| (*k, e.clone())));
+        }
+        out.sort_unstable_by_key(|(k, _)| *k);
+        out
     }
 
     /// Counts objects by state.

@@ -181,6 +181,16 @@ impl Namespaces {
         t.ids.get(model).and_then(|m| m.get(salt)).copied()
     }
 
+    /// Number of interned namespaces.
+    pub fn len(&self) -> usize {
+        self.inner.read().names.len()
+    }
+
+    /// Whether no namespace is interned.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The `(model, salt)` behind an id.
     pub fn name(&self, id: NamespaceId) -> Option<(String, String)> {
         self.inner.read().names.get(id.0 as usize).cloned()

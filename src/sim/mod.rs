@@ -1,0 +1,474 @@
+//! A deterministic simulator of the node's request-level semantics, in the manner of
+//! TigerBeetle's VOPR: simulated engine workers (native clients and LMCache clients through the
+//! real frontend) and schedulers issue random interleavings of every request type against the
+//! real `modules`, `storage`, `liveness` and `lmcache` code, on a manual clock, with faults
+//! (disconnects, silent deaths, CLEAR, eviction pressure, clock jumps across every TTL and reap
+//! deadline). After every step a reference model of what each client was promised is checked
+//! against the node (see [`model::Model::check`] and [`Sim::check`]). A run is a pure function of
+//! its seed: a failure prints the seed, and the seed reproduces it.
+
+mod lm;
+pub mod model;
+mod native;
+pub mod rng;
+pub mod world;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use self::model::Model;
+use self::rng::Rng;
+use self::world::{Prompts, GRACE_MS, REAP_TIMEOUT_MS, TICK_MS};
+use crate::clock::Clock;
+use crate::liveness::reaper::Reaper;
+use crate::lmcache::frontend::LmFrontend;
+use crate::modules::instances::Instance;
+use crate::modules::NodeContext;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// The seed; everything else follows from it.
+    pub seed: u64,
+    /// Steps (one request or one fault each).
+    pub steps: u64,
+    /// Native engine workers.
+    pub native_instances: usize,
+    /// LMCache engine workers (through the real frontend).
+    pub lmcache_instances: usize,
+    /// Distinct prompts.
+    pub prompts: usize,
+    /// Steps of history printed with a failure.
+    pub trace: usize,
+    /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `answers`.
+    pub skip: Vec<String>,
+}
+
+impl SimOptions {
+    /// The default shape of a run for `seed`.
+    pub fn new(seed: u64) -> SimOptions {
+        SimOptions {
+            seed,
+            steps: 4_000,
+            native_instances: 5,
+            lmcache_instances: 3,
+            prompts: 12,
+            trace: 40,
+            skip: Vec::new(),
+        }
+    }
+}
+
+/// Counters of one finished run.
+#[derive(Debug, Clone, Default)]
+pub struct SimStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Requests sent to the node.
+    pub requests: u64,
+    /// Stores committed with at least one object.
+    pub stores_committed: u64,
+    /// Retrieves that hit (bytes verified at prepare and commit).
+    pub retrieves_hit: u64,
+    /// Lookups run.
+    pub lookups: u64,
+    /// Instances reaped by the liveness wheel.
+    pub reaped: u64,
+    /// Instances released by disconnect.
+    pub disconnected: u64,
+    /// CLEARs.
+    pub clears: u64,
+    /// Transfers whose TTL passed while the client held them.
+    pub expired: u64,
+    /// Simulated milliseconds.
+    pub sim_ms: u64,
+}
+
+/// A failed run: the first broken invariant, where, and the steps leading to it.
+#[derive(Debug, Clone)]
+pub struct SimFailure {
+    /// The seed that reproduces it.
+    pub seed: u64,
+    /// The step at which a check failed.
+    pub step: u64,
+    /// What broke.
+    pub message: String,
+    /// The last steps before it, oldest first.
+    pub trace: Vec<String>,
+}
+
+impl std::fmt::Display for SimFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "seed {} failed at step {}: {}",
+            self.seed, self.step, self.message
+        )?;
+        writeln!(f, "last steps:")?;
+        for t in &self.trace {
+            writeln!(f, "  {t}")?;
+        }
+        write!(
+            f,
+            "reproduce: scripts/simulate.sh --seed {} --steps {}",
+            self.seed,
+            self.step + 1
+        )
+    }
+}
+
+/// Liveness stamps the model keeps for a registered instance.
+pub(crate) struct Registration {
+    /// The node's instance object (a release is seen as the table no longer holding it).
+    pub inst: Arc<Instance>,
+    /// Last request naming the instance.
+    pub last_seen_ms: u64,
+    /// Whether it ever pinged.
+    pub pinged: bool,
+    /// The hidden size it registered with.
+    pub hidden: u32,
+    /// Connections that registered this instance object and are still open (native only).
+    pub conns: Vec<u64>,
+}
+
+impl Registration {
+    fn deadline_ms(&self) -> u64 {
+        self.last_seen_ms
+            + if self.pinged {
+                REAP_TIMEOUT_MS
+            } else {
+                GRACE_MS
+            }
+    }
+}
+
+/// The running simulation.
+pub struct Sim {
+    opts: SimOptions,
+    rng: Rng,
+    clock: Clock,
+    ctx: Arc<NodeContext>,
+    reaper: Reaper,
+    frontend: LmFrontend,
+    prompts: Prompts,
+    model: Model,
+    natives: Vec<native::NativeActor>,
+    lms: Vec<lm::LmActor>,
+    schedulers: Vec<native::Conn>,
+    trace: VecDeque<String>,
+    step: u64,
+    next_conn: u64,
+    next_request: u64,
+    /// (model, salt) -> last time a request named it.
+    named: HashMap<(String, String), u64>,
+    stats: SimStats,
+}
+
+type Check = Result<(), String>;
+
+/// Runs one seed to the end or to its first broken invariant.
+pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
+    let mut sim = Sim::new(opts.clone());
+    for _ in 0..opts.steps {
+        if let Err(message) = sim.step() {
+            return Err(SimFailure {
+                seed: opts.seed,
+                step: sim.step,
+                message,
+                trace: sim.trace.iter().cloned().collect(),
+            });
+        }
+    }
+    sim.stats.steps = sim.step;
+    sim.stats.sim_ms = sim.clock.now_ms();
+    Ok(sim.stats)
+}
+
+impl Sim {
+    fn new(opts: SimOptions) -> Sim {
+        let clock = Clock::manual(1_000);
+        let ctx = world::build_node(&clock);
+        let reaper = Reaper::new(&ctx);
+        let frontend = LmFrontend::new(ctx.clone());
+        let mut rng = Rng::new(opts.seed);
+        let prompts = Prompts::new(opts.prompts, rng.next_u64());
+        let natives = (0..opts.native_instances)
+            .map(|i| native::NativeActor::new(1 + i as u64, world::MODELS[i % 2]))
+            .collect();
+        let lms = (0..opts.lmcache_instances)
+            .map(|i| lm::LmActor::new(1001 + i as u64))
+            .collect();
+        let mut sim = Sim {
+            rng,
+            clock,
+            ctx,
+            reaper,
+            frontend,
+            prompts,
+            model: Model::default(),
+            natives,
+            lms,
+            schedulers: Vec::new(),
+            trace: VecDeque::new(),
+            step: 0,
+            next_conn: 1,
+            next_request: 1,
+            named: HashMap::new(),
+            stats: SimStats::default(),
+            opts,
+        };
+        sim.schedulers = (0..2).map(|_| sim.new_conn()).collect();
+        sim
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// Whether check `name` runs.
+    fn on(&self, name: &str) -> bool {
+        !self.opts.skip.iter().any(|s| s == name)
+    }
+
+    fn log(&mut self, what: String) {
+        if self.trace.len() >= self.opts.trace {
+            self.trace.pop_front();
+        }
+        self.trace
+            .push_back(format!("#{} t={} {what}", self.step, self.now()));
+    }
+
+    fn new_conn(&mut self) -> native::Conn {
+        self.next_conn += 1;
+        native::Conn::new(self.next_conn)
+    }
+
+    fn request_id(&mut self) -> u64 {
+        self.next_request += 1;
+        self.next_request
+    }
+
+    fn named(&mut self, model: &str, salt: &str) {
+        let now = self.now();
+        self.named.insert((model.to_owned(), salt.to_owned()), now);
+    }
+
+    /// One step: a request from a random client, or a fault, then the node's timers, then every
+    /// check.
+    fn step(&mut self) -> Check {
+        self.step += 1;
+        self.stats.expired += self.model.expire(self.now()) as u64;
+        let natives = if self.natives.is_empty() { 0 } else { 55 };
+        let lms = if self.lms.is_empty() { 0 } else { 25 };
+        match self.rng.weighted(&[natives, lms, 8, 6, 4, 2]) {
+            0 => {
+                let i = self.rng.index(self.natives.len());
+                self.native_step(i)?;
+            }
+            1 => {
+                let i = self.rng.index(self.lms.len());
+                self.lm_step(i)?;
+            }
+            2 => self.scheduler_step()?,
+            3 => self.advance_clock(),
+            4 => self.maintenance()?,
+            _ => self.clear()?,
+        }
+        self.reaper.step(&self.ctx);
+        self.observe_releases()?;
+        self.check()
+    }
+
+    fn advance_clock(&mut self) {
+        let ms = match self.rng.weighted(&[60, 30, 10]) {
+            0 => self.rng.range(1, 300),
+            1 => self.rng.range(500, 4_000),
+            _ => self.rng.range(5_000, 25_000),
+        };
+        self.clock.advance(ms);
+        self.log(format!("advance clock by {ms} ms"));
+    }
+
+    fn maintenance(&mut self) -> Check {
+        crate::server::maintenance::ttl_sweep(&self.ctx);
+        let evicted = self.ctx.storage.evict_to_watermark();
+        self.log(format!("maintenance (TTL sweep, {evicted} evicted)"));
+        self.check_namespaces_reclaimed()
+    }
+
+    fn clear(&mut self) -> Check {
+        self.model.clear_epoch += 1;
+        self.stats.clears += 1;
+        let conn = self.schedulers[0].clone();
+        let resp = self.native_call(&conn, crate::protocol::Request::Clear);
+        self.log(format!("CLEAR -> {resp:?}"));
+        Ok(())
+    }
+
+    /// Instances the node released on its own (the reaper): legitimate only once their
+    /// deadline passed; a released instance holds nothing.
+    fn observe_releases(&mut self) -> Check {
+        let now = self.now();
+        let mut released: Vec<(u64, bool, u64)> = Vec::new();
+        for a in &self.natives {
+            if let Some(r) = &a.reg {
+                if !self.is_live(&r.inst) {
+                    released.push((a.id, true, r.deadline_ms()));
+                }
+            }
+        }
+        for a in &self.lms {
+            if let Some(r) = &a.reg {
+                if !self.is_live(&r.inst) {
+                    released.push((a.id, false, r.deadline_ms()));
+                }
+            }
+        }
+        for (id, native, deadline) in released {
+            if self.on("reaper") && now < deadline {
+                return Err(format!(
+                    "instance {id} was released at {now} ms, before its liveness deadline \
+                     {deadline} ms, without UNREGISTER or disconnect"
+                ));
+            }
+            self.stats.reaped += 1;
+            self.log(format!("instance {id} reaped"));
+            self.forget_instance(id, native)?;
+        }
+        Ok(())
+    }
+
+    fn is_live(&self, inst: &Arc<Instance>) -> bool {
+        self.ctx
+            .instances
+            .get(inst.id)
+            .is_some_and(|cur| Arc::ptr_eq(&cur, inst))
+    }
+
+    /// The model's side of a release: the instance object must be released and empty; the
+    /// client's transfers are gone.
+    fn forget_instance(&mut self, id: u64, native: bool) -> Check {
+        let reg = if native {
+            let a = self.natives.iter_mut().find(|a| a.id == id).expect("actor");
+            a.forget();
+            a.reg.take()
+        } else {
+            let a = self.lms.iter_mut().find(|a| a.id == id).expect("actor");
+            a.forget();
+            a.reg.take()
+        };
+        self.model.release_instance(id);
+        let Some(reg) = reg else { return Ok(()) };
+        if !reg.inst.is_released() {
+            return Err(format!(
+                "instance {id} left the table but is not marked released"
+            ));
+        }
+        let p = reg.inst.pending.lock();
+        if !p.writes.is_empty() || !p.reads.is_empty() {
+            return Err(format!(
+                "released instance {id} still lists {} pending stores and {} pending retrieves",
+                p.writes.len(),
+                p.reads.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// A request named instance `id`: the node refreshed its liveness stamp.
+    fn touched(&mut self, id: u64, ping: bool) {
+        let now = self.now();
+        let reg = self
+            .natives
+            .iter_mut()
+            .filter_map(|a| a.reg.as_mut())
+            .chain(self.lms.iter_mut().filter_map(|a| a.reg.as_mut()))
+            .find(|r| r.inst.id == id);
+        if let Some(r) = reg {
+            r.last_seen_ms = now;
+            r.pinged |= ping;
+        }
+    }
+
+    /// Checks after every step: the model's invariants, the reaper's deadlines and the wheel.
+    fn check(&mut self) -> Check {
+        self.model.check(&self.ctx, &self.opts.skip)?;
+        let now = self.now();
+        for r in self
+            .natives
+            .iter()
+            .filter_map(|a| a.reg.as_ref())
+            .chain(self.lms.iter().filter_map(|a| a.reg.as_ref()))
+        {
+            if self.on("reaper") && now >= r.deadline_ms() + 2 * TICK_MS {
+                return Err(format!(
+                    "instance {} silent since {} ms (pinged: {}) is still registered at {now} ms, \
+                     past its deadline {} ms",
+                    r.inst.id,
+                    r.last_seen_ms,
+                    r.pinged,
+                    r.deadline_ms()
+                ));
+            }
+        }
+        let live: Vec<u64> = self.ctx.instances.all().iter().map(|i| i.id).collect();
+        let watched = self.reaper.watched();
+        if self.on("wheel") && watched != live {
+            return Err(format!(
+                "the liveness wheel watches {watched:?} but the live instances are {live:?}"
+            ));
+        }
+        if self.on("wheel") && self.ctx.liveness.tracked() != live.len() {
+            return Err(format!(
+                "status reports {} tracked instances for {} live ones",
+                self.ctx.liveness.tracked(),
+                live.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// After the maintenance pass, the node keeps only namespaces that something uses or that a
+    /// request named recently.
+    fn check_namespaces_reclaimed(&mut self) -> Check {
+        let now = self.now();
+        let mut keep: std::collections::HashSet<crate::storage::NamespaceId> = self
+            .ctx
+            .storage
+            .snapshot()
+            .iter()
+            .map(|(k, _)| k.namespace)
+            .collect();
+        keep.extend(self.ctx.instances.all().iter().map(|i| i.namespace));
+        keep.extend(self.ctx.sessions.namespaces());
+        for ((m, s), t) in &self.named {
+            if now.saturating_sub(*t) < world::NAMESPACE_IDLE_MS {
+                keep.extend(self.ctx.namespaces.lookup(m, s));
+            }
+        }
+        let interned = self.ctx.namespaces.len();
+        if self.on("namespaces") && interned > keep.len() {
+            return Err(format!(
+                "the node keeps {interned} namespaces after maintenance, but only {} are in use \
+                 or were named in the last {} ms",
+                keep.len(),
+                world::NAMESPACE_IDLE_MS
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` and fails if it grew the namespace table (lookups and retrieves never intern).
+    fn no_intern<T>(&mut self, what: &str, f: impl FnOnce(&mut Sim) -> T) -> Result<T, String> {
+        let before = self.ctx.namespaces.len();
+        let out = f(self);
+        let after = self.ctx.namespaces.len();
+        if self.on("namespaces") && after > before {
+            return Err(format!(
+                "{what} interned a namespace ({before} -> {after}); an unknown namespace is a miss"
+            ));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,726 @@
+//! Native-protocol clients of the simulator: engine workers that register over one or two
+//! connections, store, retrieve (with their own, someone else's, a stale or no lookup session),
+//! commit, abort, repeat commits, disconnect or fall silent; and schedulers that look up,
+//! free lookup locks and end sessions.
+
+use std::sync::Arc;
+
+use super::model::{Grant, Transfer};
+use super::world::{self, CaptureSink, DTYPE, HIDDEN, HIDDEN_ALT, NUM_LAYERS, PROMPT_CHUNKS};
+use super::{Check, Registration, Sim};
+use crate::error::ErrorKind;
+use crate::protocol::{ChunkRange, RegisterRequest, Request, Response};
+use crate::server::dispatch;
+use crate::storage::{pack_kv_rank, StorageKey};
+
+/// One client connection: its reply sink and the dispatcher's list of instances registered
+/// over it.
+#[derive(Clone)]
+pub struct Conn {
+    sink: Arc<CaptureSink>,
+    registered: Arc<parking_lot::Mutex<Vec<u64>>>,
+}
+
+impl Conn {
+    /// A new open connection with id `id`.
+    pub fn new(id: u64) -> Conn {
+        Conn {
+            sink: CaptureSink::new(id),
+            registered: Arc::default(),
+        }
+    }
+
+    fn id(&self) -> u64 {
+        crate::transport::ReplySink::connection_id(&*self.sink)
+    }
+}
+
+/// A native engine worker.
+pub struct NativeActor {
+    /// Its instance id.
+    pub id: u64,
+    model: &'static str,
+    conns: Vec<Conn>,
+    /// Registration, while the model believes the instance is registered.
+    pub(crate) reg: Option<Registration>,
+    /// (node transfer id, model transfer id) of prepared stores.
+    writes: Vec<(u64, u64)>,
+    /// (node transfer id, model transfer id) of prepared retrieves.
+    reads: Vec<(u64, u64)>,
+    /// Transfer ids already committed or aborted (repeated on purpose).
+    retired: Vec<u64>,
+    /// Silent forever (a hung process): only the reaper can release it.
+    dead: bool,
+}
+
+impl NativeActor {
+    /// A worker for instance `id` of `model`.
+    pub fn new(id: u64, model: &'static str) -> NativeActor {
+        NativeActor {
+            id,
+            model,
+            conns: Vec::new(),
+            reg: None,
+            writes: Vec::new(),
+            reads: Vec::new(),
+            retired: Vec::new(),
+            dead: false,
+        }
+    }
+
+    /// Forgets the transfers of a released registration.
+    pub fn forget(&mut self) {
+        self.writes.clear();
+        self.reads.clear();
+    }
+}
+
+const SALTS: [&str; 6] = ["", "", "", "t1", "t2", "t3"];
+
+impl Sim {
+    /// Sends one native request over `conn` and returns the answer.
+    pub(super) fn native_call(&mut self, conn: &Conn, req: Request) -> Response {
+        self.stats.requests += 1;
+        let rid = self.request_id();
+        let sink: Arc<dyn crate::transport::ReplySink> = conn.sink.clone();
+        let mut registered = conn.registered.lock();
+        dispatch::dispatch(&self.ctx, &sink, rid, req, &mut registered);
+        drop(registered);
+        conn.sink.take().unwrap_or_else(|| Response::Error {
+            kind: ErrorKind::Internal.code(),
+            message: "no response".into(),
+        })
+    }
+
+    fn salt(&mut self) -> &'static str {
+        if self.rng.chance(12) {
+            // Rare, many distinct salts: namespaces come and go.
+            const MANY: [&str; 10] = ["x0", "x1", "x2", "x3", "x4", "x5", "x6", "x7", "x8", "x9"];
+            MANY[self.rng.index(MANY.len())]
+        } else {
+            SALTS[self.rng.index(SALTS.len())]
+        }
+    }
+
+    /// A chunk range `[a, b)` of a random prompt.
+    fn chunk_span(&mut self) -> (usize, usize, usize) {
+        let p = self.rng.index(self.prompts.len());
+        let a = if self.rng.chance(70) {
+            0
+        } else {
+            self.rng.index(PROMPT_CHUNKS)
+        };
+        let b = self.rng.range(a as u64 + 1, PROMPT_CHUNKS as u64) as usize;
+        (p, a, b)
+    }
+
+    fn range(&self, model: &str, salt: &str, p: usize, a: usize, b: usize) -> ChunkRange {
+        ChunkRange {
+            model: model.to_owned(),
+            world_size: 1,
+            worker_id: Some(0),
+            cache_salt: salt.to_owned(),
+            first_chunk: a as u32,
+            chunk_hashes: self.prompts.hashes(p)[a..b].to_vec(),
+        }
+    }
+
+    pub(super) fn key_of(
+        &self,
+        model: &str,
+        salt: &str,
+        hash: &crate::hashing::ChunkHash,
+    ) -> StorageKey {
+        StorageKey {
+            chunk_hash: *hash,
+            kv_rank: pack_kv_rank(1, 0),
+            object_group: 0,
+            namespace: self
+                .ctx
+                .namespaces
+                .lookup(model, salt)
+                .unwrap_or(crate::storage::NamespaceId(u32::MAX)),
+        }
+    }
+
+    /// One random action of native worker `i`.
+    pub(super) fn native_step(&mut self, i: usize) -> Check {
+        if self.natives[i].dead {
+            return Ok(());
+        }
+        if self.natives[i].conns.is_empty() {
+            let c = self.new_conn();
+            self.natives[i].conns.push(c);
+        }
+        let registered = self.natives[i].reg.is_some();
+        if !registered {
+            return self.native_register(i, 0, HIDDEN);
+        }
+        let weights = [
+            3,  // 0 register again (same layout), maybe over a second connection
+            1,  // 1 re-register with another layout
+            8,  // 2 ping
+            25, // 3 prepare store
+            20, // 4 commit store
+            4,  // 5 abort store
+            20, // 6 prepare retrieve
+            18, // 7 commit retrieve
+            3,  // 8 repeat a finished commit, or commit someone else's transfer
+            2,  // 9 unregister
+            2,  // 10 disconnect one connection
+            1,  // 11 fall silent forever
+        ];
+        match self.rng.weighted(&weights) {
+            0 => {
+                let second = self.natives[i].conns.len() < 2 && self.rng.chance(50);
+                if second {
+                    let c = self.new_conn();
+                    self.natives[i].conns.push(c);
+                }
+                let conn = self.natives[i].conns.len() - 1;
+                let hidden = self.natives[i].reg.as_ref().map_or(HIDDEN, |r| r.hidden);
+                self.native_register(i, conn, hidden)
+            }
+            1 => {
+                let hidden = match self.natives[i].reg.as_ref().map(|r| r.hidden) {
+                    Some(HIDDEN) => HIDDEN_ALT,
+                    _ => HIDDEN,
+                };
+                self.native_register(i, 0, hidden)
+            }
+            2 => {
+                let id = self.natives[i].id;
+                let conn = self.natives[i].conns[0].clone();
+                self.touched(id, true);
+                let r = self.native_call(
+                    &conn,
+                    Request::Ping {
+                        instance_id: Some(id),
+                    },
+                );
+                self.log(format!("native {id} PING -> {r:?}"));
+                Ok(())
+            }
+            3 => self.native_prepare_store(i),
+            4 => self.native_commit_store(i),
+            5 => self.native_abort_store(i),
+            6 => self.native_prepare_retrieve(i),
+            7 => self.native_commit_retrieve(i),
+            8 => self.native_bogus_commit(i),
+            9 => self.native_unregister(i),
+            10 => self.native_disconnect(i),
+            _ => {
+                self.natives[i].dead = true;
+                let id = self.natives[i].id;
+                self.log(format!("native {id} falls silent (connection left open)"));
+                Ok(())
+            }
+        }
+    }
+
+    fn native_register(&mut self, i: usize, conn: usize, hidden: u32) -> Check {
+        let (id, model) = (self.natives[i].id, self.natives[i].model);
+        let c = self.natives[i].conns[conn].clone();
+        self.named(model, "");
+        let replaces = self.natives[i]
+            .reg
+            .as_ref()
+            .is_some_and(|r| r.hidden != hidden);
+        let r = self.native_call(
+            &c,
+            Request::Register(RegisterRequest {
+                instance_id: id,
+                model: model.to_owned(),
+                world_size: 1,
+                block_size: 16,
+                num_layers: NUM_LAYERS,
+                hidden_dim: hidden,
+                dtype: DTYPE.into(),
+                use_mla: false,
+            }),
+        );
+        self.log(format!(
+            "native {id} REGISTER hidden={hidden} on conn {} -> {}",
+            c.id(),
+            short(&r)
+        ));
+        if !matches!(r, Response::Registered(_)) {
+            return Err(format!("registration of instance {id} refused: {r:?}"));
+        }
+        if replaces {
+            // The old context is released with everything it held.
+            self.forget_instance(id, true)?;
+        }
+        let inst = self
+            .ctx
+            .instances
+            .get(id)
+            .ok_or_else(|| format!("instance {id} registered but not in the table"))?;
+        if inst.is_released() {
+            return Err(format!("registration of {id} returned a released instance"));
+        }
+        let now = self.now();
+        let a = &mut self.natives[i];
+        match &mut a.reg {
+            Some(reg) if std::sync::Arc::ptr_eq(&reg.inst, &inst) => {
+                reg.last_seen_ms = now;
+                if !reg.conns.contains(&c.id()) {
+                    reg.conns.push(c.id());
+                }
+            }
+            _ => {
+                a.reg = Some(Registration {
+                    inst,
+                    last_seen_ms: now,
+                    pinged: false,
+                    hidden,
+                    conns: vec![c.id()],
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn native_prepare_store(&mut self, i: usize) -> Check {
+        let (id, model) = (self.natives[i].id, self.natives[i].model);
+        let salt = self.salt();
+        let (p, a, b) = self.chunk_span();
+        let range = self.range(model, salt, p, a, b);
+        self.named(model, salt);
+        self.touched(id, false);
+        let conn = self.natives[i].conns[0].clone();
+        let r = self.native_call(
+            &conn,
+            Request::PrepareStore {
+                instance_id: id,
+                range: range.clone(),
+            },
+        );
+        self.log(format!(
+            "native {id} PREPARE_STORE p{p}[{a}..{b}) salt {salt:?} -> {}",
+            short(&r)
+        ));
+        let Response::StorePrepared {
+            transfer_id,
+            slots,
+            chunk_indices,
+            ..
+        } = r
+        else {
+            return Ok(());
+        };
+        if slots.len() != chunk_indices.len() || (transfer_id == 0) != slots.is_empty() {
+            return Err(format!(
+                "PREPARE_STORE answer is inconsistent: transfer {transfer_id}, {} slots, {} indices",
+                slots.len(),
+                chunk_indices.len()
+            ));
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let mut grants = Vec::new();
+        for (s, ci) in slots.iter().zip(&chunk_indices) {
+            let key = self.key_of(model, salt, &range.chunk_hashes[*ci as usize]);
+            let version = self.model.next_version();
+            grants.push(Grant {
+                key,
+                offset: s.offset,
+                len: s.length,
+                version,
+            });
+        }
+        let t = Transfer {
+            instance: id,
+            write: true,
+            grants,
+            created_ms: self.now(),
+            clear_epoch: self.model.clear_epoch,
+            label: format!("native {id} store {transfer_id}"),
+        };
+        let mid = self.model.hand_out(t)?;
+        // The client copies its bytes into the slots.
+        for g in &self.model.get(mid).expect("just added").grants {
+            world::write_stamp(&self.ctx, g.offset, g.len, &g.key, g.version);
+        }
+        self.natives[i].writes.push((transfer_id, mid));
+        Ok(())
+    }
+
+    fn native_commit_store(&mut self, i: usize) -> Check {
+        if self.natives[i].writes.is_empty() {
+            return Ok(());
+        }
+        let k = self.rng.index(self.natives[i].writes.len());
+        let (tid, mid) = self.natives[i].writes.remove(k);
+        let id = self.natives[i].id;
+        let conn = self.natives[i].conns[0].clone();
+        // The client's copy may run until the commit: it writes its bytes once more.
+        if let Some(t) = self.model.get(mid) {
+            for g in &t.grants {
+                world::write_stamp(&self.ctx, g.offset, g.len, &g.key, g.version);
+            }
+        }
+        self.touched(id, false);
+        let r = self.native_call(
+            &conn,
+            Request::CommitStore {
+                instance_id: id,
+                transfer_id: tid,
+            },
+        );
+        self.log(format!("native {id} COMMIT_STORE {tid} -> {}", short(&r)));
+        self.natives[i].retired.push(tid);
+        let t = match self.model.take(mid) {
+            Some((t, true)) => t,
+            Some((t, false)) => {
+                // Its TTL passed: the node may have released it, or still accepted the commit.
+                if matches!(r, Response::StoreCommitted { .. }) {
+                    self.model.committed(&t);
+                }
+                return Ok(());
+            }
+            None => return Ok(()),
+        };
+        match r {
+            Response::StoreCommitted { published } => {
+                let expect = if t.clear_epoch == self.model.clear_epoch {
+                    t.grants.len() as u32
+                } else {
+                    0
+                };
+                if published != expect {
+                    return Err(format!(
+                        "COMMIT_STORE {tid} of instance {id} published {published} objects, \
+                         expected {expect}"
+                    ));
+                }
+                self.model.committed(&t);
+                self.stats.stores_committed += 1;
+                Ok(())
+            }
+            other => Err(format!(
+                "COMMIT_STORE of held transfer {tid} (instance {id}) failed: {other:?}"
+            )),
+        }
+    }
+
+    fn native_abort_store(&mut self, i: usize) -> Check {
+        if self.natives[i].writes.is_empty() {
+            return Ok(());
+        }
+        let k = self.rng.index(self.natives[i].writes.len());
+        let (tid, mid) = self.natives[i].writes.remove(k);
+        let id = self.natives[i].id;
+        let conn = self.natives[i].conns[0].clone();
+        self.touched(id, false);
+        let r = self.native_call(
+            &conn,
+            Request::AbortStore {
+                instance_id: id,
+                transfer_id: tid,
+            },
+        );
+        self.log(format!("native {id} ABORT_STORE {tid} -> {}", short(&r)));
+        self.natives[i].retired.push(tid);
+        if let Some(t) = self.model.finish(mid) {
+            match r {
+                Response::StoreAborted { freed } if freed as usize == t.grants.len() => {}
+                other => {
+                    return Err(format!(
+                        "ABORT_STORE of held transfer {tid} (instance {id}, {} slots): {other:?}",
+                        t.grants.len()
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn session_id(&mut self) -> String {
+        if self.rng.chance(15) {
+            // A session that may never have existed, or one of the LMCache workers'.
+            format!("lm-p{}-", self.rng.index(self.prompts.len()))
+        } else {
+            format!("s{}", self.rng.index(8))
+        }
+    }
+
+    fn native_prepare_retrieve(&mut self, i: usize) -> Check {
+        let (id, model) = (self.natives[i].id, self.natives[i].model);
+        let salt = self.salt();
+        let (p, a, b) = self.chunk_span();
+        let range = self.range(model, salt, p, a, b);
+        let session = if self.rng.chance(60) {
+            Some(self.session_id())
+        } else {
+            None
+        };
+        self.named(model, salt);
+        self.touched(id, false);
+        let conn = self.natives[i].conns[0].clone();
+        let req = Request::PrepareRetrieve {
+            instance_id: id,
+            range: range.clone(),
+            lookup_session: session.clone(),
+        };
+        let r = self.no_intern("PREPARE_RETRIEVE", |s| s.native_call(&conn, req))?;
+        self.log(format!(
+            "native {id} PREPARE_RETRIEVE p{p}[{a}..{b}) salt {salt:?} session {session:?} -> {}",
+            short(&r)
+        ));
+        let Response::RetrievePrepared {
+            hit: true,
+            transfer_id,
+            slots,
+            ..
+        } = r
+        else {
+            return Ok(());
+        };
+        if slots.len() != b - a {
+            return Err(format!(
+                "a retrieve hit of {} chunks came with {} slots",
+                b - a,
+                slots.len()
+            ));
+        }
+        let mut grants = Vec::new();
+        for (s, h) in slots.iter().zip(&range.chunk_hashes) {
+            let key = self.key_of(model, salt, h);
+            let Some(version) = world::read_stamp(&self.ctx, s.offset, s.length, &key) else {
+                return Err(format!(
+                    "retrieve {transfer_id} of instance {id} was handed slot {} whose bytes are \
+                     not an object of its key",
+                    s.offset
+                ));
+            };
+            if !self.model.is_committed(&key, version, s.offset) {
+                return Err(format!(
+                    "retrieve {transfer_id} of instance {id} was handed version {version} at {}, \
+                     which no client committed there",
+                    s.offset
+                ));
+            }
+            grants.push(Grant {
+                key,
+                offset: s.offset,
+                len: s.length,
+                version,
+            });
+        }
+        let t = Transfer {
+            instance: id,
+            write: false,
+            grants,
+            created_ms: self.now(),
+            clear_epoch: self.model.clear_epoch,
+            label: format!("native {id} retrieve {transfer_id}"),
+        };
+        let mid = self.model.hand_out(t)?;
+        self.stats.retrieves_hit += 1;
+        self.natives[i].reads.push((transfer_id, mid));
+        Ok(())
+    }
+
+    fn native_commit_retrieve(&mut self, i: usize) -> Check {
+        if self.natives[i].reads.is_empty() {
+            return Ok(());
+        }
+        let k = self.rng.index(self.natives[i].reads.len());
+        let (tid, mid) = self.natives[i].reads.remove(k);
+        let id = self.natives[i].id;
+        let conn = self.natives[i].conns[0].clone();
+        self.touched(id, false);
+        let r = self.native_call(
+            &conn,
+            Request::CommitRetrieve {
+                instance_id: id,
+                transfer_id: tid,
+            },
+        );
+        self.log(format!(
+            "native {id} COMMIT_RETRIEVE {tid} -> {}",
+            short(&r)
+        ));
+        self.natives[i].retired.push(tid);
+        if self.model.finish(mid).is_some() && !matches!(r, Response::Ok) {
+            return Err(format!(
+                "COMMIT_RETRIEVE of held transfer {tid} (instance {id}) failed: {r:?}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A commit the node must refuse: a transfer already finished, or another instance's.
+    fn native_bogus_commit(&mut self, i: usize) -> Check {
+        let id = self.natives[i].id;
+        let conn = self.natives[i].conns[0].clone();
+        let (target, tid) = if self.rng.chance(50) && !self.natives[i].retired.is_empty() {
+            let k = self.rng.index(self.natives[i].retired.len());
+            (id, self.natives[i].retired[k])
+        } else {
+            let j = self.rng.index(self.natives.len());
+            let other = &self.natives[j];
+            match other.writes.first().or(other.reads.first()) {
+                Some(&(tid, _)) if j != i => (id, tid),
+                _ => return Ok(()),
+            }
+        };
+        self.touched(target, false);
+        let req = if self.rng.chance(50) {
+            Request::CommitStore {
+                instance_id: target,
+                transfer_id: tid,
+            }
+        } else {
+            Request::CommitRetrieve {
+                instance_id: target,
+                transfer_id: tid,
+            }
+        };
+        let r = self.native_call(&conn, req);
+        self.log(format!(
+            "native {id} commits foreign/finished transfer {tid} -> {}",
+            short(&r)
+        ));
+        match r {
+            Response::Error { kind, .. }
+                if kind == ErrorKind::UnknownTransfer.code()
+                    || kind == ErrorKind::NotRegistered.code() =>
+            {
+                Ok(())
+            }
+            other => Err(format!(
+                "a commit of transfer {tid} that instance {target} does not hold was accepted: \
+                 {other:?}"
+            )),
+        }
+    }
+
+    fn native_unregister(&mut self, i: usize) -> Check {
+        let id = self.natives[i].id;
+        let conn = self.natives[i].conns[0].clone();
+        self.touched(id, false);
+        let r = self.native_call(&conn, Request::Unregister { instance_id: id });
+        self.log(format!("native {id} UNREGISTER -> {}", short(&r)));
+        if !matches!(r, Response::Unregistered { .. }) {
+            return Err(format!("UNREGISTER of instance {id} failed: {r:?}"));
+        }
+        self.forget_instance(id, true)?;
+        self.natives[i].retired.clear();
+        Ok(())
+    }
+
+    fn native_disconnect(&mut self, i: usize) -> Check {
+        let id = self.natives[i].id;
+        let k = self.rng.index(self.natives[i].conns.len());
+        let conn = self.natives[i].conns.remove(k);
+        let registered = conn.registered.lock().clone();
+        self.ctx.connection_closed(conn.id(), &registered);
+        let Some(reg) = self.natives[i].reg.as_mut() else {
+            self.log(format!(
+                "native {id} closes conn {} (not registered)",
+                conn.id()
+            ));
+            return Ok(());
+        };
+        let was_registering = reg.conns.contains(&conn.id());
+        reg.conns.retain(|c| *c != conn.id());
+        let last = reg.conns.is_empty();
+        let live = self.is_live(&self.natives[i].reg.as_ref().expect("checked").inst);
+        self.log(format!(
+            "native {id} closes conn {} (registered over it: {was_registering}, last: {last})",
+            conn.id()
+        ));
+        if was_registering && last {
+            if live {
+                return Err(format!(
+                    "instance {id} survived the close of its last registering connection"
+                ));
+            }
+            self.stats.disconnected += 1;
+            self.forget_instance(id, true)?;
+        } else if !live {
+            return Err(format!(
+                "instance {id} was released when connection {} closed, but another connection \
+                 that registered it is open",
+                conn.id()
+            ));
+        }
+        Ok(())
+    }
+
+    /// A scheduler's action: LOOKUP, FREE_LOOKUP_LOCKS or END_SESSION.
+    pub(super) fn scheduler_step(&mut self) -> Check {
+        let conn = self.schedulers[self.rng.index(2)].clone();
+        let session = self.session_id();
+        match self.rng.weighted(&[60, 20, 20]) {
+            0 => {
+                let salt = self.salt();
+                let model = world::MODELS[self.rng.index(2)];
+                let p = self.rng.index(self.prompts.len());
+                let mut range = self.range(model, salt, p, 0, PROMPT_CHUNKS);
+                range.worker_id = None;
+                let tp_size = if self.rng.chance(30) { 2 } else { 1 };
+                self.named(model, salt);
+                self.stats.lookups += 1;
+                let req = Request::Lookup {
+                    request_id: session.clone(),
+                    range,
+                    tp_size,
+                };
+                let r = self.no_intern("LOOKUP", |s| s.native_call(&conn, req))?;
+                self.log(format!(
+                    "LOOKUP {session} p{p} {model} salt {salt:?} tp {tp_size} -> {}",
+                    short(&r)
+                ));
+            }
+            1 => {
+                let a = self.rng.index(PROMPT_CHUNKS + 1) as u32;
+                let b = self.rng.range(u64::from(a), PROMPT_CHUNKS as u64 + 1) as u32;
+                let req = Request::FreeLookupLocks {
+                    request_id: session.clone(),
+                    start_chunk: a,
+                    end_chunk: b,
+                };
+                let r = self.native_call(&conn, req);
+                self.log(format!(
+                    "FREE_LOOKUP_LOCKS {session} [{a}..{b}) -> {}",
+                    short(&r)
+                ));
+            }
+            _ => {
+                let req = Request::EndSession {
+                    request_id: session.clone(),
+                };
+                let r = self.native_call(&conn, req);
+                self.log(format!("END_SESSION {session} -> {}", short(&r)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A one-line summary of a response for the trace.
+pub(super) fn short(r: &Response) -> String {
+    match r {
+        Response::StorePrepared {
+            transfer_id, slots, ..
+        } => format!(
+            "prepared {transfer_id} slots {:?}",
+            slots.iter().map(|s| s.offset).collect::<Vec<_>>()
+        ),
+        Response::RetrievePrepared {
+            hit,
+            transfer_id,
+            slots,
+            ..
+        } => format!(
+            "hit {hit} transfer {transfer_id} slots {:?}",
+            slots.iter().map(|s| s.offset).collect::<Vec<_>>()
+        ),
+        Response::Registered(_) => "registered".into(),
+        other => format!("{other:?}"),
+    }
+}
