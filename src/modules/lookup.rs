@@ -348,31 +348,46 @@ pub fn free_lookup_locks(
     Ok(Response::Ok)
 }
 
-/// Records that a retrieve relying on session `request_id` used up one lock of each found key,
-/// at chunk positions `first_chunk..` (`None` = that chunk was not found). The retrieve's commit
-/// (or its miss handling) releases those locks; FREE_LOOKUP_LOCKS must not release them again.
-pub fn consume(
+/// Moves to a retrieve that relies on session `request_id` one of the session's read locks on
+/// each of `keys` (chunk positions `first_chunk..`). Entry `i` is the grant of the adopted lock,
+/// or `None` when the session holds no live lock on that key (unknown or ended session, locks
+/// used up or freed, another prompt, expired): the caller then takes a lock of its own, so a
+/// retrieve never relies on a lock that someone else owns. Adopted locks are the retrieve's: its
+/// commit (or its miss) releases them, and the session no longer counts them.
+pub fn adopt(
     ctx: &NodeContext,
     request_id: &str,
     first_chunk: u32,
-    found: &[Option<StorageKey>],
-) {
+    keys: &[StorageKey],
+) -> Vec<Option<crate::storage::Grant>> {
+    let mut out = vec![None; keys.len()];
     let mut shard = ctx.sessions.shard(request_id).lock();
     let Some(s) = shard.get_mut(request_id) else {
-        return;
+        return out;
     };
     s.last_used_ms = ctx.now_ms();
-    for (i, key) in found.iter().enumerate() {
-        let Some(key) = key else { continue };
+    for (i, key) in keys.iter().enumerate() {
         let c = first_chunk as usize + i;
-        if let Some(held) = s
+        let Some(held) = s
             .locked
             .get_mut(c)
-            .and_then(|ks| ks.iter_mut().find(|h| h.key == *key))
-        {
-            held.remaining = held.remaining.saturating_sub(1);
+            .and_then(|ks| ks.iter_mut().find(|h| h.key == *key && h.remaining > 0))
+        else {
+            continue;
+        };
+        match ctx.storage.adopt_read(key, held.lease) {
+            Ok(grant) => {
+                held.remaining -= 1;
+                out[i] = Some(grant);
+            }
+            // The lock is gone (expired): the session has nothing left to release there.
+            Err(crate::storage::KeyError::KeyInWrongState) => held.remaining = 0,
+            // Still held, but not readable (cleared while locked): the session keeps it, and
+            // releasing it later frees the doomed object.
+            Err(_) => {}
         }
     }
+    out
 }
 
 /// END_SESSION: forgets the session, releases any lookup locks it still holds, and refreshes

@@ -12,3 +12,6 @@ pub mod status;
 pub mod transfer;
 
 pub use self::context::NodeContext;
+
+#[cfg(test)]
+mod tests;

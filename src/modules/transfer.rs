@@ -264,25 +264,30 @@ fn prepare_retrieve(
     // The pending lock is not held from here on: an L2 load may wait for the disk, and commits,
     // aborts and reaping of this instance must not wait behind it. (Transfers of one instance
     // run one at a time, so the room checked above is still there.)
-    let results = match lookup_session {
+    // Every found key gets exactly one read lock owned by this retrieve: adopted from the
+    // lookup session when it holds a live one, otherwise taken here. (A retrieve never relies on
+    // a lock someone else owns: that lock could be released under it.)
+    let mut results: Vec<std::result::Result<Grant, KeyError>> = match lookup_session {
         Some(session) => {
-            let r = ctx.storage.read_locked_slots(&keys);
-            // Whether it hits (commit releases) or misses (released below), one lookup lock per
-            // found chunk is used up: the session must not release it again.
-            let found: Vec<Option<StorageKey>> = keys
+            let adopted = super::lookup::adopt(ctx, session, range.first_chunk, &keys);
+            let own: Vec<StorageKey> = keys
                 .iter()
-                .zip(&r)
-                .map(|(k, g)| g.is_ok().then_some(*k))
+                .zip(&adopted)
+                .filter(|(_, a)| a.is_none())
+                .map(|(k, _)| *k)
                 .collect();
-            super::lookup::consume(ctx, session, range.first_chunk, &found);
-            r
+            let mut taken = ctx.storage.reserve_read(&own, 0).into_iter();
+            adopted
+                .into_iter()
+                .map(|a| match a {
+                    Some(g) => Ok(g),
+                    None => taken.next().expect("one result per key without a lock"),
+                })
+                .collect()
         }
-        None => {
-            let mut r = ctx.storage.reserve_read(&keys, 0);
-            load_missing_from_l2(ctx, &keys, &inst.layout, &mut r);
-            r
-        }
+        None => ctx.storage.reserve_read(&keys, 0),
     };
+    load_missing_from_l2(ctx, &keys, &inst.layout, &mut results);
     let layout = NodeContext::wire_layout(&inst.layout);
     let found: Vec<(StorageKey, u64)> = keys
         .iter()

@@ -330,8 +330,19 @@ impl Sim {
 
     fn lm_prepare_retrieve(&mut self, i: usize) -> Check {
         let id = self.lms[i].id;
+        let recent: Vec<_> = self
+            .lookups
+            .iter()
+            .filter(|l| l.1 == LM_MODEL && l.4 > 0 && l.0.starts_with("lm-"))
+            .cloned()
+            .collect();
         let span = if self.rng.chance(30) {
             self.lm_known_span(i, false)
+        } else if !recent.is_empty() && self.rng.chance(60) {
+            let (_, _, salt, p, hits) = recent[self.rng.index(recent.len())].clone();
+            let a = if self.rng.chance(70) { 0 } else { self.rng.index(hits as usize) };
+            let b = self.rng.range(a as u64 + 1, u64::from(hits)) as usize;
+            (p, a, b, salt)
         } else {
             self.lm_span()
         };
@@ -446,6 +457,9 @@ impl Sim {
         let hits = self.lm_call(LmRequest::QueryPrefetchStatus {
             request_id: request_id.clone(),
         });
+        if let LmReply::Uint(n) = hits {
+            self.remember_lookup(request_id.clone(), LM_MODEL, salt, p, n as u32);
+        }
         self.log(format!(
             "lm LOOKUP {request_id} tp {tp_size} -> {r:?}, prefetch status {hits:?}"
         ));

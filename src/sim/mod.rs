@@ -162,6 +162,9 @@ pub struct Sim {
     next_request: u64,
     /// (model, salt) -> last time a request named it.
     named: HashMap<(String, String), u64>,
+    /// Recent lookups: (session id, model, salt, prompt, hit chunks), newest last (retrieves
+    /// mostly follow one, as engines do).
+    lookups: VecDeque<(String, &'static str, &'static str, usize, u32)>,
     stats: SimStats,
 }
 
@@ -215,6 +218,7 @@ impl Sim {
             next_conn: 1,
             next_request: 1,
             named: HashMap::new(),
+            lookups: VecDeque::new(),
             stats: SimStats::default(),
             opts,
         };
@@ -247,6 +251,13 @@ impl Sim {
     fn request_id(&mut self) -> u64 {
         self.next_request += 1;
         self.next_request
+    }
+
+    fn remember_lookup(&mut self, session: String, model: &'static str, salt: &'static str, p: usize, hits: u32) {
+        if self.lookups.len() >= 16 {
+            self.lookups.pop_front();
+        }
+        self.lookups.push_back((session, model, salt, p, hits));
     }
 
     fn named(&mut self, model: &str, salt: &str) {

@@ -448,14 +448,30 @@ impl Sim {
 
     fn native_prepare_retrieve(&mut self, i: usize) -> Check {
         let (id, model) = (self.natives[i].id, self.natives[i].model);
-        let salt = self.salt();
-        let (p, a, b) = self.chunk_span();
-        let range = self.range(model, salt, p, a, b);
-        let session = if self.rng.chance(60) {
-            Some(self.session_id())
+        // Mostly the hit prefix of a recent lookup of this model, as engines do; otherwise any
+        // range with any (or no) session.
+        let recent: Vec<_> = self
+            .lookups
+            .iter()
+            .filter(|l| l.1 == model && l.4 > 0)
+            .cloned()
+            .collect();
+        let (salt, p, a, b, session) = if !recent.is_empty() && self.rng.chance(60) {
+            let (session, _, salt, p, hits) = recent[self.rng.index(recent.len())].clone();
+            let a = if self.rng.chance(70) { 0 } else { self.rng.index(hits as usize) };
+            let b = self.rng.range(a as u64 + 1, u64::from(hits)) as usize;
+            (salt, p, a, b, Some(session))
         } else {
-            None
+            let salt = self.salt();
+            let (p, a, b) = self.chunk_span();
+            let session = if self.rng.chance(60) {
+                Some(self.session_id())
+            } else {
+                None
+            };
+            (salt, p, a, b, session)
         };
+        let range = self.range(model, salt, p, a, b);
         self.named(model, salt);
         self.touched(id, false);
         let conn = self.natives[i].conns[0].clone();
@@ -671,6 +687,9 @@ impl Sim {
                     tp_size,
                 };
                 let r = self.no_intern("LOOKUP", |s| s.native_call(&conn, req))?;
+                if let Response::LookupHits { chunks } = r {
+                    self.remember_lookup(session.clone(), model, salt, p, chunks);
+                }
                 self.log(format!(
                     "LOOKUP {session} p{p} {model} salt {salt:?} tp {tp_size} -> {}",
                     short(&r)

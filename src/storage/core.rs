@@ -603,6 +603,39 @@ impl StorageCore {
             .collect()
     }
 
+    /// Takes over one read lock that a lookup session holds on `key` under `lease`, for a
+    /// retrieve that relies on the lookup: the lock must still be live (same lease, not past its
+    /// deadline, object `Ready` and not doomed), and its deadline is extended to cover the
+    /// retrieve (now + read TTL). The lock count does not change: the caller moves one lock from
+    /// the session to the retrieve. `KeyInWrongState` means the lock is gone (expired or another
+    /// lease); `KeyNotExist`/`KeyNotReadable` that it is still held on an object that cannot be
+    /// read (doomed by CLEAR): its owner must still release it.
+    pub fn adopt_read(&self, key: &StorageKey, lease: u64) -> Result<Grant, KeyError> {
+        let _g = self.gate.read();
+        let now = self.now_ms();
+        let mut shard = self.shard(key).lock();
+        let e = shard.map.get_mut(key).ok_or(KeyError::KeyNotExist)?;
+        if e.doomed {
+            return Err(KeyError::KeyNotExist);
+        }
+        if e.state != ObjectState::Ready {
+            return Err(KeyError::KeyNotReadable);
+        }
+        if self.drop_expired_reads(e, now) {
+            shard.sync_recency(key);
+            return Err(KeyError::KeyInWrongState);
+        }
+        if e.lease != lease || e.readers == 0 {
+            return Err(KeyError::KeyInWrongState);
+        }
+        let deadline = now + self.config.read_ttl.as_millis() as u64;
+        e.lock_deadline_ms = e.lock_deadline_ms.max(deadline);
+        Ok(Grant {
+            slot: e.slot,
+            lease: e.lease,
+        })
+    }
+
     /// Grants for keys that are `Ready` and currently read-locked; takes no lock (LMCache
     /// `unsafe_read`, used by retrieves that rely on LOOKUP's locks).
     pub fn read_locked_slots(&self, keys: &[StorageKey]) -> Vec<Result<Grant, KeyError>> {
