@@ -2,17 +2,26 @@
 //!
 //! Every LMCache request becomes one or more native requests executed through the same
 //! dispatcher as the Unix-socket protocol (same instance ordering, limits and liveness). State
-//! that LMCache keeps per key or per request id lives here: rolling-hash sessions, pending store
-//! and retrieve transfers keyed by `(instance, key)`, and prefetch jobs (LOOKUP results that
-//! QUERY_PREFETCH_STATUS hands out exactly once).
+//! that LMCache keeps per key or per request id lives here, each part bounded in bytes:
+//! rolling-hash caches per request id (`bounded`, lost = recomputed), the transfers handed to
+//! workers and not yet committed (`pending`, a FIFO per key per registration, never evicted),
+//! and prefetch results (LOOKUP answers that QUERY_PREFETCH_STATUS hands out exactly once).
+//! What the frontend keeps for an instance is dropped when the node releases it (UNREGISTER,
+//! reaping, re-registration).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex};
+use xxhash_rust::xxh3::Xxh3;
 
-use super::wire::{self, IpcKey, LmRequest, Op, SlotDesc};
+use super::bounded::ByteBoundedMap;
+use super::pending::{KeyId, Kind, PendingTable};
+pub use super::reply::{LmReply, Reply};
+use super::wire::{IpcKey, LmRequest, Op, SlotDesc};
 use crate::hashing::{chunk_hashes, ChunkHash};
+use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
 use crate::protocol::{
     BlockAllocationRecord, ChunkRange, RegisterRequest, Request, Response, WireLayout, WireSlot,
@@ -23,22 +32,15 @@ use crate::transport::ReplySink;
 /// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
 /// so these instances are released by UNREGISTER or by the reaper).
 pub const FRONTEND_CONNECTION_ID: u64 = u64::MAX - 1;
-/// Most rolling-hash sessions, prefetch jobs and pending transfers kept (each map).
-pub const MAX_FRONTEND_ENTRIES: usize = 65_536;
-
-/// Identity of an LMCache key for the pending maps (LMCache compares all fields but
-/// `request_id`; the last chunk hash stands for the token prefix).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct KeyId {
-    instance: u64,
-    model: String,
-    world_size: u32,
-    worker: Option<u32>,
-    salt: String,
-    start: u64,
-    end: u64,
-    last_hash: Option<ChunkHash>,
-}
+/// Bytes of rolling-hash caches kept (beyond: the oldest request ids are forgotten and their
+/// hashes recomputed when needed).
+pub const MAX_HASH_CACHE_BYTES: usize = 64 << 20;
+/// Bytes of pending-transfer bookkeeping (beyond: a new PREPARE is refused, never an older
+/// transfer dropped).
+pub const MAX_PENDING_BYTES: usize = 32 << 20;
+/// Bytes of prefetch results kept (beyond: the oldest unqueried results are forgotten; their
+/// query answers 0, a miss).
+pub const MAX_PREFETCH_BYTES: usize = 8 << 20;
 
 /// Waits for the single response of one native request.
 struct WaitSink {
@@ -65,104 +67,119 @@ impl ReplySink for WaitSink {
     }
 }
 
-/// Outcome of one LMCache request: the reply payload frame, or `None` for "no frame" (LMCache's
-/// reply to handlers that return None).
-pub type Reply = Option<Vec<u8>>;
-
-/// The typed answer to one LMCache request, before encoding (what the simulator reads).
-/// Invariant: [`LmReply::encode`] gives the exact frame LMCache's own server sends for it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LmReply {
-    /// No reply frame (handlers that return None in LMCache).
-    Nothing,
-    /// An unsigned integer.
-    Uint(u64),
-    /// A boolean.
-    Bool(bool),
-    /// A string.
-    Str(String),
-    /// A list of strings.
-    StrList(Vec<String>),
-    /// PREPARE_STORE: slots and the chunk indices they are for (`None`: pickle mode).
-    PrepareStore(Option<(Vec<SlotDesc>, Vec<u32>)>),
-    /// PREPARE_RETRIEVE: the slots of a hit, `None` for a miss.
-    PrepareRetrieve(Option<Vec<SlotDesc>>),
-    /// REGISTER: the segment name and pool size.
-    Register {
-        /// POSIX shm segment name.
-        shm_name: String,
-        /// Pool bytes.
-        pool_bytes: u64,
-    },
-    /// The GPU-path STORE/RETRIEVE negative answer.
-    BinBool(bool),
+/// The rolling hashes of a request's tokens, with a digest of every chunk-aligned token prefix
+/// so a later request under the same id reuses them only for the same tokens.
+struct HashEntry {
+    hashes: Vec<ChunkHash>,
+    /// `digests[i]` = xxh3 of the tokens of chunks `0..=i`.
+    digests: Vec<u64>,
 }
 
-impl LmReply {
-    /// The reply frame.
-    pub fn encode(&self) -> Reply {
-        Some(match self {
-            LmReply::Nothing => return None,
-            LmReply::Uint(v) => wire::encode_uint(*v),
-            LmReply::Bool(v) => wire::encode_bool(*v),
-            LmReply::Str(v) => wire::encode_str(v),
-            LmReply::StrList(v) => {
-                let items: Vec<&str> = v.iter().map(String::as_str).collect();
-                wire::encode_str_list(&items)
-            }
-            LmReply::PrepareStore(None) => wire::encode_prepare_store_reply(None),
-            LmReply::PrepareStore(Some((d, c))) => wire::encode_prepare_store_reply(Some((d, c))),
-            LmReply::PrepareRetrieve(v) => wire::encode_prepare_retrieve_reply(v.as_deref()),
-            LmReply::Register {
-                shm_name,
-                pool_bytes,
-            } => wire::encode_register_reply(shm_name, *pool_bytes),
-            LmReply::BinBool(ok) => wire::encode_bin_bool(&[0u8; 64], *ok),
-        })
+impl HashEntry {
+    fn compute(tokens: &[u32], chunk_tokens: u32) -> HashEntry {
+        let hashes = chunk_hashes(tokens, chunk_tokens);
+        let mut digests = Vec::with_capacity(hashes.len());
+        let mut h = Xxh3::new();
+        for chunk in tokens.chunks_exact(chunk_tokens as usize).take(hashes.len()) {
+            feed(&mut h, chunk);
+            digests.push(h.digest());
+        }
+        HashEntry { hashes, digests }
+    }
+
+    fn bytes(&self) -> usize {
+        self.hashes.len() * (32 + 8)
     }
 }
 
-/// The LMCache semantics layer. Invariant: every map is bounded by [`MAX_FRONTEND_ENTRIES`].
-pub struct LmFrontend {
-    ctx: Arc<NodeContext>,
-    hashes: Mutex<HashMap<String, Vec<ChunkHash>>>,
-    pending_writes: Mutex<HashMap<KeyId, u64>>,
-    pending_reads: Mutex<HashMap<KeyId, u64>>,
-    prefetch: Mutex<HashMap<String, u32>>,
-    /// Instances that sent pickled tensors (they could not open the segment): their retrieves
-    /// are answered as misses, since they would look for the bytes inline.
-    pickle_instances: Mutex<HashMap<u64, ()>>,
+fn feed(h: &mut Xxh3, tokens: &[u32]) {
+    let mut buf = [0u8; 1024];
+    for part in tokens.chunks(buf.len() / 4) {
+        for (b, t) in buf.chunks_exact_mut(4).zip(part) {
+            b.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..part.len() * 4]);
+    }
 }
 
-fn bounded_insert<K: std::hash::Hash + Eq + Clone, V>(
-    m: &mut HashMap<K, V>,
-    k: K,
-    v: V,
-) -> Option<V> {
-    if m.len() >= MAX_FRONTEND_ENTRIES && !m.contains_key(&k) {
-        // Forget an arbitrary entry rather than grow without bound (a client that never ends
-        // its sessions); any locks it stood for are covered by the node's TTL safety nets.
-        if let Some(victim) = m.keys().next().cloned() {
-            m.remove(&victim);
+/// xxh3 of `tokens` as the digests of [`HashEntry`] are computed.
+fn prefix_digest(tokens: &[u32]) -> u64 {
+    let mut h = Xxh3::new();
+    feed(&mut h, tokens);
+    h.digest()
+}
+
+/// Counters of the frontend's bounded state.
+#[derive(Default)]
+pub struct FrontendCounters {
+    /// PREPAREs refused because the pending bookkeeping was at its byte budget.
+    pub pending_refused: AtomicU64,
+    /// Cached hash lists that did not match the request's tokens (recomputed).
+    pub hash_mismatches: AtomicU64,
+}
+
+/// The frontend's state; shared with the release hook the node calls.
+struct State {
+    hashes: Mutex<ByteBoundedMap<HashEntry>>,
+    pending: Mutex<PendingTable>,
+    prefetch: Mutex<ByteBoundedMap<u32>>,
+    /// Instances (id -> generation) that sent pickled tensors (they could not open the
+    /// segment): their retrieves are answered as misses, since they would look for the bytes
+    /// inline.
+    pickle_instances: Mutex<HashMap<u64, u64>>,
+    counters: FrontendCounters,
+}
+
+impl State {
+    fn forget(&self, inst: &Instance) {
+        self.pending.lock().forget(inst.id, Some(inst.generation));
+        let mut p = self.pickle_instances.lock();
+        if p.get(&inst.id) == Some(&inst.generation) {
+            p.remove(&inst.id);
         }
     }
-    m.insert(k, v)
+}
+
+/// The LMCache semantics layer. Invariant: every piece of state is bounded in bytes (see the
+/// `MAX_*_BYTES` constants), and a transfer handed to a worker is ended only by that worker's
+/// COMMIT (paired FIFO per key) or by the node releasing the instance.
+pub struct LmFrontend {
+    ctx: Arc<NodeContext>,
+    state: Arc<State>,
 }
 
 impl LmFrontend {
-    /// A frontend over a running node's context.
+    /// A frontend over a running node's context. It registers a release hook with the node, so
+    /// what it keeps for an instance goes when the node releases that instance.
     pub fn new(ctx: Arc<NodeContext>) -> LmFrontend {
-        LmFrontend {
-            ctx,
-            hashes: Mutex::default(),
-            pending_writes: Mutex::default(),
-            pending_reads: Mutex::default(),
-            prefetch: Mutex::default(),
+        let state = Arc::new(State {
+            hashes: Mutex::new(ByteBoundedMap::new(MAX_HASH_CACHE_BYTES)),
+            pending: Mutex::new(PendingTable::new(MAX_PENDING_BYTES)),
+            prefetch: Mutex::new(ByteBoundedMap::new(MAX_PREFETCH_BYTES)),
             pickle_instances: Mutex::default(),
-        }
+            counters: FrontendCounters::default(),
+        });
+        let weak: Weak<State> = Arc::downgrade(&state);
+        ctx.on_release(Box::new(move |inst| {
+            if let Some(s) = weak.upgrade() {
+                s.forget(inst);
+            }
+        }));
+        LmFrontend { ctx, state }
     }
 
-    /// Runs one native request through the dispatcher and waits for its response.
+    /// Counters of the bounded state.
+    pub fn counters(&self) -> &FrontendCounters {
+        &self.state.counters
+    }
+
+    /// Transfers handed to workers and not yet paired with a COMMIT.
+    pub fn pending_transfers(&self) -> usize {
+        self.state.pending.lock().len()
+    }
+
+    /// Runs one native request through the dispatcher and waits for its response. Never called
+    /// with a frontend lock held (a release inside it runs the release hook, which takes them).
     fn call(&self, req: Request) -> Response {
         let sink = Arc::new(WaitSink {
             slot: Mutex::new(None),
@@ -181,8 +198,9 @@ impl LmFrontend {
         u64::from(self.ctx.config.chunk_tokens)
     }
 
-    /// Rolling hashes of the chunks `[start/C, end/C)` of `key`, using (and extending) the
-    /// request's cached hashes like LMCache's sessions; `Err` if the range is not chunk-aligned.
+    /// Rolling hashes of the chunks `[start/C, end/C)` of `key`, reusing the request's cached
+    /// hashes only when they were computed from the same tokens; `Err` if the range is not
+    /// chunk-aligned or runs past the tokens.
     fn range_hashes(&self, key: &IpcKey) -> Result<(u32, Vec<ChunkHash>), String> {
         let c = self.chunk();
         if !key.start.is_multiple_of(c) || !key.end.is_multiple_of(c) || key.start > key.end {
@@ -199,23 +217,38 @@ impl LmFrontend {
                 key.token_ids.len()
             ));
         }
-        let mut cache = self.hashes.lock();
-        if let Some(h) = cache.get(&key.request_id) {
-            if h.len() >= last {
-                return Ok((first as u32, h[first..last].to_vec()));
+        if last == 0 {
+            return Ok((first as u32, Vec::new()));
+        }
+        {
+            let cache = self.state.hashes.lock();
+            if let Some(e) = cache.get(&key.request_id) {
+                if e.hashes.len() >= last {
+                    if e.digests[last - 1] == prefix_digest(&key.token_ids[..last * c as usize])
+                    {
+                        return Ok((first as u32, e.hashes[first..last].to_vec()));
+                    }
+                    self.state
+                        .counters
+                        .hash_mismatches
+                        .fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
-        let all = chunk_hashes(&key.token_ids, self.ctx.config.chunk_tokens);
-        let out = all[first..last.min(all.len())].to_vec();
+        let entry = HashEntry::compute(&key.token_ids, self.ctx.config.chunk_tokens);
+        let out = entry.hashes[first..last.min(entry.hashes.len())].to_vec();
         if !key.request_id.is_empty() {
-            bounded_insert(&mut cache, key.request_id.clone(), all);
+            let bytes = entry.bytes();
+            self.state
+                .hashes
+                .lock()
+                .insert(key.request_id.clone(), entry, bytes);
         }
         Ok((first as u32, out))
     }
 
-    fn key_id(key: &IpcKey, instance: u64, hashes: &[ChunkHash]) -> KeyId {
+    fn key_id(key: &IpcKey, hashes: &[ChunkHash]) -> KeyId {
         KeyId {
-            instance,
             model: key.model_name.clone(),
             world_size: key.world_size,
             worker: key.worker_id,
@@ -294,7 +327,7 @@ impl LmFrontend {
             }
             LmRequest::RegisterEngineDriven(p) => self.register(p),
             LmRequest::UnregisterEngineDriven { instance_id } => {
-                self.forget_instance(instance_id);
+                // The release hook drops what the frontend kept for the instance.
                 self.call(Request::Unregister { instance_id });
                 LmReply::Nothing
             }
@@ -308,15 +341,7 @@ impl LmFrontend {
                 self.prepare_retrieve(&key, instance_id)
             }
             LmRequest::CommitRetrieve { key, instance_id } => {
-                if let Ok((_, hashes)) = self.range_hashes(&key) {
-                    let id = Self::key_id(&key, instance_id, &hashes);
-                    if let Some(t) = self.pending_reads.lock().remove(&id) {
-                        self.call(Request::CommitRetrieve {
-                            instance_id,
-                            transfer_id: t,
-                        });
-                    }
-                }
+                self.commit_retrieve(&key, instance_id);
                 LmReply::Bool(true)
             }
             LmRequest::Lookup { key, tp_size } => {
@@ -325,12 +350,18 @@ impl LmFrontend {
             }
             LmRequest::QueryPrefetchStatus { request_id }
             | LmRequest::WaitPrefetchStatus { request_id, .. } => {
-                // Lookups complete synchronously (no L2 yet): the job is ready, handed out once.
-                let hits = self.prefetch.lock().remove(&request_id).unwrap_or(0);
+                // Lookups complete synchronously: the job is ready, handed out once.
+                let hits = self.state.prefetch.lock().remove(&request_id).unwrap_or(0);
                 LmReply::Uint(u64::from(hits))
             }
             LmRequest::QueryPrefetchLookupHits { request_id } => {
-                let hits = self.prefetch.lock().get(&request_id).copied().unwrap_or(0);
+                let hits = self
+                    .state
+                    .prefetch
+                    .lock()
+                    .get(&request_id)
+                    .copied()
+                    .unwrap_or(0);
                 LmReply::Uint(u64::from(hits))
             }
             LmRequest::FreeLookupLocks { key, .. } => {
@@ -346,7 +377,7 @@ impl LmFrontend {
                 LmReply::Nothing
             }
             LmRequest::EndSession { request_id } => {
-                self.hashes.lock().remove(&request_id);
+                self.state.hashes.lock().remove(&request_id);
                 self.call(Request::EndSession { request_id });
                 LmReply::Nothing
             }
@@ -393,7 +424,7 @@ impl LmFrontend {
         }
     }
 
-    fn register(&self, p: wire::RegisterPayload) -> LmReply {
+    fn register(&self, p: super::wire::RegisterPayload) -> LmReply {
         let resp = self.call(Request::Register(RegisterRequest {
             instance_id: p.instance_id,
             model: p.model_name,
@@ -416,14 +447,36 @@ impl LmFrontend {
         }
     }
 
-    fn forget_instance(&self, instance: u64) {
-        self.pickle_instances.lock().remove(&instance);
-        self.pending_writes
-            .lock()
-            .retain(|k, _| k.instance != instance);
-        self.pending_reads
-            .lock()
-            .retain(|k, _| k.instance != instance);
+    /// Queues native transfer `transfer_id`, prepared for `instance_id` while `before` was its
+    /// registration, under `key`. `false` when it cannot be handed to the worker: the
+    /// registration changed or was released meanwhile (the node already took the transfer back),
+    /// or the bookkeeping is at its byte budget (the caller ends the transfer).
+    fn queue(&self, before: &Arc<Instance>, kind: Kind, key: KeyId, transfer_id: u64) -> bool {
+        let current = self.ctx.instances.get(before.id);
+        if !current.is_some_and(|c| Arc::ptr_eq(&c, before)) {
+            return false;
+        }
+        let mut pending = self.state.pending.lock();
+        // Checked under the lock: a release after this point runs the hook, which waits for
+        // the lock and then drops this entry.
+        if before.is_released() {
+            return false;
+        }
+        match pending.push(before.id, before.generation, kind, key, transfer_id) {
+            Ok(()) => true,
+            Err(_) => {
+                self.state
+                    .counters
+                    .pending_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    instance = before.id,
+                    budget = MAX_PENDING_BYTES,
+                    "LMCache pending-transfer bookkeeping at its byte budget: PREPARE refused"
+                );
+                false
+            }
+        }
     }
 
     fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> LmReply {
@@ -437,7 +490,11 @@ impl LmFrontend {
         if hashes.is_empty() {
             return LmReply::PrepareStore(Some((Vec::new(), Vec::new())));
         }
-        let id = Self::key_id(key, instance_id, &hashes);
+        let Some(inst) = self.ctx.instances.get(instance_id) else {
+            tracing::warn!(instance = instance_id, "PREPARE_STORE for an unregistered instance");
+            return self.stateless(Op::PrepareStore);
+        };
+        let id = Self::key_id(key, &hashes);
         let range = Self::worker_range(key, first, hashes);
         match self.call(Request::PrepareStore { instance_id, range }) {
             Response::StorePrepared {
@@ -446,17 +503,12 @@ impl LmFrontend {
                 chunk_indices,
                 layout,
             } => {
-                if transfer_id != 0 {
-                    // A repeated prepare of the same key replaces the older reservation, which
-                    // is freed (LMCache overwrote and leaked it: W7).
-                    if let Some(old) =
-                        bounded_insert(&mut self.pending_writes.lock(), id, transfer_id)
-                    {
-                        self.call(Request::AbortStore {
-                            instance_id,
-                            transfer_id: old,
-                        });
-                    }
+                if transfer_id != 0 && !self.queue(&inst, Kind::Store, id, transfer_id) {
+                    self.call(Request::AbortStore {
+                        instance_id,
+                        transfer_id,
+                    });
+                    return self.stateless(Op::PrepareStore);
                 }
                 let descs = Self::slots(&slots, &layout);
                 LmReply::PrepareStore(Some((descs, chunk_indices)))
@@ -468,14 +520,20 @@ impl LmFrontend {
         }
     }
 
+    /// The oldest transfer of `kind` the current registration of `instance_id` holds for `key`.
+    fn take(&self, key: &IpcKey, instance_id: u64, kind: Kind) -> Option<u64> {
+        let (_, hashes) = self.range_hashes(key).ok()?;
+        let inst = self.ctx.instances.get(instance_id)?;
+        self.state.pending.lock().pop(
+            instance_id,
+            inst.generation,
+            kind,
+            &Self::key_id(key, &hashes),
+        )
+    }
+
     fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> LmReply {
-        let Ok((_, hashes)) = self.range_hashes(key) else {
-            return LmReply::Bool(false);
-        };
-        let pending = self
-            .pending_writes
-            .lock()
-            .remove(&Self::key_id(key, instance_id, &hashes));
+        let pending = self.take(key, instance_id, Kind::Store);
         if !cpu_data.is_empty() {
             tracing::warn!(
                 instance = instance_id,
@@ -489,7 +547,12 @@ impl LmFrontend {
                     transfer_id: t,
                 });
             }
-            bounded_insert(&mut self.pickle_instances.lock(), instance_id, ());
+            if let Some(inst) = self.ctx.instances.get(instance_id) {
+                self.state
+                    .pickle_instances
+                    .lock()
+                    .insert(instance_id, inst.generation);
+            }
             return LmReply::Bool(false);
         }
         let Some(transfer_id) = pending else {
@@ -513,7 +576,12 @@ impl LmFrontend {
                 return self.stateless(Op::PrepareRetrieve);
             }
         };
-        if self.pickle_instances.lock().contains_key(&instance_id) {
+        if self
+            .state
+            .pickle_instances
+            .lock()
+            .contains_key(&instance_id)
+        {
             tracing::warn!(
                 instance = instance_id,
                 "PREPARE_RETRIEVE from a pickle-mode client: answering a miss (shared memory only)"
@@ -523,7 +591,11 @@ impl LmFrontend {
         if hashes.is_empty() {
             return LmReply::PrepareRetrieve(Some(Vec::new()));
         }
-        let id = Self::key_id(key, instance_id, &hashes);
+        let Some(inst) = self.ctx.instances.get(instance_id) else {
+            tracing::warn!(instance = instance_id, "PREPARE_RETRIEVE for an unregistered instance");
+            return self.stateless(Op::PrepareRetrieve);
+        };
+        let id = Self::key_id(key, &hashes);
         let range = Self::worker_range(key, first, hashes);
         match self.call(Request::PrepareRetrieve {
             instance_id,
@@ -536,12 +608,12 @@ impl LmFrontend {
                 slots,
                 layout,
             } => {
-                let replaced = bounded_insert(&mut self.pending_reads.lock(), id, transfer_id);
-                if let Some(old) = replaced {
+                if !self.queue(&inst, Kind::Retrieve, id, transfer_id) {
                     self.call(Request::CommitRetrieve {
                         instance_id,
-                        transfer_id: old,
+                        transfer_id,
                     });
+                    return LmReply::PrepareRetrieve(None);
                 }
                 let descs = Self::slots(&slots, &layout);
                 LmReply::PrepareRetrieve(Some(descs))
@@ -551,6 +623,15 @@ impl LmFrontend {
                 tracing::warn!(instance = instance_id, response = ?other, "PREPARE_RETRIEVE failed");
                 self.stateless(Op::PrepareRetrieve)
             }
+        }
+    }
+
+    fn commit_retrieve(&self, key: &IpcKey, instance_id: u64) {
+        if let Some(transfer_id) = self.take(key, instance_id, Kind::Retrieve) {
+            self.call(Request::CommitRetrieve {
+                instance_id,
+                transfer_id,
+            });
         }
     }
 
@@ -564,15 +645,16 @@ impl LmFrontend {
         {
             0
         } else {
-            let hashes = chunk_hashes(&key.token_ids, self.ctx.config.chunk_tokens);
+            let entry = HashEntry::compute(&key.token_ids, self.ctx.config.chunk_tokens);
+            let hashes = entry.hashes.clone();
             if hashes.is_empty() {
                 0
             } else {
-                bounded_insert(
-                    &mut self.hashes.lock(),
-                    key.request_id.clone(),
-                    hashes.clone(),
-                );
+                let bytes = entry.bytes();
+                self.state
+                    .hashes
+                    .lock()
+                    .insert(key.request_id.clone(), entry, bytes);
                 let range = ChunkRange {
                     model: key.model_name.clone(),
                     world_size: key.world_size,
@@ -594,6 +676,24 @@ impl LmFrontend {
                 }
             }
         };
-        bounded_insert(&mut self.prefetch.lock(), key.request_id.clone(), hits);
+        self.state.prefetch.lock().insert(key.request_id.clone(), hits, 4);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_hashes_are_reused_only_for_the_same_tokens() {
+        let c = 4u32;
+        let a: Vec<u32> = (0..16).collect();
+        let e = HashEntry::compute(&a, c);
+        assert_eq!(e.hashes.len(), 4);
+        assert_eq!(e.digests[1], prefix_digest(&a[..8]));
+        let mut b = a.clone();
+        b[5] = 999;
+        assert_ne!(e.digests[1], prefix_digest(&b[..8]), "other tokens, other digest");
+        assert_eq!(e.digests[0], prefix_digest(&b[..4]), "the common prefix still matches");
     }
 }

@@ -6,7 +6,10 @@
 //! LMCache request onto the native core (sessions and per-key pending transfers live here);
 //! `server` owns the ZMQ socket on one I/O thread and runs handlers on per-identity threads.
 
+pub mod bounded;
 pub mod frontend;
+pub mod pending;
+pub mod reply;
 pub mod server;
 pub mod wire;
 
@@ -35,3 +38,6 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod frontend_tests;

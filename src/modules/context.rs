@@ -123,8 +123,15 @@ pub struct NodeContext {
     /// Set once shutdown starts.
     pub shutting_down: AtomicBool,
     next_transfer: AtomicU64,
+    next_generation: AtomicU64,
     clock: Clock,
+    release_hooks: parking_lot::RwLock<Vec<ReleaseHook>>,
 }
+
+/// Called with every released instance (after its transfers were handed back), so layers above
+/// the core (the LMCache frontend) forget what they kept for it. Must not call back into
+/// registration or release.
+pub type ReleaseHook = Box<dyn Fn(&Instance) + Send + Sync>;
 
 impl NodeContext {
     /// Builds the context around an already created pool. With an L2 tier, the last
@@ -177,7 +184,9 @@ impl NodeContext {
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
             next_transfer: AtomicU64::new(1),
+            next_generation: AtomicU64::new(1),
             clock,
+            release_hooks: parking_lot::RwLock::new(Vec::new()),
             pool,
             config,
         }
@@ -263,6 +272,7 @@ impl NodeContext {
         let namespace = self.namespaces.intern(&req.model, "")?;
         let inst = Arc::new(Instance {
             id: req.instance_id,
+            generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
             model: req.model.clone(),
             world_size: req.world_size,
             block_size: req.block_size,
@@ -340,6 +350,11 @@ impl NodeContext {
         (w, r)
     }
 
+    /// Adds a hook run for every instance released from now on.
+    pub fn on_release(&self, hook: ReleaseHook) {
+        self.release_hooks.write().push(hook);
+    }
+
     /// A connection closed: every instance it registered that no other open connection
     /// registered is released at once (a dead local engine leaks nothing and waits for no
     /// timeout). `registered` lists the instance ids registered over it.
@@ -373,6 +388,9 @@ impl NodeContext {
             out.reads += 1;
         }
         self.layouts.release(&inst.model, inst.world_size);
+        for hook in self.release_hooks.read().iter() {
+            hook(inst);
+        }
         self.events.publish(Event::InstanceReleased {
             instance_id: inst.id,
             reason,

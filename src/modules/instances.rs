@@ -56,6 +56,9 @@ pub struct PendingTransfers {
 pub struct Instance {
     /// Engine-chosen id.
     pub id: u64,
+    /// Unique among every instance object this node ever created (an id registered again gets
+    /// a new generation): timers and frontend state name the exact registration they belong to.
+    pub generation: u64,
     /// Model name.
     pub model: String,
     /// KV world size.

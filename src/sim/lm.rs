@@ -17,7 +17,7 @@ use crate::lmcache::wire::{IpcKey, LmRequest, RegisterPayload};
 const LM_MODEL: &str = world::MODELS[0];
 
 /// (prompt, first chunk, end chunk, salt): what LMCache compares to pair a COMMIT with its
-/// PREPARE.
+/// PREPARE, the prompt made canonical (prompts sharing the first chunks give the same key).
 type LmKey = (usize, usize, usize, &'static str);
 
 /// An LMCache engine worker.
@@ -83,7 +83,7 @@ impl Sim {
         };
         let b = self.rng.range(a as u64 + 1, PROMPT_CHUNKS as u64) as usize;
         let salt = LM_SALTS[self.rng.index(LM_SALTS.len())];
-        (p, a, b, salt)
+        (self.prompts.canonical(p, b), a, b, salt)
     }
 
     /// A key this worker has prepared (so commits mostly pair with something), else a new one.
@@ -342,7 +342,7 @@ impl Sim {
             let (_, _, salt, p, hits) = recent[self.rng.index(recent.len())].clone();
             let a = if self.rng.chance(70) { 0 } else { self.rng.index(hits as usize) };
             let b = self.rng.range(a as u64 + 1, u64::from(hits)) as usize;
-            (p, a, b, salt)
+            (self.prompts.canonical(p, b), a, b, salt)
         } else {
             self.lm_span()
         };

@@ -149,6 +149,14 @@ impl Prompts {
         &self.tokens[p]
     }
 
+    /// The smallest prompt whose first `b` chunks are those of prompt `p` (the same LMCache
+    /// key for any range ending at chunk `b`).
+    pub fn canonical(&self, p: usize, b: usize) -> usize {
+        (0..self.hashes.len())
+            .find(|&q| self.hashes[q][..b] == self.hashes[p][..b])
+            .unwrap_or(p)
+    }
+
     /// The chunk hashes of prompt `p`.
     pub fn hashes(&self, p: usize) -> &[ChunkHash] {
         &self.hashes[p]

@@ -1,0 +1,224 @@
+//! Transfers the LMCache frontend handed to workers and has not yet paired with a COMMIT: a
+//! FIFO of native transfer ids per LMCache key, per instance registration. LMCache workers pair
+//! each COMMIT with their oldest PREPARE of the same key, so a repeated PREPARE never replaces
+//! (and never frees or commits) one still in flight. Entries are never evicted: beyond the byte
+//! budget a new PREPARE is refused instead, and the caller ends its native transfer at once.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::hashing::ChunkHash;
+
+/// Identity of an LMCache key for pairing (LMCache compares every field but `request_id`; the
+/// last chunk hash stands for the token prefix).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyId {
+    /// Model name.
+    pub model: String,
+    /// KV world size.
+    pub world_size: u32,
+    /// Worker rank.
+    pub worker: Option<u32>,
+    /// Cache salt.
+    pub salt: String,
+    /// Token range start.
+    pub start: u64,
+    /// Token range end.
+    pub end: u64,
+    /// Hash of the range's last chunk.
+    pub last_hash: Option<ChunkHash>,
+}
+
+impl KeyId {
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<KeyId>() + self.model.len() + self.salt.len() + 64
+    }
+}
+
+/// Store or retrieve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// PREPARE_STORE / COMMIT_STORE.
+    Store,
+    /// PREPARE_RETRIEVE / COMMIT_RETRIEVE.
+    Retrieve,
+}
+
+#[derive(Default)]
+struct Queues {
+    generation: u64,
+    stores: HashMap<KeyId, VecDeque<u64>>,
+    retrieves: HashMap<KeyId, VecDeque<u64>>,
+}
+
+impl Queues {
+    fn of(&mut self, kind: Kind) -> &mut HashMap<KeyId, VecDeque<u64>> {
+        match kind {
+            Kind::Store => &mut self.stores,
+            Kind::Retrieve => &mut self.retrieves,
+        }
+    }
+}
+
+/// Bytes of one queued transfer id beyond its key.
+const ID_BYTES: usize = 16;
+
+/// The frontend's pending transfers. Invariant: `bytes` is the estimate of everything held and
+/// never exceeds `budget`; every id listed is a native transfer of the registration
+/// (`instance`, `generation`) that no COMMIT has been paired with yet.
+pub struct PendingTable {
+    by_instance: HashMap<u64, Queues>,
+    bytes: usize,
+    budget: usize,
+}
+
+/// The pending table is at its byte budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingFull;
+
+impl PendingTable {
+    /// An empty table holding at most `budget` estimated bytes.
+    pub fn new(budget: usize) -> PendingTable {
+        PendingTable {
+            by_instance: HashMap::new(),
+            bytes: 0,
+            budget,
+        }
+    }
+
+    /// Queues transfer `id` of registration (`instance`, `generation`) under `key`. Entries of
+    /// an older registration of the same id are dropped first.
+    pub fn push(
+        &mut self,
+        instance: u64,
+        generation: u64,
+        kind: Kind,
+        key: KeyId,
+        id: u64,
+    ) -> Result<(), PendingFull> {
+        if self
+            .by_instance
+            .get(&instance)
+            .is_some_and(|q| q.generation != generation)
+        {
+            self.forget(instance, None);
+        }
+        let size = ID_BYTES + key.bytes();
+        if self.bytes + size > self.budget {
+            return Err(PendingFull);
+        }
+        let q = self.by_instance.entry(instance).or_insert_with(|| Queues {
+            generation,
+            ..Queues::default()
+        });
+        q.of(kind).entry(key).or_default().push_back(id);
+        self.bytes += size;
+        Ok(())
+    }
+
+    /// The oldest transfer queued under `key` for registration (`instance`, `generation`).
+    pub fn pop(&mut self, instance: u64, generation: u64, kind: Kind, key: &KeyId) -> Option<u64> {
+        let q = self.by_instance.get_mut(&instance)?;
+        if q.generation != generation {
+            return None;
+        }
+        let map = q.of(kind);
+        let fifo = map.get_mut(key)?;
+        let id = fifo.pop_front()?;
+        if fifo.is_empty() {
+            map.remove(key);
+        }
+        self.bytes -= ID_BYTES + key.bytes();
+        Some(id)
+    }
+
+    /// Drops everything of `instance` (of `generation` only, when given): it was released and
+    /// the node already handed its transfers back.
+    pub fn forget(&mut self, instance: u64, generation: Option<u64>) {
+        let Some(q) = self.by_instance.get(&instance) else {
+            return;
+        };
+        if generation.is_some_and(|g| g != q.generation) {
+            return;
+        }
+        let q = self.by_instance.remove(&instance).expect("present");
+        for (k, ids) in q.stores.iter().chain(q.retrieves.iter()) {
+            self.bytes -= ids.len() * (ID_BYTES + k.bytes());
+        }
+    }
+
+    /// Transfers queued (all instances, both kinds).
+    pub fn len(&self) -> usize {
+        self.by_instance
+            .values()
+            .flat_map(|q| q.stores.values().chain(q.retrieves.values()))
+            .map(VecDeque::len)
+            .sum()
+    }
+
+    /// Whether nothing is queued.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Estimated bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(start: u64) -> KeyId {
+        KeyId {
+            model: "m".into(),
+            world_size: 1,
+            worker: Some(0),
+            salt: String::new(),
+            start,
+            end: start + 16,
+            last_hash: None,
+        }
+    }
+
+    #[test]
+    fn pairs_commits_with_the_oldest_prepare_of_the_key() {
+        let mut t = PendingTable::new(1 << 20);
+        t.push(1, 7, Kind::Store, key(0), 10).unwrap();
+        t.push(1, 7, Kind::Store, key(0), 11).unwrap();
+        t.push(1, 7, Kind::Retrieve, key(0), 12).unwrap();
+        assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(10));
+        assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(11));
+        assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), None);
+        assert_eq!(t.pop(1, 8, Kind::Retrieve, &key(0)), None, "another registration");
+        assert_eq!(t.pop(1, 7, Kind::Retrieve, &key(0)), Some(12));
+        assert_eq!(t.bytes(), 0);
+    }
+
+    #[test]
+    fn a_new_registration_or_a_release_drops_the_old_entries() {
+        let mut t = PendingTable::new(1 << 20);
+        t.push(1, 7, Kind::Store, key(0), 10).unwrap();
+        t.push(1, 8, Kind::Store, key(16), 20).unwrap();
+        assert_eq!(t.len(), 1, "generation 7 was dropped");
+        t.forget(1, Some(7));
+        assert_eq!(t.len(), 1, "a stale release does not touch generation 8");
+        t.forget(1, Some(8));
+        assert!(t.is_empty());
+        assert_eq!(t.bytes(), 0);
+    }
+
+    #[test]
+    fn refuses_beyond_its_byte_budget_and_never_evicts() {
+        let mut t = PendingTable::new(2_000);
+        let mut n = 0;
+        while t.push(1, 1, Kind::Store, key(n * 16), n).is_ok() {
+            n += 1;
+        }
+        assert!(n > 0 && t.bytes() <= 2_000);
+        assert_eq!(t.len() as u64, n, "nothing was evicted to make room");
+        assert_eq!(t.pop(1, 1, Kind::Store, &key(0)), Some(0));
+        assert!(t.push(1, 1, Kind::Store, key(0), 99).is_ok(), "room again");
+    }
+}
