@@ -7,6 +7,12 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 
+/// Longest reap timeout or registration grace accepted (30 days): keeps every deadline far
+/// from overflowing the millisecond clock arithmetic.
+pub const MAX_LIVENESS_SECS: f64 = 30.0 * 24.0 * 3600.0;
+/// Longest liveness tick accepted.
+pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
+
 /// Hard limits the node enforces. Invariant: every field is > 0.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -319,8 +325,21 @@ impl NodeConfig {
                 self.registration_grace_secs, self.reap_timeout_secs
             )));
         }
-        if self.liveness_tick_ms == 0 {
-            return Err(Error::invalid("liveness tick must be > 0 ms"));
+        if self.liveness_tick_ms == 0 || self.liveness_tick_ms > MAX_LIVENESS_TICK_MS {
+            return Err(Error::invalid(format!(
+                "liveness tick {} ms outside 1..={MAX_LIVENESS_TICK_MS} ms",
+                self.liveness_tick_ms
+            )));
+        }
+        for (name, v) in [
+            ("reap timeout", self.reap_timeout_secs),
+            ("registration grace", self.registration_grace_secs),
+        ] {
+            if !(v.is_finite() && v <= MAX_LIVENESS_SECS) {
+                return Err(Error::invalid(format!(
+                    "{name} {v} s is beyond the limit of {MAX_LIVENESS_SECS} s (30 days)"
+                )));
+            }
         }
         if !(0.0 < self.low_watermark
             && self.low_watermark <= self.high_watermark
@@ -446,6 +465,22 @@ mod tests {
             ..NodeConfig::default()
         };
         assert!(c.validate().is_err());
+        // Liveness windows and tick are bounded (no overflow, no busy loop).
+        for (timeout, grace, tick) in [
+            (1e12, 1e12, 100),
+            (120.0, 1e300, 100),
+            (120.0, f64::INFINITY, 100),
+            (120.0, 3600.0, u64::MAX),
+        ] {
+            let c = NodeConfig {
+                reap_timeout_secs: timeout,
+                registration_grace_secs: grace,
+                liveness_tick_ms: tick,
+                ..NodeConfig::default()
+            };
+            let e = c.validate().unwrap_err();
+            assert!(e.context.contains("limit") || e.context.contains("outside"), "{e}");
+        }
         let mut c = NodeConfig::default();
         c.limits.max_instances = 0;
         assert!(c.validate().is_err());

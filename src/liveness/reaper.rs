@@ -1,11 +1,18 @@
-//! The reaper thread: drives the timer wheel in ticks of `liveness_tick_ms`.
+//! The reaper: drives the timer wheel in ticks of `liveness_tick_ms`.
 //!
 //! Windows (LMCache semantics): an instance that has pinged is reaped after `reap_timeout` of
 //! silence; one that never pinged gets `registration_grace`. Any request refreshes last-seen,
 //! only PING latches. Reaping releases the instance exactly like UNREGISTER (pending writes
 //! deleted and freed, reads unlocked, layout reference dropped).
+//!
+//! The hot path never touches the wheel: a request only stores "last seen". Each instance
+//! registration (an id and its generation) has exactly one timer, armed at registration and
+//! cancelled at release, set no later than its deadline and no later than one reap timeout ahead
+//! (so an instance that starts pinging, moving from the long grace to the short timeout, is seen
+//! in time). When the timer fires, the reaper compares the deadline with last-seen and re-arms
+//! or reaps.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
@@ -15,18 +22,32 @@ use crossbeam_queue::SegQueue;
 
 use super::timer_wheel::{TimerId, TimerWheel};
 use crate::config::NodeConfig;
+use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
 
-/// Most timers the wheel holds (one per instance, plus slack for re-registrations).
+/// Timers the wheel holds beyond `max_instances` (a release and a new registration may briefly
+/// overlap before the reaper sees the cancellation).
 const WHEEL_CAPACITY_SLACK: usize = 64;
+/// Longest the reaper sleeps between passes.
+const MAX_SLEEP_MS: u64 = 1000;
 
-/// Handle to the reaper. Invariant: `arm` never blocks and never touches the wheel directly.
+/// A request to the reaper about one instance registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Command {
+    /// Start watching (`id`, `generation`).
+    Arm(u64, u64),
+    /// Stop watching it (released).
+    Disarm(u64, u64),
+}
+
+/// Handle to the reaper. Invariant: `arm`/`disarm` never block and never touch the wheel
+/// directly; the reaper applies them in the order they were made.
 pub struct Liveness {
     enabled: bool,
     tick_ms: u64,
     reap_timeout_ms: u64,
     grace_ms: u64,
-    arm_requests: SegQueue<u64>,
+    commands: SegQueue<Command>,
     tracked: AtomicUsize,
     thread: OnceLock<Thread>,
     stop: AtomicBool,
@@ -40,7 +61,7 @@ impl Liveness {
             tick_ms: cfg.liveness_tick_ms.max(1),
             reap_timeout_ms: cfg.reap_timeout().as_millis() as u64,
             grace_ms: cfg.registration_grace().as_millis() as u64,
-            arm_requests: SegQueue::new(),
+            commands: SegQueue::new(),
             tracked: AtomicUsize::new(0),
             thread: OnceLock::new(),
             stop: AtomicBool::new(false),
@@ -52,17 +73,26 @@ impl Liveness {
         self.enabled
     }
 
-    /// Instances with an armed timer.
+    /// Instance registrations with an armed timer.
     pub fn tracked(&self) -> usize {
         self.tracked.load(Ordering::Relaxed)
     }
 
-    /// Asks the reaper to start watching an instance (idempotent).
-    pub fn arm(&self, instance_id: u64) {
+    /// Asks the reaper to start watching a new registration.
+    pub fn arm(&self, inst: &Instance) {
+        self.command(Command::Arm(inst.id, inst.generation));
+    }
+
+    /// Asks the reaper to stop watching a released registration (its timer is cancelled).
+    pub fn disarm(&self, inst: &Instance) {
+        self.command(Command::Disarm(inst.id, inst.generation));
+    }
+
+    fn command(&self, c: Command) {
         if !self.enabled {
             return;
         }
-        self.arm_requests.push(instance_id);
+        self.commands.push(c);
         if let Some(t) = self.thread.get() {
             t.unpark();
         }
@@ -80,7 +110,7 @@ impl Liveness {
     /// When the reaper should next look at an instance: its deadline, but no later than one reap
     /// timeout from now, so an instance that starts pinging (switching from the long grace window
     /// to the short reap timeout) is re-examined in time without touching the wheel on PING.
-    pub fn wake_ms(&self, inst: &crate::modules::instances::Instance, now_ms: u64) -> u64 {
+    pub fn wake_ms(&self, inst: &Instance, now_ms: u64) -> u64 {
         let d = self.deadline_ms(
             inst.last_seen_ms.load(Ordering::Relaxed),
             inst.pinged.load(Ordering::Relaxed),
@@ -123,13 +153,18 @@ fn run(ctx: &NodeContext) {
     }
 }
 
-/// The reaper's state: the timer wheel and the timer of each watched instance. The thread drives
-/// it in real time; the simulator calls [`Reaper::step`] after each advance of its manual clock.
-/// Invariant: `timers` and the wheel hold the same set of timers.
+/// The reaper's state: the timer wheel and the timer of each watched registration. The thread
+/// drives it in real time; the simulator calls [`Reaper::step`] after each advance of its manual
+/// clock. Invariant: `timers` and the wheel hold the same timers, one per watched generation,
+/// and after a step every live registration is watched (or waits in `unarmed` while the wheel is
+/// full) and no released one is.
 pub struct Reaper {
-    wheel: TimerWheel<u64>,
-    timers: HashMap<u64, TimerId>,
-    fired: Vec<(TimerId, u64, u64)>,
+    wheel: TimerWheel<(u64, u64)>,
+    /// generation -> (instance id, its timer).
+    timers: BTreeMap<u64, (u64, TimerId)>,
+    /// Registrations that could not be armed (wheel full): retried every pass.
+    unarmed: HashMap<u64, u64>,
+    fired: Vec<(TimerId, u64, (u64, u64))>,
 }
 
 impl Reaper {
@@ -139,49 +174,90 @@ impl Reaper {
         let capacity = ctx.config.limits.max_instances + WHEEL_CAPACITY_SLACK;
         Reaper {
             wheel: TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity),
-            timers: HashMap::new(),
+            timers: BTreeMap::new(),
+            unarmed: HashMap::new(),
             fired: Vec::new(),
         }
     }
 
-    /// Instance ids with a timer armed (the simulator checks them against the live instances).
+    /// Instance ids with a timer armed, sorted (the simulator checks them against the live
+    /// instances).
     pub fn watched(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.timers.keys().copied().collect();
+        let mut v: Vec<u64> = self.timers.values().map(|(id, _)| *id).collect();
         v.sort_unstable();
         v
     }
 
-    /// One pass at the node's current time: takes the queued arm requests, fires the due
-    /// timers, reaps the instances past their deadline and re-arms the others. Returns how long
-    /// to sleep before the next pass (1..=1000 ms).
-    pub fn step(&mut self, ctx: &NodeContext) -> u64 {
+    /// The registration of `id` if it is still `generation` and not released.
+    fn live(ctx: &NodeContext, id: u64, generation: u64) -> Option<Arc<Instance>> {
+        ctx.instances
+            .get(id)
+            .filter(|i| i.generation == generation && !i.is_released())
+    }
+
+    fn schedule(&mut self, ctx: &NodeContext, inst: &Instance, now: u64) {
         let lv = &ctx.liveness;
-        while let Some(id) = lv.arm_requests.pop() {
-            if self.timers.contains_key(&id) {
-                continue;
+        let tick = lv.to_tick(lv.wake_ms(inst, now));
+        match self.wheel.insert(tick, (inst.id, inst.generation)) {
+            Ok(t) => {
+                self.unarmed.remove(&inst.generation);
+                self.timers.insert(inst.generation, (inst.id, t));
             }
-            let Some(inst) = ctx.instances.get(id) else {
-                continue;
-            };
-            let d = lv.deadline_ms(
-                inst.last_seen_ms.load(Ordering::Relaxed),
-                inst.pinged.load(Ordering::Relaxed),
-            );
-            match self.wheel.insert(lv.to_tick(d), id) {
-                Ok(t) => {
-                    self.timers.insert(id, t);
-                }
-                Err(_) => {
-                    tracing::error!(instance = id, "liveness wheel full: instance not watched")
+            Err(_) => {
+                if self.unarmed.insert(inst.generation, inst.id).is_none() {
+                    tracing::error!(
+                        instance = inst.id,
+                        capacity = self.wheel.capacity(),
+                        "liveness wheel full: instance not watched yet (retried every pass)"
+                    );
                 }
             }
         }
+    }
+
+    fn apply_commands(&mut self, ctx: &NodeContext, now: u64) {
+        while let Some(c) = ctx.liveness.commands.pop() {
+            match c {
+                Command::Arm(id, generation) => {
+                    if self.timers.contains_key(&generation) {
+                        continue;
+                    }
+                    if let Some(inst) = Self::live(ctx, id, generation) {
+                        self.schedule(ctx, &inst, now);
+                    }
+                }
+                Command::Disarm(_, generation) => {
+                    self.unarmed.remove(&generation);
+                    if let Some((_, t)) = self.timers.remove(&generation) {
+                        self.wheel.cancel(t);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One pass at the node's current time: applies the queued arm and disarm requests in
+    /// order, fires the due timers, reaps the registrations past their deadline and re-arms the
+    /// others. Returns how long to sleep before the next pass (1..=1000 ms).
+    pub fn step(&mut self, ctx: &NodeContext) -> u64 {
+        let lv = &ctx.liveness;
         let now = ctx.now_ms();
-        self.fired.clear();
-        self.wheel.advance(now / lv.tick_ms, &mut self.fired);
-        for (_, _, id) in std::mem::take(&mut self.fired) {
-            self.timers.remove(&id);
-            let Some(inst) = ctx.instances.get(id) else {
+        self.apply_commands(ctx, now);
+        let retry: Vec<(u64, u64)> = self.unarmed.iter().map(|(g, id)| (*id, *g)).collect();
+        for (id, generation) in retry {
+            match Self::live(ctx, id, generation) {
+                Some(inst) => self.schedule(ctx, &inst, now),
+                None => {
+                    self.unarmed.remove(&generation);
+                }
+            }
+        }
+        let mut fired = std::mem::take(&mut self.fired);
+        fired.clear();
+        self.wheel.advance(now / lv.tick_ms, &mut fired);
+        for (_, _, (id, generation)) in fired.drain(..) {
+            self.timers.remove(&generation);
+            let Some(inst) = Self::live(ctx, id, generation) else {
                 continue;
             };
             let d = lv.deadline_ms(
@@ -197,13 +273,19 @@ impl Reaper {
                 );
                 ctx.release(&inst, "reaped");
                 ctx.counters.reaped.fetch_add(1, Ordering::Relaxed);
-            } else if let Ok(t) = self.wheel.insert(lv.to_tick(lv.wake_ms(&inst, now)), id) {
-                self.timers.insert(id, t);
+            } else {
+                self.schedule(ctx, &inst, now);
             }
         }
+        self.fired = fired;
+        // Releases during this pass queued their cancellations: apply them now, so the count
+        // below is exact.
+        self.apply_commands(ctx, now);
         lv.tracked.store(self.timers.len(), Ordering::Relaxed);
-        self.wheel.next_deadline().map_or(1000, |t| {
-            (t * lv.tick_ms).saturating_sub(now).clamp(1, 1000)
+        self.wheel.next_deadline().map_or(MAX_SLEEP_MS, |t| {
+            t.saturating_mul(lv.tick_ms)
+                .saturating_sub(now)
+                .clamp(1, MAX_SLEEP_MS)
         })
     }
 }
@@ -236,7 +318,7 @@ mod tests {
             ..NodeConfig::default()
         });
         assert!(!off.enabled());
-        off.arm(1); // no thread, no queueing
-        assert!(off.arm_requests.is_empty());
+        off.command(Command::Arm(1, 1)); // no thread, no queueing
+        assert!(off.commands.is_empty());
     }
 }

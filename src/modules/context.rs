@@ -299,7 +299,7 @@ impl NodeContext {
             }
         }
         self.layouts.acquire(&inst.model, inst.world_size, &layout);
-        self.liveness.arm(inst.id);
+        self.liveness.arm(&inst);
         tracing::info!(
             instance = inst.id,
             model = %inst.model,
@@ -377,6 +377,7 @@ impl NodeContext {
             return Released::default();
         }
         self.instances.remove_exact(inst);
+        self.liveness.disarm(inst);
         let pending = std::mem::take(&mut *inst.pending.lock());
         let mut out = Released::default();
         for (_, w) in pending.writes {

@@ -214,3 +214,50 @@ fn an_adopted_lookup_lock_covers_the_retrieve() {
     h.commit_retrieve(1, t);
     assert_eq!(h.object(3), Some((ObjectState::Ready, 0)));
 }
+
+/// Defect 4: an instance that registered, pinged and fell silent was examined only at
+/// registration + grace (PING never touches the wheel); it must go at its reap timeout.
+#[test]
+fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
+    let mut h = Harness::new();
+    let mut reaper = crate::liveness::reaper::Reaper::new(&h.ctx);
+    h.register(1);
+    reaper.step(&h.ctx);
+    assert_eq!(h.call(Request::Ping { instance_id: Some(1) }), Response::Ok);
+    let step = world::TICK_MS;
+    let mut waited = 0;
+    while h.ctx.instances.get(1).is_some() && waited < world::GRACE_MS {
+        h.clock.advance(step);
+        waited += step;
+        reaper.step(&h.ctx);
+    }
+    assert!(h.ctx.instances.get(1).is_none(), "never reaped");
+    assert!(
+        waited <= world::REAP_TIMEOUT_MS + 2 * step,
+        "reaped after {waited} ms of silence, timeout {} ms",
+        world::REAP_TIMEOUT_MS
+    );
+    assert!(waited >= world::REAP_TIMEOUT_MS, "reaped early, after {waited} ms");
+}
+
+/// Defect 5: released instances' timers were never cancelled, so registering and releasing
+/// more instances than the wheel holds left a new instance unwatched ("liveness wheel full").
+#[test]
+fn released_instances_leave_no_timer_and_new_ones_are_always_watched() {
+    let mut h = Harness::new();
+    let mut reaper = crate::liveness::reaper::Reaper::new(&h.ctx);
+    // More distinct instances than the wheel holds, each watched and then released.
+    for id in 100..400u64 {
+        h.register(id);
+        reaper.step(&h.ctx);
+        let r = h.call(Request::Unregister { instance_id: id });
+        assert!(matches!(r, Response::Unregistered { .. }), "{r:?}");
+        reaper.step(&h.ctx);
+    }
+    assert!(reaper.watched().is_empty(), "stale timers: {:?}", reaper.watched());
+    assert_eq!(h.ctx.liveness.tracked(), 0);
+    h.register(7);
+    reaper.step(&h.ctx);
+    assert_eq!(reaper.watched(), vec![7]);
+    assert_eq!(h.ctx.liveness.tracked(), 1);
+}
