@@ -31,6 +31,8 @@ pub struct Limits {
     pub max_sessions: usize,
     /// Objects in the index.
     pub max_objects: usize,
+    /// Distinct `(model, cache_salt)` namespaces held at once (unused ones are reclaimed).
+    pub max_namespaces: usize,
     /// Event-bus queue length (events beyond it are dropped and counted).
     pub event_bus_capacity: usize,
 }
@@ -45,6 +47,7 @@ impl Default for Limits {
             max_chunks_per_request: 65_536,
             max_sessions: 65_536,
             max_objects: 16 << 20,
+            max_namespaces: crate::storage::key::MAX_NAMESPACES,
             event_bus_capacity: 10_000,
         }
     }
@@ -360,6 +363,7 @@ impl NodeConfig {
             ("max_chunks_per_request", l.max_chunks_per_request),
             ("max_sessions", l.max_sessions),
             ("max_objects", l.max_objects),
+            ("max_namespaces", l.max_namespaces),
             ("event_bus_capacity", l.event_bus_capacity),
         ] {
             if v == 0 {
@@ -479,7 +483,10 @@ mod tests {
                 ..NodeConfig::default()
             };
             let e = c.validate().unwrap_err();
-            assert!(e.context.contains("limit") || e.context.contains("outside"), "{e}");
+            assert!(
+                e.context.contains("limit") || e.context.contains("outside"),
+                "{e}"
+            );
         }
         let mut c = NodeConfig::default();
         c.limits.max_instances = 0;

@@ -289,7 +289,18 @@ impl L2Set {
         nested(&self.tiers, Box::new(clear_l1))
     }
 
-    /// Index invariant checks of every device.
+    /// Adds the namespace of every key any device holds to `out` (the namespace reclaimer
+    /// keeps them).
+    pub fn namespaces_in_use(
+        &self,
+        out: &mut std::collections::HashSet<crate::storage::NamespaceId>,
+    ) {
+        for t in &self.tiers {
+            t.namespaces_in_use(out);
+        }
+    }
+
+    /// Index invariant check of every device (part of MEMCHECK).
     pub fn check(&self) -> std::result::Result<(), String> {
         for (i, t) in self.tiers.iter().enumerate() {
             t.check().map_err(|e| format!("device {i}: {e}"))?;

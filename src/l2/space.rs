@@ -649,6 +649,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             .map(Entry::located)
     }
 
+    /// Every key with an entry (any state).
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.entries.keys()
+    }
+
     /// Whether `get(key)` would return `Some`.
     pub fn contains(&self, key: &K) -> bool {
         self.entries.get(key).is_some_and(Entry::visible)

@@ -1447,6 +1447,14 @@ impl L2Tier {
         self.write_engine.sync().map_err(hw("syncing the L2 file"))
     }
 
+    /// Adds the namespace of every key this device holds (any state) to `out`.
+    pub fn namespaces_in_use(
+        &self,
+        out: &mut std::collections::HashSet<crate::storage::NamespaceId>,
+    ) {
+        out.extend(self.index.lock().keys().map(|k| k.namespace));
+    }
+
     /// Index invariant check (part of MEMCHECK).
     pub fn check(&self) -> std::result::Result<(), String> {
         self.index.lock().check()

@@ -115,7 +115,10 @@ mod tests {
         assert!(m.get("k0").is_none(), "the oldest is forgotten");
         assert_eq!(m.evicted(), 100 - m.len() as u64);
         m.insert("huge".into(), 0, 5_000);
-        assert!(m.get("huge").is_none(), "an entry beyond the budget is not kept");
+        assert!(
+            m.get("huge").is_none(),
+            "an entry beyond the budget is not kept"
+        );
         let before = m.bytes();
         assert_eq!(m.remove("k99"), Some(99));
         assert!(m.bytes() < before);
@@ -126,6 +129,9 @@ mod tests {
         for i in 0..10_000 {
             m.insert("b".into(), i, 10);
         }
-        assert!(m.order.len() <= 2 * m.len() + 65, "the order list is compacted");
+        assert!(
+            m.order.len() <= 2 * m.len() + 65,
+            "the order list is compacted"
+        );
     }
 }

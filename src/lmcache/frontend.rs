@@ -80,7 +80,10 @@ impl HashEntry {
         let hashes = chunk_hashes(tokens, chunk_tokens);
         let mut digests = Vec::with_capacity(hashes.len());
         let mut h = Xxh3::new();
-        for chunk in tokens.chunks_exact(chunk_tokens as usize).take(hashes.len()) {
+        for chunk in tokens
+            .chunks_exact(chunk_tokens as usize)
+            .take(hashes.len())
+        {
             feed(&mut h, chunk);
             digests.push(h.digest());
         }
@@ -224,8 +227,7 @@ impl LmFrontend {
             let cache = self.state.hashes.lock();
             if let Some(e) = cache.get(&key.request_id) {
                 if e.hashes.len() >= last {
-                    if e.digests[last - 1] == prefix_digest(&key.token_ids[..last * c as usize])
-                    {
+                    if e.digests[last - 1] == prefix_digest(&key.token_ids[..last * c as usize]) {
                         return Ok((first as u32, e.hashes[first..last].to_vec()));
                     }
                     self.state
@@ -491,7 +493,10 @@ impl LmFrontend {
             return LmReply::PrepareStore(Some((Vec::new(), Vec::new())));
         }
         let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(instance = instance_id, "PREPARE_STORE for an unregistered instance");
+            tracing::warn!(
+                instance = instance_id,
+                "PREPARE_STORE for an unregistered instance"
+            );
             return self.stateless(Op::PrepareStore);
         };
         let id = Self::key_id(key, &hashes);
@@ -592,7 +597,10 @@ impl LmFrontend {
             return LmReply::PrepareRetrieve(Some(Vec::new()));
         }
         let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(instance = instance_id, "PREPARE_RETRIEVE for an unregistered instance");
+            tracing::warn!(
+                instance = instance_id,
+                "PREPARE_RETRIEVE for an unregistered instance"
+            );
             return self.stateless(Op::PrepareRetrieve);
         };
         let id = Self::key_id(key, &hashes);
@@ -676,7 +684,10 @@ impl LmFrontend {
                 }
             }
         };
-        self.state.prefetch.lock().insert(key.request_id.clone(), hits, 4);
+        self.state
+            .prefetch
+            .lock()
+            .insert(key.request_id.clone(), hits, 4);
     }
 }
 
@@ -693,7 +704,15 @@ mod tests {
         assert_eq!(e.digests[1], prefix_digest(&a[..8]));
         let mut b = a.clone();
         b[5] = 999;
-        assert_ne!(e.digests[1], prefix_digest(&b[..8]), "other tokens, other digest");
-        assert_eq!(e.digests[0], prefix_digest(&b[..4]), "the common prefix still matches");
+        assert_ne!(
+            e.digests[1],
+            prefix_digest(&b[..8]),
+            "other tokens, other digest"
+        );
+        assert_eq!(
+            e.digests[0],
+            prefix_digest(&b[..4]),
+            "the common prefix still matches"
+        );
     }
 }

@@ -39,16 +39,18 @@ impl Lm {
         let ctx = world::build_node(&Clock::manual(1_000));
         let fe = LmFrontend::new(ctx.clone());
         let lm = Lm { ctx, fe };
-        let r = lm.fe.handle_typed(LmRequest::RegisterEngineDriven(RegisterPayload {
-            instance_id: 5,
-            model_name: MODEL.into(),
-            world_size: 1,
-            block_size: 16,
-            num_layers: world::NUM_LAYERS,
-            hidden_dim_size: world::HIDDEN,
-            dtype_str: world::DTYPE.into(),
-            use_mla: false,
-        }));
+        let r = lm
+            .fe
+            .handle_typed(LmRequest::RegisterEngineDriven(RegisterPayload {
+                instance_id: 5,
+                model_name: MODEL.into(),
+                world_size: 1,
+                block_size: 16,
+                num_layers: world::NUM_LAYERS,
+                hidden_dim_size: world::HIDDEN,
+                dtype_str: world::DTYPE.into(),
+                use_mla: false,
+            }));
         assert!(matches!(r, LmReply::Register { .. }), "{r:?}");
         lm
     }
@@ -97,7 +99,13 @@ fn a_repeated_prepare_store_never_frees_the_one_in_flight() {
     let first = lm.prepare_store(0, 2);
     assert_eq!(first.len(), 1, "chunk 1 only");
     // Chunk 0 is evicted: the second prepare of the same key reserves it.
-    let keys: Vec<_> = lm.ctx.storage.snapshot().into_iter().map(|(k, _)| k).collect();
+    let keys: Vec<_> = lm
+        .ctx
+        .storage
+        .snapshot()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
     assert_eq!(lm.ctx.storage.evict_if_idle(&keys), 1);
     let second = lm.prepare_store(0, 2);
     assert_eq!(second.len(), 1, "chunk 0 only");
@@ -109,7 +117,11 @@ fn a_repeated_prepare_store_never_frees_the_one_in_flight() {
     );
     assert_eq!(lm.commit_store(0, 2), LmReply::Bool(true));
     assert_eq!(lm.commit_store(0, 2), LmReply::Bool(true));
-    assert_eq!(lm.commit_store(0, 2), LmReply::Bool(false), "nothing left to pair");
+    assert_eq!(
+        lm.commit_store(0, 2),
+        LmReply::Bool(false),
+        "nothing left to pair"
+    );
     let all = lm.objects();
     assert_eq!(all.len(), 2);
     assert!(all.iter().all(|o| o.1 == ObjectState::Ready), "{all:?}");

@@ -191,7 +191,11 @@ mod tests {
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(10));
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(11));
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), None);
-        assert_eq!(t.pop(1, 8, Kind::Retrieve, &key(0)), None, "another registration");
+        assert_eq!(
+            t.pop(1, 8, Kind::Retrieve, &key(0)),
+            None,
+            "another registration"
+        );
         assert_eq!(t.pop(1, 7, Kind::Retrieve, &key(0)), Some(12));
         assert_eq!(t.bytes(), 0);
     }

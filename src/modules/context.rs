@@ -21,6 +21,10 @@ use crate::protocol::{RegisterRequest, WireLayout};
 use crate::storage::key::{validate_model_name, validate_rank};
 use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore};
 
+/// A namespace interned this recently is kept by a reclaim even if nothing uses it yet (the
+/// request that interned it is about to store under it).
+pub const NAMESPACE_RECLAIM_GRACE_MS: u64 = 2_000;
+
 /// Reference-counted layouts per `(model, world_size)`, as LMCache's `LayoutDescRegistry`.
 /// Invariant: an entry exists iff at least one live instance of that pair holds a reference.
 #[derive(Default)]
@@ -160,6 +164,7 @@ impl NodeContext {
         } else {
             0
         };
+        namespaces.configure(&clock, config.limits.max_namespaces);
         let storage = StorageCore::with_clock(
             pool.len() - reserved,
             StorageConfig {
@@ -348,6 +353,29 @@ impl NodeContext {
             }
         }
         (w, r)
+    }
+
+    /// Drops the `(model, salt)` namespaces nothing uses any more (no object in any tier, no
+    /// instance, no session) and no request interned within [`NAMESPACE_RECLAIM_GRACE_MS`].
+    /// O(objects): run by the maintenance thread, never on a request path. Returns how many.
+    pub fn reclaim_namespaces(&self) -> usize {
+        let mut in_use = self.storage.namespaces_in_use();
+        if let Some(l2) = &self.l2 {
+            l2.namespaces_in_use(&mut in_use);
+        }
+        in_use.extend(self.instances.all().iter().map(|i| i.namespace));
+        in_use.extend(self.sessions.namespaces());
+        let n = self
+            .namespaces
+            .reclaim(&in_use, self.now_ms(), NAMESPACE_RECLAIM_GRACE_MS);
+        if n > 0 {
+            tracing::debug!(
+                reclaimed = n,
+                held = self.namespaces.len(),
+                "namespaces reclaimed"
+            );
+        }
+        n
     }
 
     /// Adds a hook run for every instance released from now on.

@@ -207,7 +207,16 @@ pub fn lookup(
             ctx.sessions.limit
         )));
     }
-    let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
+    crate::storage::key::validate_model_name(&range.model)?;
+    crate::storage::key::validate_salt(&range.cache_salt)?;
+    let Some(namespace) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
+        // Nothing is stored under this (model, salt): a miss, never an insertion. Like any
+        // LOOKUP, it replaces a session of the same id (whose locks are released).
+        if let Some(old) = ctx.sessions.remove(request_id) {
+            release_session(ctx, &old);
+        }
+        return Ok(Response::LookupHits { chunks: 0 });
+    };
     let extra = extra_readers(tp_size, range.world_size);
     // Keys are built one chunk at a time; locking stops at the first gap (in every tier).
     let chunks = range

@@ -99,7 +99,12 @@ impl Harness {
     }
 
     /// Prepares a retrieve; returns (transfer id, slot offsets) of a hit.
-    fn prepare_retrieve(&mut self, id: u64, hashes: &[u8], session: Option<&str>) -> (u64, Vec<u64>) {
+    fn prepare_retrieve(
+        &mut self,
+        id: u64,
+        hashes: &[u8],
+        session: Option<&str>,
+    ) -> (u64, Vec<u64>) {
         match self.call(Request::PrepareRetrieve {
             instance_id: id,
             range: Self::range(hashes, Some(0)),
@@ -154,11 +159,24 @@ fn a_retrieve_never_borrows_another_sessions_read_lock() {
     let (a2, _) = h.prepare_retrieve(1, &[1], Some("A"));
     assert_eq!(h.object(1), Some((ObjectState::Ready, 2)));
     h.commit_retrieve(1, a2);
-    assert_eq!(h.object(1), Some((ObjectState::Ready, 1)), "B still holds its lock");
+    assert_eq!(
+        h.object(1),
+        Some((ObjectState::Ready, 1)),
+        "B still holds its lock"
+    );
     let r = h.call(Request::Clear);
-    assert_eq!(r, Response::Cleared { deleted: 0, deferred: 1 });
+    assert_eq!(
+        r,
+        Response::Cleared {
+            deleted: 0,
+            deferred: 1
+        }
+    );
     let fresh = h.store(1, &[2]);
-    assert!(!fresh.contains(&k), "B's slot {k} was handed to a new store");
+    assert!(
+        !fresh.contains(&k),
+        "B's slot {k} was handed to a new store"
+    );
 }
 
 /// Defect 1, miss path: a retrieve that misses releases only the locks it holds itself, never
@@ -175,8 +193,15 @@ fn a_missing_retrieve_releases_only_its_own_locks() {
         range: Harness::range(&[1, 9], Some(0)),
         lookup_session: Some("other".into()),
     });
-    assert!(matches!(r, Response::RetrievePrepared { hit: false, .. }), "{r:?}");
-    assert_eq!(h.object(1), Some((ObjectState::Ready, 1)), "A's lock is intact");
+    assert!(
+        matches!(r, Response::RetrievePrepared { hit: false, .. }),
+        "{r:?}"
+    );
+    assert_eq!(
+        h.object(1),
+        Some((ObjectState::Ready, 1)),
+        "A's lock is intact"
+    );
 }
 
 /// Defect 3: a retrieve that adopts a lookup lock refreshes its deadline; a lock that expired
@@ -223,7 +248,12 @@ fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
     let mut reaper = crate::liveness::reaper::Reaper::new(&h.ctx);
     h.register(1);
     reaper.step(&h.ctx);
-    assert_eq!(h.call(Request::Ping { instance_id: Some(1) }), Response::Ok);
+    assert_eq!(
+        h.call(Request::Ping {
+            instance_id: Some(1)
+        }),
+        Response::Ok
+    );
     let step = world::TICK_MS;
     let mut waited = 0;
     while h.ctx.instances.get(1).is_some() && waited < world::GRACE_MS {
@@ -237,7 +267,10 @@ fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
         "reaped after {waited} ms of silence, timeout {} ms",
         world::REAP_TIMEOUT_MS
     );
-    assert!(waited >= world::REAP_TIMEOUT_MS, "reaped early, after {waited} ms");
+    assert!(
+        waited >= world::REAP_TIMEOUT_MS,
+        "reaped early, after {waited} ms"
+    );
 }
 
 /// Defect 5: released instances' timers were never cancelled, so registering and releasing
@@ -254,10 +287,45 @@ fn released_instances_leave_no_timer_and_new_ones_are_always_watched() {
         assert!(matches!(r, Response::Unregistered { .. }), "{r:?}");
         reaper.step(&h.ctx);
     }
-    assert!(reaper.watched().is_empty(), "stale timers: {:?}", reaper.watched());
+    assert!(
+        reaper.watched().is_empty(),
+        "stale timers: {:?}",
+        reaper.watched()
+    );
     assert_eq!(h.ctx.liveness.tracked(), 0);
     h.register(7);
     reaper.step(&h.ctx);
     assert_eq!(reaper.watched(), vec![7]);
     assert_eq!(h.ctx.liveness.tracked(), 1);
+}
+
+/// Defect 6: LOOKUP and PREPARE_RETRIEVE with a (model, salt) nothing was stored under
+/// interned it forever; they are a miss and leave the table as it was.
+#[test]
+fn lookups_and_retrieves_of_unknown_namespaces_intern_nothing() {
+    let mut h = Harness::new();
+    h.register(1);
+    let before = h.ctx.namespaces.len();
+    for i in 0..50 {
+        let mut range = Harness::range(&[1], None);
+        range.cache_salt = format!("lookup-{i}");
+        let r = h.call(Request::Lookup {
+            request_id: format!("s{i}"),
+            range: range.clone(),
+            tp_size: 1,
+        });
+        assert_eq!(r, Response::LookupHits { chunks: 0 });
+        range.worker_id = Some(0);
+        range.cache_salt = format!("retrieve-{i}");
+        let r = h.call(Request::PrepareRetrieve {
+            instance_id: 1,
+            range,
+            lookup_session: None,
+        });
+        assert!(
+            matches!(r, Response::RetrievePrepared { hit: false, .. }),
+            "{r:?}"
+        );
+    }
+    assert_eq!(h.ctx.namespaces.len(), before);
 }

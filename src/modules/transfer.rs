@@ -79,8 +79,15 @@ fn not_registered(id: u64) -> Error {
     )
 }
 
-/// Checks a worker-side range against its instance and builds its keys (one per chunk).
-fn worker_keys(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Result<Vec<StorageKey>> {
+/// Checks a worker-side range against its instance and builds its keys (one per chunk). A
+/// store interns the range's namespace; a retrieve only looks it up: `None` when it is unknown
+/// (nothing is stored under it, a miss).
+fn worker_keys(
+    ctx: &NodeContext,
+    inst: &Instance,
+    range: &ChunkRange,
+    intern: bool,
+) -> Result<Option<Vec<StorageKey>>> {
     let worker = range
         .worker_id
         .ok_or_else(|| Error::invalid("transfer ranges need a worker_id"))?;
@@ -94,20 +101,28 @@ fn worker_keys(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Result
     check_chunk_count(ctx, range.chunk_hashes.len())?;
     let namespace = if range.cache_salt.is_empty() {
         inst.namespace
-    } else {
+    } else if intern {
         ctx.namespaces.intern(&range.model, &range.cache_salt)?
+    } else {
+        crate::storage::key::validate_salt(&range.cache_salt)?;
+        match ctx.namespaces.lookup(&range.model, &range.cache_salt) {
+            Some(n) => n,
+            None => return Ok(None),
+        }
     };
     let kv_rank = pack_kv_rank(range.world_size, worker);
-    Ok(range
-        .chunk_hashes
-        .iter()
-        .map(|h| StorageKey {
-            chunk_hash: *h,
-            kv_rank,
-            object_group: 0,
-            namespace,
-        })
-        .collect())
+    Ok(Some(
+        range
+            .chunk_hashes
+            .iter()
+            .map(|h| StorageKey {
+                chunk_hash: *h,
+                kv_rank,
+                object_group: 0,
+                namespace,
+            })
+            .collect(),
+    ))
 }
 
 /// Enforces the per-request chunk limit (and rejects empty ranges).
@@ -142,7 +157,7 @@ fn wire(grant: &Grant) -> WireSlot {
 }
 
 fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Result<Response> {
-    let keys = worker_keys(ctx, inst, range)?;
+    let keys = worker_keys(ctx, inst, range, true)?.expect("a store interns its namespace");
     let mut pending = inst.pending.lock();
     if inst.is_released() {
         return Err(not_registered(inst.id));
@@ -253,7 +268,15 @@ fn prepare_retrieve(
     range: &ChunkRange,
     lookup_session: Option<&str>,
 ) -> Result<Response> {
-    let keys = worker_keys(ctx, inst, range)?;
+    let layout = NodeContext::wire_layout(&inst.layout);
+    let Some(keys) = worker_keys(ctx, inst, range, false)? else {
+        return Ok(Response::RetrievePrepared {
+            hit: false,
+            transfer_id: 0,
+            slots: Vec::new(),
+            layout,
+        });
+    };
     {
         let pending = inst.pending.lock();
         if inst.is_released() {
@@ -288,7 +311,6 @@ fn prepare_retrieve(
         None => ctx.storage.reserve_read(&keys, 0),
     };
     load_missing_from_l2(ctx, &keys, &inst.layout, &mut results);
-    let layout = NodeContext::wire_layout(&inst.layout);
     let found: Vec<(StorageKey, u64)> = keys
         .iter()
         .zip(&results)

@@ -13,6 +13,11 @@ use crate::modules::NodeContext;
 const TICK: Duration = Duration::from_millis(100);
 const EVICTION_EVERY: Duration = Duration::from_secs(1);
 const EVENTS_PER_TICK: usize = 4096;
+/// Namespace reclaims run at most this often when wanted (an intern was refused at the limit,
+/// or half the limit is held)...
+const RECLAIM_MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// ...and at least this often regardless.
+const RECLAIM_EVERY: Duration = Duration::from_secs(600);
 
 /// Starts the thread; it exits when the node shuts down.
 pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<JoinHandle<()>> {
@@ -34,6 +39,7 @@ fn ttl_sweep_interval(ctx: &NodeContext) -> Duration {
 fn run(ctx: &NodeContext) {
     let mut last_evict = Instant::now();
     let mut last_ttl = Instant::now();
+    let mut last_reclaim = Instant::now();
     let ttl_every = ttl_sweep_interval(ctx);
     while !ctx.shutting_down.load(Ordering::Acquire) {
         thread::sleep(TICK);
@@ -66,6 +72,14 @@ fn run(ctx: &NodeContext) {
         if last_ttl.elapsed() >= ttl_every {
             last_ttl = Instant::now();
             ttl_sweep(ctx);
+        }
+        let since = last_reclaim.elapsed();
+        let ns = &ctx.namespaces;
+        let wanted = since >= RECLAIM_MIN_INTERVAL
+            && (ns.take_reclaim_wanted() || ns.len() >= ns.limit() / 2);
+        if wanted || since >= RECLAIM_EVERY {
+            last_reclaim = Instant::now();
+            ctx.reclaim_namespaces();
         }
     }
 }

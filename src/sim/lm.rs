@@ -340,7 +340,11 @@ impl Sim {
             self.lm_known_span(i, false)
         } else if !recent.is_empty() && self.rng.chance(60) {
             let (_, _, salt, p, hits) = recent[self.rng.index(recent.len())].clone();
-            let a = if self.rng.chance(70) { 0 } else { self.rng.index(hits as usize) };
+            let a = if self.rng.chance(70) {
+                0
+            } else {
+                self.rng.index(hits as usize)
+            };
             let b = self.rng.range(a as u64 + 1, u64::from(hits)) as usize;
             (self.prompts.canonical(p, b), a, b, salt)
         } else {

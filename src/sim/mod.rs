@@ -253,7 +253,14 @@ impl Sim {
         self.next_request
     }
 
-    fn remember_lookup(&mut self, session: String, model: &'static str, salt: &'static str, p: usize, hits: u32) {
+    fn remember_lookup(
+        &mut self,
+        session: String,
+        model: &'static str,
+        salt: &'static str,
+        p: usize,
+        hits: u32,
+    ) {
         if self.lookups.len() >= 16 {
             self.lookups.pop_front();
         }
@@ -303,6 +310,7 @@ impl Sim {
 
     fn maintenance(&mut self) -> Check {
         crate::server::maintenance::ttl_sweep(&self.ctx);
+        self.ctx.reclaim_namespaces();
         let evicted = self.ctx.storage.evict_to_watermark();
         self.log(format!("maintenance (TTL sweep, {evicted} evicted)"));
         self.check_namespaces_reclaimed()
@@ -453,6 +461,14 @@ impl Sim {
             .collect();
         keep.extend(self.ctx.instances.all().iter().map(|i| i.namespace));
         keep.extend(self.ctx.sessions.namespaces());
+        if let Some(lost) = keep
+            .iter()
+            .find(|id| self.ctx.namespaces.name(**id).is_none())
+        {
+            if self.on("namespaces") {
+                return Err(format!("namespace {lost:?} is in use but was reclaimed"));
+            }
+        }
         for ((m, s), t) in &self.named {
             if now.saturating_sub(*t) < world::NAMESPACE_IDLE_MS {
                 keep.extend(self.ctx.namespaces.lookup(m, s));

@@ -458,7 +458,11 @@ impl Sim {
             .collect();
         let (salt, p, a, b, session) = if !recent.is_empty() && self.rng.chance(60) {
             let (session, _, salt, p, hits) = recent[self.rng.index(recent.len())].clone();
-            let a = if self.rng.chance(70) { 0 } else { self.rng.index(hits as usize) };
+            let a = if self.rng.chance(70) {
+                0
+            } else {
+                self.rng.index(hits as usize)
+            };
             let b = self.rng.range(a as u64 + 1, u64::from(hits)) as usize;
             (salt, p, a, b, Some(session))
         } else {

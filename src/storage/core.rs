@@ -844,6 +844,15 @@ impl StorageCore {
         n
     }
 
+    /// The namespaces of every object in the index (the namespace reclaimer keeps them).
+    pub fn namespaces_in_use(&self) -> std::collections::HashSet<super::key::NamespaceId> {
+        let mut out = std::collections::HashSet::new();
+        for shard in self.shards.iter() {
+            out.extend(shard.lock().map.keys().map(|k| k.namespace));
+        }
+        out
+    }
+
     /// Every object in the index with its entry, on a consistent snapshot (the simulator's
     /// checkers compare it with what clients were promised). O(objects): never on a request path.
     pub fn snapshot(&self) -> Vec<(StorageKey, Entry)> {

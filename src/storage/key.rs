@@ -1,8 +1,12 @@
 //! Object keys: LMCache's `ObjectKey` (public, validated) and the compact interned key the index uses.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use parking_lot::RwLock;
+
+use crate::clock::Clock;
 
 use crate::error::{Error, Result};
 use crate::hashing::ChunkHash;
@@ -11,7 +15,7 @@ use crate::hashing::ChunkHash;
 pub const MAX_SALT_CHARS: usize = 128;
 /// Longest accepted model name (kvnode's own limit; LMCache has none).
 pub const MAX_MODEL_NAME_BYTES: usize = 256;
-/// Most distinct `(model, cache_salt)` namespaces the node tracks.
+/// Default limit on `(model, cache_salt)` namespaces held at once (`limits.max_namespaces`).
 pub const MAX_NAMESPACES: usize = 4096;
 /// Largest world size a `kv_rank` can encode (8 bits).
 pub const MAX_WORLD_SIZE: u32 = 255;
@@ -135,50 +139,105 @@ impl StorageKey {
     }
 }
 
-/// Interning table for `(model, cache_salt)` pairs. Invariant: ids are dense, stable, and at most
-/// [`MAX_NAMESPACES`] are issued.
-#[derive(Default)]
+/// Interning table for `(model, cache_salt)` pairs. Invariants: an id is never issued twice
+/// (ids only grow, so a key that outlives its namespace can never alias another one); at most
+/// `limit` namespaces are interned at once; a namespace is dropped only by [`Namespaces::reclaim`],
+/// when nothing uses it and no request named it within the grace.
 pub struct Namespaces {
     inner: RwLock<NamespaceTable>,
+    clock: OnceLock<Clock>,
+    limit: AtomicUsize,
+    reclaim_wanted: AtomicBool,
+}
+
+impl Default for Namespaces {
+    fn default() -> Self {
+        Namespaces {
+            inner: RwLock::default(),
+            clock: OnceLock::new(),
+            limit: AtomicUsize::new(MAX_NAMESPACES),
+            reclaim_wanted: AtomicBool::new(false),
+        }
+    }
+}
+
+struct NamespaceEntry {
+    id: NamespaceId,
+    /// Clock time of the last intern (a request about to store under it).
+    last_used_ms: AtomicU64,
 }
 
 #[derive(Default)]
 struct NamespaceTable {
-    /// model -> salt -> id (nested so lookups borrow `&str` without allocating).
-    ids: HashMap<String, HashMap<String, NamespaceId>>,
-    names: Vec<(String, String)>,
+    /// model -> salt -> entry (nested so lookups borrow `&str` without allocating).
+    ids: HashMap<String, HashMap<String, NamespaceEntry>>,
+    names: HashMap<u32, (String, String)>,
+    next_id: u32,
 }
 
 impl Namespaces {
-    /// The id of `(model, salt)`, interning it on first use. Validates both names.
+    /// Sets the clock that stamps interns and the most namespaces held at once (called once,
+    /// when the node's context is built; before that, stamps are 0).
+    pub fn configure(&self, clock: &Clock, limit: usize) {
+        let _ = self.clock.set(clock.clone());
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.get().map_or(0, Clock::now_ms)
+    }
+
+    /// The id of `(model, salt)`, interning it on first use (for a request that will store
+    /// under it). Validates both names; refused when `limit` namespaces are held (a reclaim is
+    /// then requested) or the id space is exhausted.
     pub fn intern(&self, model: &str, salt: &str) -> Result<NamespaceId> {
-        if let Some(id) = self.lookup(model, salt) {
-            return Ok(id);
+        let now = self.now_ms();
+        {
+            let t = self.inner.read();
+            if let Some(e) = t.ids.get(model).and_then(|m| m.get(salt)) {
+                e.last_used_ms.fetch_max(now, Ordering::Relaxed);
+                return Ok(e.id);
+            }
         }
         validate_model_name(model)?;
         validate_salt(salt)?;
         let mut t = self.inner.write();
-        if let Some(id) = t.ids.get(model).and_then(|m| m.get(salt)) {
-            return Ok(*id);
+        if let Some(e) = t.ids.get(model).and_then(|m| m.get(salt)) {
+            e.last_used_ms.fetch_max(now, Ordering::Relaxed);
+            return Ok(e.id);
         }
-        if t.names.len() >= MAX_NAMESPACES {
+        let limit = self.limit.load(Ordering::Relaxed);
+        if t.names.len() >= limit {
+            self.reclaim_wanted.store(true, Ordering::Relaxed);
             return Err(Error::limit(format!(
-                "more than {MAX_NAMESPACES} distinct (model, cache_salt) pairs"
+                "{limit} distinct (model, cache_salt) pairs are in use (the limit); \
+                 ({model:?}, {salt:?}) is refused until some are no longer used"
             )));
         }
-        let id = NamespaceId(t.names.len() as u32);
-        t.names.push((model.to_owned(), salt.to_owned()));
-        t.ids
-            .entry(model.to_owned())
-            .or_default()
-            .insert(salt.to_owned(), id);
+        if t.next_id == u32::MAX {
+            return Err(Error::limit(
+                "namespace ids are exhausted (4 294 967 295 distinct (model, cache_salt) pairs \
+                 since start-up); restart the node",
+            ));
+        }
+        let id = NamespaceId(t.next_id);
+        t.next_id += 1;
+        t.names.insert(id.0, (model.to_owned(), salt.to_owned()));
+        t.ids.entry(model.to_owned()).or_default().insert(
+            salt.to_owned(),
+            NamespaceEntry {
+                id,
+                last_used_ms: AtomicU64::new(now),
+            },
+        );
         Ok(id)
     }
 
-    /// The id of `(model, salt)` if already interned.
+    /// The id of `(model, salt)` if interned (lookups and retrieves: an unknown namespace holds
+    /// nothing, so it is a miss, never an insertion).
     pub fn lookup(&self, model: &str, salt: &str) -> Option<NamespaceId> {
         let t = self.inner.read();
-        t.ids.get(model).and_then(|m| m.get(salt)).copied()
+        t.ids.get(model).and_then(|m| m.get(salt)).map(|e| e.id)
     }
 
     /// Number of interned namespaces.
@@ -191,9 +250,45 @@ impl Namespaces {
         self.len() == 0
     }
 
-    /// The `(model, salt)` behind an id.
+    /// The most namespaces held at once.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Whether an intern was refused at the limit since the last call (the maintenance thread
+    /// then reclaims soon).
+    pub fn take_reclaim_wanted(&self) -> bool {
+        self.reclaim_wanted.swap(false, Ordering::Relaxed)
+    }
+
+    /// The `(model, salt)` behind an id (`None` once reclaimed).
     pub fn name(&self, id: NamespaceId) -> Option<(String, String)> {
-        self.inner.read().names.get(id.0 as usize).cloned()
+        self.inner.read().names.get(&id.0).cloned()
+    }
+
+    /// Drops every namespace that is not in `in_use` and was not interned within `grace_ms` of
+    /// `now_ms` (a request between its intern and its store). `in_use` must list everything
+    /// that holds an id (objects in every tier, instances, sessions), gathered before this call.
+    /// Returns how many were dropped.
+    pub fn reclaim(&self, in_use: &HashSet<NamespaceId>, now_ms: u64, grace_ms: u64) -> usize {
+        let cutoff = now_ms.saturating_sub(grace_ms);
+        let mut t = self.inner.write();
+        let mut dropped = Vec::new();
+        for salts in t.ids.values_mut() {
+            salts.retain(|_, e| {
+                let keep =
+                    in_use.contains(&e.id) || e.last_used_ms.load(Ordering::Relaxed) >= cutoff;
+                if !keep {
+                    dropped.push(e.id);
+                }
+                keep
+            });
+        }
+        t.ids.retain(|_, m| !m.is_empty());
+        for id in &dropped {
+            t.names.remove(&id.0);
+        }
+        dropped.len()
     }
 
     /// Converts a public key into the index key.
