@@ -189,7 +189,13 @@ impl LmFrontend {
             ready: Condvar::new(),
         });
         let dyn_sink: Arc<dyn ReplySink> = sink.clone();
-        dispatch::dispatch(&self.ctx, &dyn_sink, 0, req, &mut Vec::new());
+        dispatch::dispatch(
+            &self.ctx,
+            &dyn_sink,
+            0,
+            req,
+            &mut dispatch::Registered::default(),
+        );
         let mut slot = sink.slot.lock();
         while slot.is_none() {
             sink.ready.wait(&mut slot);

@@ -295,7 +295,12 @@ impl NodeContext {
         });
         match self.instances.insert(inst.clone()) {
             Ok(None) => {}
-            Ok(Some(raced)) => return Ok(raced), // a concurrent identical registration won
+            Ok(Some(raced)) => {
+                // A concurrent registration of the same id won: this connection shares it.
+                raced.touch(now);
+                raced.attach(connection);
+                return Ok(raced);
+            }
             Err(_) => {
                 return Err(Error::limit(format!(
                     "instance limit reached ({} registered)",

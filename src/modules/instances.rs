@@ -164,12 +164,20 @@ impl InstanceTable {
         self.shard(id).read().get(&id).cloned()
     }
 
-    /// Inserts a new instance unless `id` is taken or the table is full.
-    /// Returns the existing instance on conflict, or `Err(TableFull)` when full.
+    /// Inserts a new instance unless `id` is taken by a live instance or the table is full.
+    /// Returns the live instance on conflict, or `Err(TableFull)` when full. An entry that is
+    /// already released (its release is between marking and removal) is replaced, never
+    /// returned: a registration must never hand out a released instance.
     pub fn insert(&self, inst: Arc<Instance>) -> Result<Option<Arc<Instance>>, TableFull> {
         let mut s = self.shard(inst.id).write();
         if let Some(existing) = s.get(&inst.id) {
-            return Ok(Some(existing.clone()));
+            if !existing.is_released() {
+                return Ok(Some(existing.clone()));
+            }
+            // Same count: one entry replaces another (the release's removal then finds a
+            // different instance and leaves it).
+            s.insert(inst.id, inst);
+            return Ok(None);
         }
         if self.count.load(Ordering::Relaxed) >= self.limit {
             return Err(TableFull);

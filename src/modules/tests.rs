@@ -16,7 +16,7 @@ struct Harness {
     ctx: Arc<NodeContext>,
     clock: Clock,
     conn: Arc<CaptureSink>,
-    registered: Vec<u64>,
+    registered: dispatch::Registered,
 }
 
 const MODEL: &str = "m";
@@ -32,7 +32,7 @@ impl Harness {
             ctx: world::build_node(&clock),
             clock,
             conn: CaptureSink::new(7),
-            registered: Vec::new(),
+            registered: Default::default(),
         }
     }
 
@@ -328,4 +328,119 @@ fn lookups_and_retrieves_of_unknown_namespaces_intern_nothing() {
         );
     }
     assert_eq!(h.ctx.namespaces.len(), before);
+}
+
+/// Defect 7: a REGISTER that raced a release (between the release marking the instance and
+/// removing it from the table) was handed the released instance, and every later request of
+/// the client failed with NotRegistered.
+#[test]
+fn a_registration_racing_a_release_gets_a_live_instance() {
+    let mut h = Harness::new();
+    h.register(1);
+    let old = h.ctx.instances.get(1).unwrap();
+    // The window inside `release`: marked released, not yet removed from the table.
+    old.released
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    h.register(1);
+    let new = h.ctx.instances.get(1).unwrap();
+    assert!(!Arc::ptr_eq(&old, &new) && !new.is_released());
+    // The release finishing afterwards leaves the new registration alone.
+    assert!(!h.ctx.instances.remove_exact(&old));
+    let r = h.call(Request::PrepareStore {
+        instance_id: 1,
+        range: Harness::range(&[4], Some(0)),
+    });
+    assert!(matches!(r, Response::StorePrepared { .. }), "{r:?}");
+    assert_eq!(h.ctx.instances.len(), 1);
+}
+
+fn wide_hashes(from: u32, n: u32) -> Vec<[u8; 32]> {
+    (from..from + n)
+        .map(|i| {
+            let mut h = [0xA5u8; 32];
+            h[..4].copy_from_slice(&i.to_le_bytes());
+            h
+        })
+        .collect()
+}
+
+/// Defect 8: a large PREPARE_STORE evicted the cached chunks of its own prefix to make room
+/// for its new chunks, leaving the prefix with holes. The request's own cached objects are held
+/// while it allocates; other objects are evicted instead.
+#[test]
+fn a_large_store_never_evicts_its_own_cached_prefix() {
+    let mut h = Harness::new();
+    h.register(1);
+    let object = u64::from(world::HIDDEN) * 2 * 16 * 2;
+    let capacity = h.ctx.storage.capacity() / object;
+    let store = |h: &mut Harness, hashes: Vec<[u8; 32]>| -> usize {
+        let mut range = Harness::range(&[], Some(0));
+        range.chunk_hashes = hashes;
+        let r = h.call(Request::PrepareStore {
+            instance_id: 1,
+            range,
+        });
+        let Response::StorePrepared {
+            transfer_id, slots, ..
+        } = r
+        else {
+            panic!("{r:?}")
+        };
+        if transfer_id != 0 {
+            let c = h.call(Request::CommitStore {
+                instance_id: 1,
+                transfer_id,
+            });
+            assert!(matches!(c, Response::StoreCommitted { .. }), "{c:?}");
+        }
+        slots.len()
+    };
+    // The prefix is stored first (so it is the oldest), then other prompts fill the pool.
+    let prefix = wide_hashes(0, 10);
+    assert_eq!(store(&mut h, prefix.clone()), 10);
+    let mut next = 1_000;
+    let mut filled = 10;
+    while filled + 50 <= capacity {
+        assert_eq!(store(&mut h, wide_hashes(next, 50)), 50);
+        next += 50;
+        filled += 50;
+    }
+    // The prompt grows: its whole range, prefix included, is stored again.
+    let mut grown = prefix.clone();
+    grown.extend(wide_hashes(900_000, 40));
+    assert_eq!(store(&mut h, grown), 40, "only the new chunks are reserved");
+    let present: std::collections::HashSet<[u8; 32]> = h
+        .ctx
+        .storage
+        .snapshot()
+        .into_iter()
+        .map(|(k, _)| k.chunk_hash)
+        .collect();
+    let lost = prefix.iter().filter(|p| !present.contains(*p)).count();
+    assert_eq!(
+        lost, 0,
+        "{lost} chunks of the request's own prefix were evicted"
+    );
+}
+
+/// Defect 8: the list of instances registered over a connection grew for the connection's
+/// life (and was searched linearly); it stays bounded by the instance limit.
+#[test]
+fn a_connections_registered_list_stays_bounded() {
+    let mut h = Harness::new();
+    let limit = h.ctx.config.limits.max_instances;
+    for id in 0..(4 * limit as u64) {
+        h.register(1_000 + id);
+        let r = h.call(Request::Unregister {
+            instance_id: 1_000 + id,
+        });
+        assert!(matches!(r, Response::Unregistered { .. }), "{r:?}");
+    }
+    assert!(
+        h.registered.len() <= limit + 1,
+        "{} ids kept",
+        h.registered.len()
+    );
+    h.register(1);
+    assert!(h.registered.contains(1));
 }

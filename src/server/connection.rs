@@ -63,7 +63,7 @@ pub fn serve_frames<S: FrameSource>(
     let id = sink.connection_id();
     let mut payload = AlignedVec::<16>::new();
     let mut reader = FrameReader::default();
-    let mut registered: Vec<u64> = Vec::new();
+    let mut registered = dispatch::Registered::default();
     tracing::debug!(connection = id, "client connected");
     loop {
         if ctx.shutting_down.load(Ordering::Acquire) {
@@ -98,6 +98,6 @@ pub fn serve_frames<S: FrameSource>(
             }
         }
     }
-    ctx.connection_closed(id, &registered);
+    ctx.connection_closed(id, &registered.ids());
     tracing::debug!(connection = id, "client disconnected");
 }

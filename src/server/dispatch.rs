@@ -1,6 +1,7 @@
 //! Routing: requests with instance affinity go to the instance's mailbox (run in order on its
 //! shard); everything else is answered inline on the connection thread.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -9,6 +10,49 @@ use crate::modules::instances::Job;
 use crate::modules::{management, NodeContext};
 use crate::protocol::{RegisterReply, Request, Response};
 use crate::transport::ReplySink;
+
+/// The instances registered over one connection: when it closes, each one that no other open
+/// connection registered is released. Invariant: at most `max_instances + 1` ids; beyond that,
+/// ids whose instance no longer lists this connection are dropped (lookups and inserts O(1)).
+#[derive(Debug, Default, Clone)]
+pub struct Registered {
+    ids: HashSet<u64>,
+}
+
+impl Registered {
+    /// Records that `id` was registered over connection `connection`.
+    pub fn add(&mut self, ctx: &NodeContext, connection: u64, id: u64) {
+        if self.ids.insert(id) && self.ids.len() > ctx.config.limits.max_instances {
+            self.ids.retain(|i| {
+                ctx.instances
+                    .get(*i)
+                    .is_some_and(|inst| inst.connections.lock().contains(&connection))
+            });
+        }
+    }
+
+    /// The ids recorded, sorted.
+    pub fn ids(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.ids.iter().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Whether `id` was recorded.
+    pub fn contains(&self, id: u64) -> bool {
+        self.ids.contains(&id)
+    }
+
+    /// Ids recorded.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether none is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
 
 /// Counts a request out of `dispatching` when dispatch returns (also on unwind).
 struct InFlight<'a>(&'a NodeContext);
@@ -26,7 +70,7 @@ pub fn dispatch(
     sink: &Arc<dyn ReplySink>,
     request_id: u64,
     req: Request,
-    registered: &mut Vec<u64>,
+    registered: &mut Registered,
 ) {
     let opcode = req.opcode();
     // SeqCst here and in `Node::shutdown`: either shutdown sees this request in flight and
@@ -40,9 +84,7 @@ pub fn dispatch(
     if let Request::Register(r) = &req {
         return match ctx.register(r, sink.connection_id()) {
             Ok(inst) => {
-                if !registered.contains(&inst.id) {
-                    registered.push(inst.id);
-                }
+                registered.add(ctx, sink.connection_id(), inst.id);
                 let fd = sink.can_pass_fd();
                 let resp = Response::Registered(RegisterReply {
                     pool_bytes: ctx.pool.len(),

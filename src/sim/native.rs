@@ -18,7 +18,7 @@ use crate::storage::{pack_kv_rank, StorageKey};
 #[derive(Clone)]
 pub struct Conn {
     sink: Arc<CaptureSink>,
-    registered: Arc<parking_lot::Mutex<Vec<u64>>>,
+    registered: Arc<parking_lot::Mutex<dispatch::Registered>>,
 }
 
 impl Conn {
@@ -289,6 +289,12 @@ impl Sim {
         self.named(model, salt);
         self.touched(id, false);
         let conn = self.natives[i].conns[0].clone();
+        let cached: Vec<StorageKey> = range
+            .chunk_hashes
+            .iter()
+            .map(|h| self.key_of(model, salt, h))
+            .filter(|k| self.ctx.storage.contains_ready(k))
+            .collect();
         let r = self.native_call(
             &conn,
             Request::PrepareStore {
@@ -300,6 +306,12 @@ impl Sim {
             "native {id} PREPARE_STORE p{p}[{a}..{b}) salt {salt:?} -> {}",
             short(&r)
         ));
+        if let Some(k) = cached.iter().find(|k| !self.ctx.storage.contains_ready(k)) {
+            return Err(format!(
+                "PREPARE_STORE of instance {id} evicted {:?}, a cached chunk of its own range",
+                &k.chunk_hash[..4]
+            ));
+        }
         let Response::StorePrepared {
             transfer_id,
             slots,
@@ -636,7 +648,7 @@ impl Sim {
         let id = self.natives[i].id;
         let k = self.rng.index(self.natives[i].conns.len());
         let conn = self.natives[i].conns.remove(k);
-        let registered = conn.registered.lock().clone();
+        let registered = conn.registered.lock().ids();
         self.ctx.connection_closed(conn.id(), &registered);
         let Some(reg) = self.natives[i].reg.as_mut() else {
             self.log(format!(

@@ -301,7 +301,11 @@ impl StorageCore {
                 .fetch_add(absent.len() as u64, Ordering::Relaxed);
             return results;
         }
+        // The request's own objects that are already here (its cached prefix) are held while
+        // the allocation evicts: a large store must not evict the chunks it extends.
+        let pinned = self.pin_unlocked(keys);
         let slots = self.allocate_with_eviction(object_bytes, absent.len());
+        self.unpin(&pinned);
         let mut slots = slots.into_iter();
         for &i in &absent {
             let Some(slot) = slots.next() else {
@@ -335,6 +339,35 @@ impl StorageCore {
             results[i] = Ok(Grant { slot, lease });
         }
         results
+    }
+
+    /// Takes one read lock on each of `keys` that is evictable right now, so eviction passes it
+    /// by; returns the `(key, lease)` pairs for [`StorageCore::unpin`]. Caller holds `gate`.
+    fn pin_unlocked(&self, keys: &[StorageKey]) -> Vec<(StorageKey, u64)> {
+        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        let mut pinned = Vec::new();
+        for k in keys {
+            let mut shard = self.shard(k).lock();
+            let Some(e) = shard.map.get_mut(k) else {
+                continue;
+            };
+            if !e.evictable() {
+                continue;
+            }
+            e.readers = 1;
+            e.lock_deadline_ms = deadline;
+            pinned.push((*k, e.lease));
+            shard.sync_recency(k);
+        }
+        pinned
+    }
+
+    /// Releases the locks of [`StorageCore::pin_unlocked`] (unless they expired meanwhile).
+    /// Caller holds `gate`.
+    fn unpin(&self, pinned: &[(StorageKey, u64)]) {
+        for r in self.finish_read_unlocked(pinned, 0) {
+            debug_assert!(r.is_ok() || r == Err(KeyError::KeyInWrongState));
+        }
     }
 
     /// Allocates up to `count` slots, evicting as needed; returns fewer (a prefix) when even
@@ -666,6 +699,14 @@ impl StorageCore {
         extra: u32,
     ) -> Vec<Result<(), KeyError>> {
         let _g = self.gate.read();
+        self.finish_read_unlocked(items, extra)
+    }
+
+    fn finish_read_unlocked(
+        &self,
+        items: &[(StorageKey, u64)],
+        extra: u32,
+    ) -> Vec<Result<(), KeyError>> {
         items
             .iter()
             .map(|(k, lease)| {
