@@ -34,10 +34,12 @@ const DISPATCH_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
 pub struct Node {
     ctx: Arc<NodeContext>,
     threads: Vec<JoinHandle<()>>,
-    socket_path: PathBuf,
     socket: Option<uds::BoundSocket>,
     wake: Option<UnixListener>,
 }
+
+/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor.
+type Started = (Arc<NodeContext>, Vec<JoinHandle<()>>, Option<UnixListener>);
 
 impl Node {
     /// Validates the configuration, binds the socket, checks that the pool fits in the memory
@@ -59,10 +61,9 @@ impl Node {
             None => (None, None),
         };
         match Node::start_bound(config, listener) {
-            Ok((ctx, threads, wake, socket_path)) => Ok(Node {
+            Ok((ctx, threads, wake)) => Ok(Node {
                 ctx,
                 threads,
-                socket_path,
                 socket,
                 wake,
             }),
@@ -75,16 +76,9 @@ impl Node {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn start_bound(
-        config: NodeConfig,
-        listener: Option<UnixListener>,
-    ) -> Result<(
-        Arc<NodeContext>,
-        Vec<JoinHandle<()>>,
-        Option<UnixListener>,
-        PathBuf,
-    )> {
+    /// Everything after the socket: returns the context, the threads and the listener's wake-up
+    /// descriptor.
+    fn start_bound(config: NodeConfig, listener: Option<UnixListener>) -> Result<Started> {
         let prefer = config.page_preference()?;
         kvnode_hw::MemoryAvailable::read()
             .check_pool(config.pool_bytes, prefer, !config.shm_name.is_empty())
@@ -151,7 +145,7 @@ impl Node {
             reap_timeout_secs = ctx.config.reap_timeout_secs,
             "kvnode serving"
         );
-        Ok((ctx, threads, wake, socket))
+        Ok((ctx, threads, wake))
     }
 
     /// The shared context (tests and embedding).
@@ -161,7 +155,7 @@ impl Node {
 
     /// The socket path being served (empty when the node serves no native socket).
     pub fn socket_path(&self) -> &PathBuf {
-        &self.socket_path
+        &self.ctx.config.socket
     }
 
     /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket
