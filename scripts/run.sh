@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
 cargo build --release --locked -p kvnode
-exec target/release/kvnode serve "$@"
+bin="${CARGO_TARGET_DIR:-target}/release/kvnode"
+echo "[run] starting $bin serve $*" >&2
+exec "$bin" serve "$@"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for kvnode: system packages, a Rust toolchain, and (as root)
-# a hugepage reservation for the pool. Idempotent; safe to run repeatedly.
+# a hugepage reservation for the pool. Idempotent; safe to run repeatedly. Installs only what is
+# missing and upgrades nothing (no `apt-get upgrade`; `apt-get install --no-upgrade` for the
+# missing packages only; rustup only when there is no Rust >= 1.88).
 #
 # Environment:
 #   KVNODE_HUGEPAGES   2 MiB pages to reserve when root (default 640 = 1.25 GiB, enough for the
 #                      default 1 GiB pool). 0 skips the reservation; the node then falls back to
-#                      THP or 4 KiB pages and says so.
+#                      THP or 4 KiB pages and says so. The reservation is never lowered here;
+#                      undo it with `echo 0 > /proc/sys/vm/nr_hugepages` (as root).
 #   KVNODE_SKIP_APT=1  do not touch apt.
 set -euo pipefail
 
@@ -20,7 +23,7 @@ done
 if [ "${KVNODE_SKIP_APT:-0}" != 1 ] && [ ${#need_pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null; then
   log "installing ${need_pkgs[*]}"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq || log "apt-get update failed (offline?)"
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" \
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-upgrade "${need_pkgs[@]}" \
     || log "apt-get install failed; continuing with what is present"
 fi
 
@@ -37,7 +40,12 @@ if ! rust_ok; then
   . "$HOME/.cargo/env"
 fi
 rust_ok || { log "need Rust >= 1.88 (found: $(rustc --version 2>/dev/null || echo none))"; exit 1; }
-rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy 2>/dev/null || true
+for c in rustfmt clippy; do
+  if command -v rustup >/dev/null && ! rustup component list --installed 2>/dev/null | grep -q "^$c"; then
+    log "adding the Rust component $c"
+    rustup component add "$c" 2>/dev/null || log "could not add $c (offline?)"
+  fi
+done
 
 # 3. Hugepages for the pool (root only; the node itself never needs root).
 want=${KVNODE_HUGEPAGES:-640}
@@ -45,7 +53,9 @@ if [ "$want" -gt 0 ] && [ -w /proc/sys/vm/nr_hugepages ]; then
   have=$(cat /proc/sys/vm/nr_hugepages)
   if [ "$have" -lt "$want" ]; then
     echo "$want" > /proc/sys/vm/nr_hugepages || true
-    log "2 MiB hugepages reserved: $(cat /proc/sys/vm/nr_hugepages) (asked for $want)"
+    log "2 MiB hugepages reserved: $(cat /proc/sys/vm/nr_hugepages) (asked for $want, was $have);"
+    log "this memory is unavailable to other programs until released: undo with"
+    log "  echo $have > /proc/sys/vm/nr_hugepages   (or echo 0 to release every hugepage)"
   fi
 else
   log "not reserving hugepages (not root or KVNODE_HUGEPAGES=0): the pool falls back to THP/4k"

@@ -59,9 +59,10 @@ impl fmt::Display for ErrorKind {
 }
 
 /// kvnode's error: a kind plus a human-readable context. Invariant: `kind` alone decides how a
-/// caller reacts; `context` is for people and logs.
+/// caller reacts; `context` is for people and logs. Display prints the context only (a sentence
+/// naming the path or value involved): the kind is for code and the wire, never shown to users.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{kind}: {context}")]
+#[error("{context}")]
 pub struct Error {
     /// The class of failure.
     pub kind: ErrorKind,
@@ -118,3 +119,19 @@ impl From<kvnode_hw::HwError> for Error {
 
 /// kvnode's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_shows_the_context_without_the_kind() {
+        let e = Error::new(ErrorKind::Io, "No such file or directory (os error 2)")
+            .context("cannot open /x");
+        assert_eq!(
+            e.to_string(),
+            "cannot open /x: No such file or directory (os error 2)"
+        );
+        assert_eq!(e.kind, ErrorKind::Io);
+    }
+}

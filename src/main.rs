@@ -43,33 +43,44 @@ enum Command {
     },
 }
 
+// Flags that the config file can also set have no clap default (it would override the file);
+// their help states the default instead.
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// TOML configuration file (keys as in `NodeConfig`).
+    /// TOML configuration file (keys as in `NodeConfig`); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Unix socket path.
+    /// Unix socket path; its directory must exist [default: $XDG_RUNTIME_DIR/kvnode.sock, else
+    /// /tmp/kvnode.sock, unless the config file sets socket].
     #[arg(long)]
     socket: Option<PathBuf>,
-    /// Pool size, e.g. 256MiB, 4GiB, or bytes.
+    /// Permission bits of the socket file, in octal: 0660 lets the socket's group connect, 0666
+    /// everyone [default: 0600, unless the config file sets socket_mode].
+    #[arg(long, value_parser = mode_arg, value_name = "OCTAL")]
+    socket_mode: Option<u32>,
+    /// Pool size, e.g. 256MiB, 4GiB, or bytes; must fit in the memory available [default: 1GiB,
+    /// unless the config file sets pool_bytes].
     #[arg(long, value_parser = size_arg)]
     pool_size: Option<u64>,
-    /// Tokens per chunk.
+    /// Tokens per chunk [default: 256, unless the config file sets chunk_tokens].
     #[arg(long)]
     chunk_size: Option<u32>,
-    /// Seconds of silence before a pinging instance is reaped (0 disables reaping).
+    /// Seconds of silence before a pinging instance is reaped, 0 disables reaping [default: 120,
+    /// unless the config file sets reap_timeout_secs].
     #[arg(long)]
     reap_timeout: Option<f64>,
-    /// Seconds before an instance that never pinged is reaped.
+    /// Seconds before an instance that never pinged is reaped [default: 3600, raised to the reap
+    /// timeout if that is longer, unless the config file sets registration_grace_secs].
     #[arg(long)]
     registration_grace: Option<f64>,
-    /// Preferred page size: 1g, 2m, thp or 4k (falls back downwards).
+    /// Preferred page size: 1g, 2m, thp or 4k (falls back downwards) [default: 2m, unless the
+    /// config file sets pages].
     #[arg(long)]
     pages: Option<String>,
-    /// Worker threads (0 = one per core).
+    /// Worker threads [default: 0 = one per core, unless the config file sets workers].
     #[arg(long)]
     workers: Option<usize>,
-    /// Log filter (tracing EnvFilter syntax), e.g. info or kvnode=debug.
+    /// Log filter (tracing EnvFilter syntax), e.g. info or kvnode=debug; RUST_LOG wins.
     #[arg(long, default_value = "info")]
     log: String,
     #[command(flatten)]
@@ -83,13 +94,15 @@ struct L2Args {
     /// device; repeat it (or separate with commas) to spread objects over several devices.
     #[arg(long, value_delimiter = ',')]
     l2_path: Vec<PathBuf>,
-    /// L2 size per device, e.g. 64GiB (default 8GiB, or the config file's).
+    /// L2 size per device, e.g. 64GiB [default: 8GiB, unless the config file sets l2.bytes].
     #[arg(long, value_parser = size_arg)]
     l2_size: Option<u64>,
-    /// L2 block engine: uring, pread or auto (io_uring, falling back to pread).
+    /// L2 block engine: uring, pread or auto (io_uring, falling back to pread) [default: auto,
+    /// unless the config file sets l2.engine].
     #[arg(long, value_parser = ["uring", "pread", "auto"])]
     l2_engine: Option<String>,
-    /// When objects go to L2: always (write-behind on commit) or on-evict.
+    /// When objects go to L2: always (write-behind on commit) or on-evict [default: always,
+    /// unless the config file sets l2.write_policy].
     #[arg(long, value_parser = ["always", "on-evict"])]
     l2_write_policy: Option<String>,
 }
@@ -131,7 +144,7 @@ struct LmcacheArgs {
     /// L1 (shared pool) size in GiB.
     #[arg(long, default_value_t = 1.0)]
     l1_size_gb: f64,
-    /// Name of the POSIX shm pool (`lmcache_l1_pool_` is prefixed); default `kvnode_<port>`.
+    /// Name of the POSIX shm pool (`lmcache_l1_pool_` is prefixed) [default: kvnode_<port>].
     #[arg(long)]
     shm_name: Option<String>,
     /// lmcache_driven, engine_driven or auto (kvnode serves the engine-driven path).
@@ -146,7 +159,7 @@ struct LmcacheArgs {
     /// Eviction policy (kvnode evicts LRU, later chunks first).
     #[arg(long, default_value = "LRU")]
     eviction_policy: String,
-    /// Handler threads for LMCache requests (default: one per core).
+    /// Handler threads for LMCache requests [default: one per core].
     #[arg(long)]
     max_workers: Option<usize>,
     /// Accepted for compatibility (kvnode sizes its handler pool with --max-workers).
@@ -176,9 +189,13 @@ struct LmcacheArgs {
     /// Accepted for compatibility.
     #[arg(long)]
     disable_observability: bool,
-    /// Also serve the native protocol on this Unix socket (then `kvnode status --socket` works).
+    /// Also serve the native protocol on this Unix socket (then `kvnode status --socket` works);
+    /// its directory must exist.
     #[arg(long)]
     socket: Option<PathBuf>,
+    /// Permission bits of the --socket file, in octal: 0660 lets the socket's group connect.
+    #[arg(long, value_parser = mode_arg, value_name = "OCTAL", default_value = "0600")]
+    socket_mode: u32,
     /// Preferred page size for the pool (POSIX shm gets THP or 4k pages).
     #[arg(long, default_value = "2m")]
     pages: String,
@@ -190,12 +207,14 @@ struct LmcacheArgs {
 }
 
 fn init_logs(filter: &str) -> Result<(), String> {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
-        .map_err(|e| format!("bad --log filter: {e}"))?;
+        .map_err(|e| format!("bad --log filter {filter:?}: {e}"))?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     Ok(())
 }
@@ -233,7 +252,13 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
         tracing::warn!(policy = %a.eviction_policy, "kvnode evicts LRU (later chunks first); the policy flag is ignored");
     }
     if !(a.l1_size_gb > 0.0 && a.l1_size_gb.is_finite()) {
-        return Err("--l1-size-gb must be > 0".into());
+        return Err(format!(
+            "--l1-size-gb {}: the pool size must be a number of GiB > 0",
+            a.l1_size_gb
+        ));
+    }
+    if a.socket.is_none() && a.socket_mode != 0o600 {
+        return Err("--socket-mode applies to the --socket file; give --socket too".into());
     }
     let shm = kvnode::lmcache::shm_segment_name(
         &a.shm_name
@@ -242,6 +267,7 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     );
     let mut cfg = NodeConfig {
         socket: a.socket.clone().unwrap_or_default(),
+        socket_mode: a.socket_mode,
         shm_name: shm,
         pool_bytes: (a.l1_size_gb * (1u64 << 30) as f64) as u64,
         pages: a.pages.clone(),
@@ -263,7 +289,10 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
         Ok(s) => s,
         Err(e) => {
             node.shutdown();
-            return Err(e.to_string());
+            return Err(format!(
+                "cannot serve LMCache clients on {}:{}: {e}",
+                a.host, a.port
+            ));
         }
     };
     wait_for_signal(signals);
@@ -273,23 +302,49 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s).map_err(|e| e.context)
+    match parse_size(s) {
+        Ok(0) => Err(format!("size {s:?}: must be more than 0 bytes")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.context),
+    }
+}
+
+/// Parses a socket mode in octal (`0660`, `660` or `0o660`): permission bits only (at most
+/// 0777), and the owner must keep read and write (else not even the node's user could connect).
+fn mode_arg(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    let bad =
+        || format!("socket mode {s:?}: expected octal permission bits such as 0600, 0660 or 0666");
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b))
+    {
+        return Err(bad());
+    }
+    let mode = u32::from_str_radix(digits, 8).map_err(|_| bad())?;
+    if mode > 0o777 {
+        return Err(format!(
+            "socket mode {s:?}: only permission bits (at most 0777), no setuid, setgid or sticky bit"
+        ));
+    }
+    if mode & 0o600 != 0o600 {
+        return Err(format!(
+            "socket mode {s:?}: the owner needs read and write (6 in the first digit), or not even \
+             the node's own user could connect"
+        ));
+    }
+    Ok(mode)
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log))
-        .map_err(|e| format!("bad --log filter: {e}"))?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logs(&args.log)?;
     let mut cfg = match &args.config {
         Some(p) => NodeConfig::from_toml_file(p).map_err(|e| e.to_string())?,
         None => NodeConfig::default(),
     };
     if let Some(v) = args.socket {
         cfg.socket = v;
+    }
+    if let Some(v) = args.socket_mode {
+        cfg.socket_mode = v;
     }
     if let Some(v) = args.pool_size {
         cfg.pool_bytes = v;
@@ -318,15 +373,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             "reap timeout under 30 s: engines heartbeat every 10 s and may be reaped while healthy"
         );
     }
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])
-    .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let signals = install_signals()?;
     let node = Node::start(cfg).map_err(|e| e.to_string())?;
-    if let Some(sig) = signals.forever().next() {
-        tracing::info!(signal = sig, "shutting down");
-    }
+    wait_for_signal(signals);
     node.shutdown();
     Ok(())
 }

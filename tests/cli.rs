@@ -1,9 +1,11 @@
-//! The command-line contract: `kvnode status [--json]`, `kvnode ping`, the socket's permissions,
-//! and clear errors for bad flags.
+//! The command-line contract: `kvnode status [--json]`, `kvnode ping`, the socket's permissions
+//! (`--socket-mode`), the defaults shown by `--help`, and clear errors for bad flags: every
+//! start-up failure names the path or value involved, without internal kind prefixes.
 
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::process::Command;
 
 use common::*;
@@ -72,7 +74,11 @@ fn status_json_ping_and_socket_mode() {
 fn errors_are_clear_and_nonzero() {
     let out = kvnode(&["ping", "--socket", "/nonexistent/kvnode.sock"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("connecting to /nonexistent/kvnode.sock"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no kvnode is running at /nonexistent/kvnode.sock"),
+        "{err}"
+    );
     let out = kvnode(&["serve", "--pool-size", "lots"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("size"));
@@ -100,4 +106,331 @@ fn errors_are_clear_and_nonzero() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("registration grace"));
+}
+
+/// `status` and `ping` say that no node is running at the path, and why.
+#[test]
+fn status_and_ping_without_a_node_say_so() {
+    let dir = TestDir::new("cli-nonode");
+    let missing = dir.join("none.sock");
+    let stale = dir.join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let file = dir.join("file.sock");
+    std::fs::write(&file, b"x").unwrap();
+    for cmd in ["status", "ping"] {
+        for (path, why) in [
+            (&missing, "no such socket file"),
+            (&stale, "connection refused"),
+            (&file, "not a socket"),
+        ] {
+            let out = kvnode(&[cmd, "--socket", path.to_str().unwrap()]);
+            assert!(!out.status.success());
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains(&format!("no kvnode is running at {}", path.display())),
+                "{cmd}: {err}"
+            );
+            assert!(err.contains(why), "{cmd} {}: {err}", path.display());
+            assert_no_kind_prefix(&err);
+        }
+    }
+    let out = kvnode(&["status", "--socket", stale.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stale"));
+}
+
+/// Start-up failures name the path or value involved and read as sentences.
+#[test]
+fn start_up_errors_name_the_path_or_value() {
+    let dir = TestDir::new("cli-errors");
+    let sock = dir.join("kvnode.sock");
+    let sock_s = sock.to_str().unwrap();
+    let check = |args: &[&str], must: &[&str]| {
+        let out = kvnode_until_exit(&dir, args);
+        assert!(
+            out.failed(),
+            "{args:?} must fail: {:?}\n{}",
+            out.status,
+            out.stderr
+        );
+        for m in must {
+            assert!(
+                out.stderr.contains(m),
+                "{args:?}: {m:?} missing in\n{}",
+                out.stderr
+            );
+        }
+        assert_no_kind_prefix(&out.stderr);
+        // The error comes after any log lines, as `kvnode: <sentence>` (or clap's own error).
+        let clap = out.stderr.contains("error: invalid value");
+        let ours = out.stderr.lines().any(|l| l.starts_with("kvnode: "));
+        assert!(clap || ours, "{args:?}: {}", out.stderr);
+    };
+    // A config file that does not exist, cannot be read (a directory) or does not parse.
+    let missing = dir.join("missing.toml");
+    check(
+        &[
+            "serve",
+            "--config",
+            missing.to_str().unwrap(),
+            "--socket",
+            sock_s,
+        ],
+        &[missing.to_str().unwrap()],
+    );
+    let as_dir = dir.join("a-dir.toml");
+    std::fs::create_dir(&as_dir).unwrap();
+    check(
+        &[
+            "serve",
+            "--config",
+            as_dir.to_str().unwrap(),
+            "--socket",
+            sock_s,
+        ],
+        &[as_dir.to_str().unwrap()],
+    );
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "pool_bytes = \"many\"\n").unwrap();
+    check(
+        &[
+            "serve",
+            "--config",
+            bad.to_str().unwrap(),
+            "--socket",
+            sock_s,
+        ],
+        &[bad.to_str().unwrap(), "pool_bytes"],
+    );
+    // Bad values on the command line.
+    check(
+        &["serve", "--pool-size", "lots", "--socket", sock_s],
+        &["lots"],
+    );
+    check(&["serve", "--pool-size", "0", "--socket", sock_s], &["'0'"]);
+    // A busy socket, for both frontends.
+    let node = NodeProc::start("cli-busy", &[]);
+    let busy = node.socket.to_str().unwrap();
+    check(
+        &["serve", "--pool-size", "8MiB", "--socket", busy],
+        &[busy, "in use"],
+    );
+    check(
+        &[
+            "lmcache-server",
+            "--port",
+            "0",
+            "--l1-size-gb",
+            "0.01",
+            "--socket",
+            busy,
+        ],
+        &[busy, "in use"],
+    );
+    // A bad L2 path: below a regular file.
+    std::fs::write(dir.join("plain-file"), b"x").unwrap();
+    let l2 = dir.join("plain-file").join("l2");
+    check(
+        &[
+            "serve",
+            "--pool-size",
+            "16MiB",
+            "--socket",
+            sock_s,
+            "--l2-path",
+            l2.to_str().unwrap(),
+            "--l2-size",
+            "64MiB",
+        ],
+        &[l2.to_str().unwrap()],
+    );
+    // A busy TCP port for the LMCache frontend names the address.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    check(
+        &[
+            "lmcache-server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--l1-size-gb",
+            "0.01",
+            "--shm-name",
+            &format!("cli{}", std::process::id()),
+        ],
+        &[&format!("127.0.0.1:{port}")],
+    );
+    node.client().noop().unwrap();
+}
+
+/// `--socket-mode` sets the socket file's permission bits; bad values are refused by name.
+#[test]
+fn socket_mode_flag() {
+    let node = NodeProc::start("cli-mode", &["--socket-mode", "0660"]);
+    let mode = std::fs::metadata(&node.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o7777;
+    assert_eq!(mode, 0o660);
+    drop(node);
+    let node = NodeProc::start_with_config("cli-mode-cfg", "socket_mode = 0o640\n", &[]);
+    let mode = std::fs::metadata(&node.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o7777;
+    assert_eq!(
+        mode, 0o640,
+        "the config file's socket_mode applies without the flag"
+    );
+    drop(node);
+    let dir = TestDir::new("cli-mode-bad");
+    let sock = dir.join("kvnode.sock");
+    for bad in ["0999", "rw", "01777", "7777", ""] {
+        let out = kvnode_until_exit(
+            &dir,
+            &[
+                "serve",
+                "--socket",
+                sock.to_str().unwrap(),
+                "--socket-mode",
+                bad,
+            ],
+        );
+        assert!(out.failed(), "--socket-mode {bad:?} must be refused");
+        assert!(
+            out.stderr.contains(&format!("'{bad}'")) || out.stderr.contains(&format!("{bad:?}")),
+            "names {bad:?}: {}",
+            out.stderr
+        );
+        assert!(std::fs::symlink_metadata(&sock).is_err());
+    }
+}
+
+/// A root node with `--socket-mode 0666` serves another user; with the default 0600 that user
+/// is told the permission was denied. Runs only as root (it needs setpriv to drop privileges).
+#[test]
+fn another_user_connects_only_when_the_mode_allows() {
+    let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+    if uid.ok() != Some(0) || !Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("skipped: needs root and setpriv");
+        return;
+    }
+    let as_nobody = |socket: &Path| {
+        Command::new("/usr/bin/setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_kvnode"))
+            .args(["ping", "--socket", socket.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    for (mode, ok) in [("0666", true), ("0600", false)] {
+        let node = NodeProc::start(&format!("cli-perm-{mode}"), &["--socket-mode", mode]);
+        // The test directory itself must let the other user reach the socket.
+        std::fs::set_permissions(&node.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = as_nobody(&node.socket);
+        if !out.status.success() && ok {
+            // The binary may not be reachable for that user (a private target directory).
+            let err = String::from_utf8_lossy(&out.stderr);
+            if err.contains("setpriv") {
+                eprintln!("skipped: {err}");
+                return;
+            }
+        }
+        assert_eq!(
+            out.status.success(),
+            ok,
+            "mode {mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !ok {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains("permission denied") && err.contains(node.socket.to_str().unwrap()),
+                "{err}"
+            );
+            assert_no_kind_prefix(&err);
+        }
+    }
+}
+
+/// Every `serve` and `lmcache-server` flag that has a default shows it in `--help`.
+#[test]
+fn help_shows_the_defaults() {
+    fn option_blocks(help: &str) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for line in help.lines() {
+            let t = line.trim_start();
+            if t.starts_with("--") || (t.starts_with('-') && t.contains(", --")) {
+                let name = t
+                    .split(|c: char| c.is_whitespace() || c == ',' || c == '=')
+                    .find(|w| w.starts_with("--"))
+                    .unwrap()
+                    .to_string();
+                out.push((name, line.to_string()));
+            } else if let Some(last) = out.last_mut() {
+                last.1.push('\n');
+                last.1.push_str(line);
+            }
+        }
+        out
+    }
+    let cases: [(&str, &[(&str, &str)]); 2] = [
+        (
+            "serve",
+            &[
+                ("--socket", "kvnode.sock"),
+                ("--socket-mode", "0600"),
+                ("--pool-size", "1GiB"),
+                ("--chunk-size", "256"),
+                ("--reap-timeout", "120"),
+                ("--registration-grace", "3600"),
+                ("--pages", "2m"),
+                ("--workers", "one per core"),
+                ("--log", "info"),
+                ("--l2-size", "8GiB"),
+                ("--l2-engine", "auto"),
+                ("--l2-write-policy", "always"),
+            ],
+        ),
+        (
+            "lmcache-server",
+            &[
+                ("--host", "localhost"),
+                ("--port", "5555"),
+                ("--chunk-size", "256"),
+                ("--l1-size-gb", "1"),
+                ("--shm-name", "kvnode_<port>"),
+                ("--supported-transfer-mode", "auto"),
+                ("--worker-reap-timeout-seconds", "120"),
+                ("--worker-registration-grace-seconds", "3600"),
+                ("--eviction-policy", "LRU"),
+                ("--max-workers", "one per core"),
+                ("--hash-algorithm", "blake3"),
+                ("--socket-mode", "0600"),
+                ("--pages", "2m"),
+                ("--log", "info"),
+                ("--l2-size", "8GiB"),
+                ("--l2-engine", "auto"),
+                ("--l2-write-policy", "always"),
+            ],
+        ),
+    ];
+    for (cmd, flags) in cases {
+        let out = kvnode(&[cmd, "--help"]);
+        assert!(out.status.success());
+        let help = String::from_utf8_lossy(&out.stdout).to_string();
+        let blocks = option_blocks(&help);
+        for (flag, value) in flags {
+            let (_, text) = blocks
+                .iter()
+                .find(|(n, _)| n == flag)
+                .unwrap_or_else(|| panic!("{cmd} --help lacks {flag}:\n{help}"));
+            assert!(
+                text.to_lowercase().contains("default") && text.contains(value),
+                "{cmd} --help: {flag} must show its default {value:?}:\n{text}"
+            );
+        }
+    }
 }

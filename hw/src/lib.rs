@@ -10,6 +10,7 @@
 //! * [`PoolRegion`] is a bounds-checked view of a mapped pool.
 //! * [`PoolMapping`] maps a pool on the client side from a received fd.
 //! * [`send_with_fd`] / [`recv_with_fd`] move the pool fd over `SCM_RIGHTS`.
+//! * [`MemoryAvailable`] tells whether a pool of a given size can fit before it is created.
 
 #![cfg_attr(not(target_os = "linux"), allow(unused))]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -25,6 +26,7 @@ compile_error!("kvnode-hw only supports Linux");
 mod block;
 mod error;
 mod fdpass;
+mod meminfo;
 mod pool;
 mod pread_engine;
 mod region;
@@ -41,6 +43,7 @@ pub use block::{
 };
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};
+pub use meminfo::{human_bytes, MemoryAvailable};
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};

@@ -18,6 +18,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -137,12 +138,36 @@ fn frame_err(e: FrameError) -> Error {
     }
 }
 
+/// Why connecting to a node at `path` failed, as a sentence naming the path: no socket file,
+/// a stale socket (connection refused), something that is not a socket, or permission denied.
+fn connect_error(path: &Path, e: &io::Error) -> Error {
+    let p = path.display();
+    let msg = match e.kind() {
+        io::ErrorKind::NotFound => format!("no kvnode is running at {p}: no such socket file"),
+        io::ErrorKind::ConnectionRefused => match std::fs::metadata(path) {
+            Ok(m) if !m.file_type().is_socket() => format!(
+                "no kvnode is running at {p}: it is {}, not a socket",
+                crate::transport::uds::describe_file_type(&m.file_type())
+            ),
+            _ => format!(
+                "no kvnode is running at {p}: connection refused (a stale socket file, left by a \
+                 node that did not stop cleanly)"
+            ),
+        },
+        io::ErrorKind::PermissionDenied => format!(
+            "cannot connect to the kvnode at {p}: permission denied (the socket's mode, see \
+             `kvnode serve --socket-mode`, or its directory does not let this user in)"
+        ),
+        _ => format!("cannot connect to the kvnode at {p}: {e}"),
+    };
+    Error::new(ErrorKind::Io, msg)
+}
+
 impl Client {
-    /// Connects to the node's Unix socket.
+    /// Connects to the node's Unix socket. Errors name the path and say why no node answered.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let p = path.as_ref();
-        let stream = UnixStream::connect(p)
-            .map_err(|e| Error::from(e).context(format!("connecting to {}", p.display())))?;
+        let stream = UnixStream::connect(p).map_err(|e| connect_error(p, &e))?;
         Ok(Client {
             stream,
             next_id: 1,

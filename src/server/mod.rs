@@ -5,7 +5,7 @@ pub mod connection;
 pub mod dispatch;
 pub mod maintenance;
 
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -27,24 +27,75 @@ const DISPATCH_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A running node. Dropping it without [`Node::shutdown`] leaves threads running (the process
 /// exit reaps them); `shutdown` is the clean path.
+///
+/// Invariant: when the node serves a socket, `socket` is the file this node created (identified
+/// by device and inode) and `wake` is a second descriptor of the listening socket, so shutdown
+/// can wake the accept thread without going through the file system.
 pub struct Node {
     ctx: Arc<NodeContext>,
     threads: Vec<JoinHandle<()>>,
-    socket: PathBuf,
+    socket: Option<uds::BoundSocket>,
+    wake: Option<UnixListener>,
 }
 
+/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor.
+type Started = (Arc<NodeContext>, Vec<JoinHandle<()>>, Option<UnixListener>);
+
 impl Node {
-    /// Validates the configuration, creates and pre-faults the pool, and starts every thread.
+    /// Validates the configuration, binds the socket, checks that the pool fits in the memory
+    /// available, creates and pre-faults the pool, opens the L2 tier and starts every thread.
+    ///
+    /// The socket comes first, so a second node on a busy socket is refused before it touches
+    /// memory or disks; the memory check comes before the pool, so a pool larger than the
+    /// machine is refused at once. If any later step fails, the socket this node created is
+    /// removed again.
     pub fn start(config: NodeConfig) -> Result<Node> {
         config.validate()?;
+        let bound = if config.socket.as_os_str().is_empty() {
+            None
+        } else {
+            Some(uds::bind(&config.socket, config.socket_mode)?)
+        };
+        let (listener, socket) = match bound {
+            Some((l, s)) => (Some(l), Some(s)),
+            None => (None, None),
+        };
+        match Node::start_bound(config, listener) {
+            Ok((ctx, threads, wake)) => Ok(Node {
+                ctx,
+                threads,
+                socket,
+                wake,
+            }),
+            Err(e) => {
+                if let Some(s) = &socket {
+                    s.unlink_if_ours();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Everything after the socket: returns the context, the threads and the listener's wake-up
+    /// descriptor.
+    fn start_bound(config: NodeConfig, listener: Option<UnixListener>) -> Result<Started> {
+        let prefer = config.page_preference()?;
+        kvnode_hw::MemoryAvailable::read()
+            .check_pool(config.pool_bytes, prefer, !config.shm_name.is_empty())
+            .map_err(Error::invalid)?;
         let pool = SharedPool::create(&PoolOptions {
             bytes: config.pool_bytes,
-            prefer: config.page_preference()?,
+            prefer,
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: (!config.shm_name.is_empty()).then(|| config.shm_name.clone()),
         })
-        .map_err(|e| Error::from(e).context("creating the pool"))?;
+        .map_err(|e| {
+            Error::from(e).context(format!(
+                "cannot create the pool of {}",
+                kvnode_hw::human_bytes(config.pool_bytes)
+            ))
+        })?;
         tracing::info!(
             backing = pool.backing().as_str(),
             bytes = pool.len(),
@@ -65,18 +116,15 @@ impl Node {
                 )));
             }
             let staging = pool.len() - staging_bytes;
+            // L2's errors name the device path.
             Some(
                 L2Set::open(&config.l2, pool.clone(), staging, &namespaces)
-                    .map_err(|e| e.context("opening the L2 tier"))?,
+                    .map_err(|e| e.context("cannot open the L2 tier"))?,
             )
         } else {
             None
         };
-        let listener = if config.socket.as_os_str().is_empty() {
-            None
-        } else {
-            Some(uds::bind(&config.socket, config.socket_mode)?)
-        };
+        let wake = listener.as_ref().map(UnixListener::try_clone).transpose()?;
         let ctx = Arc::new(NodeContext::new(config, pool, namespaces, l2));
         let mut threads = ShardPool::spawn(&ctx)?;
         threads.extend(crate::l2::writer::spawn(&ctx)?);
@@ -97,11 +145,7 @@ impl Node {
             reap_timeout_secs = ctx.config.reap_timeout_secs,
             "kvnode serving"
         );
-        Ok(Node {
-            ctx,
-            threads,
-            socket,
-        })
+        Ok((ctx, threads, wake))
     }
 
     /// The shared context (tests and embedding).
@@ -109,23 +153,27 @@ impl Node {
         &self.ctx
     }
 
-    /// The socket path being served.
+    /// The socket path being served (empty when the node serves no native socket).
     pub fn socket_path(&self) -> &PathBuf {
-        &self.socket
+        &self.ctx.config.socket
     }
 
-    /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket.
+    /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket
+    /// file if the path still holds the one this node created (never a file someone else put
+    /// there). Always returns: the accept thread is woken through the node's own listening
+    /// descriptor, whatever became of the socket path.
     pub fn shutdown(self) {
         self.ctx.shutting_down.store(true, Ordering::SeqCst);
         // Wake the accept loop so it sees the flag.
-        let has_socket = !self.socket.as_os_str().is_empty();
-        if has_socket {
-            let _ = UnixStream::connect(&self.socket);
+        if let Some(wake) = &self.wake {
+            if let Err(e) = uds::wake_acceptor(wake) {
+                tracing::error!(error = %e, "could not wake the accept thread");
+            }
         }
         self.ctx.shards.stop();
         self.ctx.liveness.stop();
-        if has_socket {
-            uds::unlink(&self.socket);
+        if let Some(socket) = &self.socket {
+            socket.unlink_if_ours();
         }
         // Connection threads may still hold the context (and the pool): remove the shm name now.
         self.ctx.pool.unlink_shm_name();
@@ -163,6 +211,8 @@ fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
+                // E.g. out of file descriptors: retry without spinning.
+                thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
         };

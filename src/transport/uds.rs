@@ -1,50 +1,313 @@
 //! Unix-domain-socket transport: socket file with restrictive permissions, one reader thread per
 //! connection, responses written under a per-connection lock, the pool fd passed with SCM_RIGHTS.
+//!
+//! The socket file is handled so that the node never removes, truncates or chmods anything it
+//! did not create: [`bind`] replaces only a stale *socket* (nobody accepting), refuses anything
+//! else at the path, never creates directories, and remembers the identity (device, inode) of the
+//! file it created; [`BoundSocket::unlink_if_ours`] removes the path only while it is still that
+//! file. The accept loop is woken for shutdown through the listening fd itself ([`wake_acceptor`]),
+//! never through the path, which may be gone or belong to someone else by then.
 
+use std::fs::FileType;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
 use super::ReplySink;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::frame::encode_response;
 use crate::protocol::Response;
 
-/// Binds the node's socket. A stale socket file (nobody accepting) is replaced; a live one is an
-/// error, so two nodes never share a path. The file gets permission bits `mode`.
-pub fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
+/// What a file system object is, in words for error messages ("a regular file", "a directory",
+/// "a symbolic link", "a fifo (named pipe)", ...). Invariant: total over every file type.
+pub fn describe_file_type(ft: &FileType) -> &'static str {
+    if ft.is_file() {
+        "a regular file"
+    } else if ft.is_dir() {
+        "a directory"
+    } else if ft.is_symlink() {
+        "a symbolic link"
+    } else if ft.is_fifo() {
+        "a fifo (named pipe)"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else {
+        "a file of unknown type"
+    }
+}
+
+/// The socket file a node bound. Invariant: `id` identifies the socket file this node created
+/// at `path` (captured right after `bind`, through a descriptor that does not follow symbolic
+/// links), so the node can tell its own file from one someone put there later.
+#[derive(Debug)]
+pub struct BoundSocket {
+    path: PathBuf,
+    id: FileId,
+}
+
+/// Which file a path names: device and inode, plus the birth time (or, where the file system
+/// has none, the change time), because file systems such as ext4 hand a freed inode number to
+/// the next file created at once. Invariant: two different files created at different instants
+/// never compare equal; the same file compares equal unless, without a birth time, its
+/// metadata was changed (then the node leaves the file alone: the safe side).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    born: (i64, i64),
+}
+
+impl FileId {
+    fn of(m: &std::fs::Metadata) -> FileId {
+        let born = match m.created().map(|t| t.duration_since(std::time::UNIX_EPOCH)) {
+            Ok(Ok(d)) => (d.as_secs() as i64, i64::from(d.subsec_nanos())),
+            _ => (m.ctime(), m.ctime_nsec()),
+        };
+        FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            born,
+        }
+    }
+}
+
+impl BoundSocket {
+    /// The path the socket was bound at.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether `path` still holds the very socket file this node created (same device, inode and
+    /// birth time, still a socket). A snapshot: it may change right after.
+    pub fn is_ours(&self) -> bool {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) => m.file_type().is_socket() && FileId::of(&m) == self.id,
+            Err(_) => false,
+        }
+    }
+
+    /// Removes the socket file if the path still holds the file this node created and nobody
+    /// accepts on it (call it after [`wake_acceptor`], or when the listener is gone); anything
+    /// else found there (nothing, another node's socket, a file someone put there) is left
+    /// alone. Returns whether the file was removed. Idempotent; never blocks on the socket.
+    pub fn unlink_if_ours(&self) -> bool {
+        let accepting = !matches!(
+            probe(&self.path),
+            Err(ref e) if e.kind() == io::ErrorKind::ConnectionRefused
+        );
+        if !self.is_ours() || accepting {
+            tracing::info!(
+                path = %self.path.display(),
+                "socket path no longer holds this node's socket; leaving it alone"
+            );
+            return false;
+        }
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => true,
+            Err(e) => {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = %self.path.display(), error = %e, "could not remove socket file");
+                }
+                false
+            }
+        }
+    }
+}
+
+/// Binds the node's socket at `path` with permission bits `mode`.
+///
+/// Invariants: the directory of `path` must exist (it is never created); an existing *socket*
+/// at `path` that nobody accepts on (stale) is removed and replaced; a live one is an error, so
+/// two nodes never share a path; anything else at `path` (regular file, directory, symbolic
+/// link, fifo, device) is an error naming the path and what it is, and is left untouched. The
+/// file gets exactly `mode` (chmod through a descriptor of the file just created, never through
+/// a path that could meanwhile name something else). On error nothing this call created remains.
+pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
+    if mode > 0o777 {
+        return Err(Error::invalid(format!(
+            "socket mode {mode:#o} has bits beyond 0777 (permission bits only)"
+        )));
+    }
+    check_socket_dir(path)?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => replace_stale_socket(path)?,
+        Ok(m) => {
+            let what = describe_file_type(&m.file_type());
+            let target = if m.file_type().is_symlink() {
+                std::fs::read_link(path)
+                    .map(|t| format!(" to {}", t.display()))
+                    .unwrap_or_default()
+            } else {
+                String::new()
+            };
             return Err(Error::invalid(format!(
-                "{} is in use by a running node",
+                "the socket path {} exists and is {what}{target}, not a socket; kvnode only \
+                 replaces a stale socket, never other files (choose another --socket, or remove it \
+                 yourself)",
                 path.display()
             )));
         }
-        std::fs::remove_file(path)
-            .map_err(|e| Error::from(e).context(format!("removing stale {}", path.display())))?;
-    }
-    if let Some(dir) = path.parent() {
-        if !dir.as_os_str().is_empty() {
-            std::fs::create_dir_all(dir)?;
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(Error::from(e)
+                .context(format!("cannot inspect the socket path {}", path.display())))
         }
     }
-    let l = UnixListener::bind(path)
-        .map_err(|e| Error::from(e).context(format!("binding {}", path.display())))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
-    Ok(l)
+    let listener = UnixListener::bind(path).map_err(|e| {
+        let what = if e.kind() == io::ErrorKind::AddrInUse {
+            format!(
+                "cannot bind the socket {}: something was created there meanwhile",
+                path.display()
+            )
+        } else {
+            format!("cannot bind the socket {}", path.display())
+        };
+        Error::from(e).context(what)
+    })?;
+    // From here on the file is ours: remove it again if anything below fails.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            let _ = std::fs::remove_file(path);
+            Error::from(e).context(format!(
+                "cannot open the new socket file {}",
+                path.display()
+            ))
+        })?;
+    let meta = file.metadata().map_err(|e| {
+        let _ = std::fs::remove_file(path);
+        Error::from(e).context(format!(
+            "cannot stat the new socket file {}",
+            path.display()
+        ))
+    })?;
+    if !meta.file_type().is_socket() {
+        // Replaced between bind and open: not ours to touch any more.
+        return Err(Error::new(
+            ErrorKind::Io,
+            format!(
+                "the socket file {} was replaced by {} right after it was bound",
+                path.display(),
+                describe_file_type(&meta.file_type())
+            ),
+        ));
+    }
+    let mut bound = BoundSocket {
+        path: path.to_path_buf(),
+        id: FileId::of(&meta),
+    };
+    // chmod the inode the descriptor pins (an O_PATH descriptor cannot be fchmod'ed; its
+    // /proc/self/fd link resolves to exactly that inode).
+    let by_fd = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    let chmod =
+        std::fs::set_permissions(&by_fd, std::fs::Permissions::from_mode(mode)).or_else(|e| {
+            // Without /proc: chmod by path, still only while the path holds our file.
+            if e.kind() == io::ErrorKind::NotFound && bound.is_ours() {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            } else {
+                Err(e)
+            }
+        });
+    if let Err(e) = chmod {
+        drop(listener);
+        bound.unlink_if_ours();
+        return Err(Error::from(e).context(format!(
+            "cannot set mode {mode:04o} on the socket {}",
+            path.display()
+        )));
+    }
+    // Without a birth time the identity includes the change time, which the chmod just moved.
+    if let Ok(m) = file.metadata() {
+        bound.id = FileId::of(&m);
+    }
+    Ok((listener, bound))
 }
 
-/// Removes the socket file if it is still ours (called on shutdown).
-pub fn unlink(path: &PathBuf) {
-    if let Err(e) = std::fs::remove_file(path) {
-        if e.kind() != io::ErrorKind::NotFound {
-            tracing::warn!(path = %path.display(), error = %e, "could not remove socket file");
+/// The directory a socket path lives in must exist already: kvnode creates no directories.
+fn check_socket_dir(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => return Ok(()), // a bare name: the current directory
+    };
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => Err(Error::invalid(format!(
+            "the socket directory {} is {}, not a directory",
+            dir.display(),
+            describe_file_type(&m.file_type())
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::invalid(format!(
+            "the socket directory {} does not exist (kvnode does not create directories; create \
+             it, or choose another --socket)",
+            dir.display()
+        ))),
+        Err(e) => {
+            Err(Error::from(e)
+                .context(format!("cannot use the socket directory {}", dir.display())))
         }
     }
+}
+
+/// Connects to the socket at `path` without blocking and hangs up at once: `Ok` when something
+/// accepts on it, `ConnectionRefused` when nothing listens (a stale socket, or a listener that
+/// was shut down), `WouldBlock` when a listener's accept queue is full.
+fn probe(path: &Path) -> io::Result<()> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let addr = SocketAddrUnix::new(path)?;
+    rustix::net::connect(&fd, &addr)?;
+    Ok(())
+}
+
+/// `path` is a socket: removes it if nobody accepts on it (stale), else refuses.
+fn replace_stale_socket(path: &Path) -> Result<()> {
+    match probe(path) {
+        Ok(_) => Err(Error::invalid(format!(
+            "the socket {} is in use by a running node (or another program accepting on it); \
+             stop it or choose another --socket",
+            path.display()
+        ))),
+        // A full backlog: someone is listening.
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(Error::invalid(format!(
+            "the socket {} is in use by a busy node (its accept queue is full)",
+            path.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            std::fs::remove_file(path).map_err(|e| {
+                Error::from(e).context(format!("cannot remove the stale socket {}", path.display()))
+            })?;
+            tracing::info!(path = %path.display(), "removed a stale socket (nobody was accepting on it)");
+            Ok(())
+        }
+        Err(e) => Err(Error::from(e).context(format!(
+            "the socket {} exists and cannot be checked for a running node, so it is left alone",
+            path.display()
+        ))),
+    }
+}
+
+/// Wakes a thread blocked in `accept` on `listener` (and makes every later `accept` fail at once)
+/// by shutting down the listening socket's receive side: `shutdown(SHUT_RD)` on the node's own
+/// descriptor, which works whether or not the socket path still exists or now names another
+/// node's socket. New connections to the socket are refused from then on. Verified on Linux
+/// (`accept` returns `EINVAL`); see this module's tests.
+pub fn wake_acceptor(listener: impl AsFd) -> io::Result<()> {
+    rustix::net::shutdown(listener, rustix::net::Shutdown::Read).map_err(io::Error::from)
 }
 
 /// The reply side of one Unix-socket connection.
@@ -104,5 +367,87 @@ impl ReplySink for UdsReplySink {
 
     fn can_pass_fd(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvnode-uds-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// `wake_acceptor` ends a thread blocked in `accept`, even after the socket path was
+    /// removed and taken by another listener (so a connect to the path would reach the wrong one).
+    #[test]
+    fn wake_acceptor_unblocks_accept_without_the_path() {
+        let d = dir("wake");
+        let path = d.join("s.sock");
+        let (listener, _bound) = bind(&path, 0o600).unwrap();
+        let wake = listener.try_clone().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let r = listener.accept().map(|_| ());
+            tx.send(r.map_err(|e| e.kind())).unwrap();
+        });
+        std::fs::remove_file(&path).unwrap();
+        let _other = UnixListener::bind(&path).unwrap();
+        // Give the thread time to block in accept (not required for correctness: a shut-down
+        // listener fails every later accept at once, too).
+        std::thread::sleep(Duration::from_millis(50));
+        wake_acceptor(&wake).unwrap();
+        let r = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("accept was woken");
+        assert!(r.is_err(), "accept fails after the wake-up: {r:?}");
+        t.join().unwrap();
+        // A later accept fails at once too (a blocked one here would hang the test).
+        assert!(wake.accept().is_err(), "later accepts fail at once");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn unlink_if_ours_leaves_a_replacement_alone() {
+        let d = dir("ours");
+        let path = d.join("s.sock");
+        let (l, bound) = bind(&path, 0o600).unwrap();
+        drop(l);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"x").unwrap();
+        assert!(!bound.unlink_if_ours());
+        assert_eq!(std::fs::read(&path).unwrap(), b"x");
+        std::fs::remove_file(&path).unwrap();
+        // ext4 and others give the next file the inode number just freed: still not ours.
+        let (l2, bound2) = bind(&path, 0o640).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777,
+            0o640
+        );
+        assert!(!bound.unlink_if_ours(), "another bind's socket is not ours");
+        assert!(!bound2.unlink_if_ours(), "not while it accepts");
+        wake_acceptor(&l2).unwrap();
+        assert!(bound2.unlink_if_ours());
+        assert!(!path.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn describes_every_kind_of_file() {
+        let d = dir("kinds");
+        std::fs::write(d.join("f"), b"").unwrap();
+        let ft = |p: &str| std::fs::symlink_metadata(d.join(p)).unwrap().file_type();
+        assert_eq!(describe_file_type(&ft("f")), "a regular file");
+        std::os::unix::fs::symlink("f", d.join("l")).unwrap();
+        assert_eq!(describe_file_type(&ft("l")), "a symbolic link");
+        let dir_ft = std::fs::symlink_metadata(&d).unwrap().file_type();
+        assert_eq!(describe_file_type(&dir_ft), "a directory");
+        let null = std::fs::metadata("/dev/null").unwrap().file_type();
+        assert_eq!(describe_file_type(&null), "a character device");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -4,8 +4,8 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvnode::client::{ChunkRangeBuilder, Client};
@@ -16,27 +16,83 @@ pub const MODEL: &str = "test-model";
 /// Tokens per chunk the tests start nodes with (small chunks keep objects small).
 pub const CHUNK: u32 = 16;
 
-/// A running `kvnode serve` process, killed on drop.
+/// A private temporary directory for one test. Invariant: created empty; removed with
+/// everything in it when dropped, except while the thread panics (a failed test keeps it for
+/// inspection and prints where it is).
+pub struct TestDir {
+    path: PathBuf,
+}
+
+impl TestDir {
+    /// A fresh, empty directory under the system temp dir, unique to this process and call.
+    pub fn new(tag: &str) -> TestDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("kvnode-it-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        TestDir { path }
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A path inside the directory.
+    pub fn join(&self, p: impl AsRef<Path>) -> PathBuf {
+        self.path.join(p)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test failed: kept {} for inspection", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// A running `kvnode serve` process, killed on drop; its directory (log, socket, config) is a
+/// [`TestDir`], removed after the process is gone.
 pub struct NodeProc {
     pub child: Child,
     pub socket: PathBuf,
     pub dir: PathBuf,
-}
-
-fn unique_dir(tag: &str) -> PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("kvnode-it-{}-{tag}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    // Dropped after `Drop::drop` has killed the process.
+    _tmp: TestDir,
 }
 
 impl NodeProc {
     /// Starts a node with a 64 MiB pool, chunk size [`CHUNK`], plus `extra` flags.
     pub fn start(tag: &str, extra: &[&str]) -> NodeProc {
-        let dir = unique_dir(tag);
-        let socket = dir.join("kvnode.sock");
+        let tmp = TestDir::new(tag);
+        let socket = tmp.join("kvnode.sock");
+        NodeProc::launch(tmp, socket, extra)
+    }
+
+    /// Like [`NodeProc::start`], but serving on `socket` (anywhere) instead of a path in its own
+    /// directory.
+    pub fn start_at(tag: &str, socket: &Path, extra: &[&str]) -> NodeProc {
+        NodeProc::launch(TestDir::new(tag), socket.to_path_buf(), extra)
+    }
+
+    /// Starts a node whose configuration file holds `toml` (written into the node's own
+    /// directory, removed with it), plus `extra` flags.
+    pub fn start_with_config(tag: &str, toml: &str, extra: &[&str]) -> NodeProc {
+        let tmp = TestDir::new(tag);
+        let cfg = tmp.join("node.toml");
+        std::fs::write(&cfg, toml).unwrap();
+        let mut args = vec!["--config", cfg.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let socket = tmp.join("kvnode.sock");
+        NodeProc::launch(tmp, socket, &args)
+    }
+
+    fn launch(tmp: TestDir, socket: PathBuf, extra: &[&str]) -> NodeProc {
+        let dir = tmp.path().to_path_buf();
         let mut args: Vec<String> = vec![
             "serve".into(),
             "--socket".into(),
@@ -56,21 +112,27 @@ impl NodeProc {
             .stderr(log)
             .spawn()
             .expect("start kvnode");
-        let mut node = NodeProc { child, socket, dir };
+        let mut node = NodeProc {
+            child,
+            socket,
+            dir,
+            _tmp: tmp,
+        };
         node.wait_ready();
         node
     }
 
-    /// Starts a node whose configuration file holds `toml` (written into the node's own
-    /// directory, removed with it), plus `extra` flags.
-    pub fn start_with_config(tag: &str, toml: &str, extra: &[&str]) -> NodeProc {
-        let cfg = std::env::temp_dir().join(format!("kvnode-it-{}-{tag}.toml", std::process::id()));
-        std::fs::write(&cfg, toml).unwrap();
-        let mut args = vec!["--config", cfg.to_str().unwrap()];
-        args.extend_from_slice(extra);
-        let node = NodeProc::start(tag, &args);
-        let _ = std::fs::remove_file(&cfg); // read at start-up
-        node
+    /// Sends SIGTERM and waits (up to 20 s) for the process to exit; panics with the log if it
+    /// does not. Returns the exit status.
+    pub fn sigterm_and_wait(&mut self) -> ExitStatus {
+        sigterm(&self.child);
+        match wait_exit(&mut self.child, Duration::from_secs(20)) {
+            Some(st) => st,
+            None => panic!(
+                "kvnode did not stop within 20 s of SIGTERM; log:\n{}",
+                self.log()
+            ),
+        }
     }
 
     fn wait_ready(&mut self) {
@@ -129,11 +191,101 @@ impl NodeProc {
 
 impl Drop for NodeProc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
+        // Never signal a process that was already reaped (its pid may have been reused).
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
+    }
+}
+
+/// Sends SIGTERM to `child` (through kill(1), so the tests need no unsafe code).
+pub fn sigterm(child: &Child) {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -TERM {}", child.id());
+}
+
+/// Polls `child` until it exits or `deadline` passes (`None`: still running).
+pub fn wait_exit(child: &mut Child, deadline: Duration) -> Option<ExitStatus> {
+    let end = Instant::now() + deadline;
+    loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            return Some(st);
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What a `kvnode` command that was expected to stop on its own did.
+pub struct Finished {
+    /// Exit status; `None` if it was still running after the deadline (it was then killed).
+    pub status: Option<ExitStatus>,
+    /// Everything it wrote to stdout.
+    pub stdout: String,
+    /// Everything it wrote to stderr.
+    pub stderr: String,
+}
+
+impl Finished {
+    /// Whether it exited by itself with a non-zero status.
+    pub fn failed(&self) -> bool {
+        matches!(self.status, Some(st) if !st.success())
+    }
+}
+
+/// Runs `kvnode args...`, waiting up to 20 s for it to exit by itself (a command that should
+/// fail but keeps running, e.g. a node that started after all, is killed and reported with
+/// `status: None`). Output goes through files in `dir`, so a chatty process never blocks.
+pub fn kvnode_until_exit(dir: &TestDir, args: &[&str]) -> Finished {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out_path = dir.join(format!("cmd-{n}.out"));
+    let err_path = dir.join(format!("cmd-{n}.err"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .expect("start kvnode");
+    let status = wait_exit(&mut child, Duration::from_secs(20));
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    Finished {
+        status,
+        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
+        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
+    }
+}
+
+/// The kind names `Error`'s Display used to print before its context (`Io: ...`); users must
+/// never see them.
+pub const KIND_PREFIXES: [&str; 10] = [
+    "InvalidRequest:",
+    "NotRegistered:",
+    "OutOfMemory:",
+    "KeyState:",
+    "LimitExceeded:",
+    "Io:",
+    "Unsupported:",
+    "UnknownTransfer:",
+    "ShuttingDown:",
+    "Internal:",
+];
+
+/// Panics unless `text` is free of internal kind prefixes.
+pub fn assert_no_kind_prefix(text: &str) {
+    for k in KIND_PREFIXES {
+        assert!(!text.contains(k), "internal kind prefix {k:?} in {text:?}");
     }
 }
 

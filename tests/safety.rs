@@ -1,0 +1,231 @@
+//! User-facing safety of `kvnode serve` against the real binary: the node never removes or
+//! changes a file it did not create at its socket path (only a stale socket is replaced), a
+//! missing socket directory is an error, SIGTERM stops the node even when its socket path was
+//! deleted or taken over, a pool larger than the machine is refused before any memory is
+//! touched, and a busy socket is refused before the pool and the L2 tier are built.
+//!
+//! No test asserts elapsed time: "promptly" means within a generous 20 s deadline.
+
+mod common;
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+/// `serve` on `socket` with a small pool plus `extra`, expected to exit by itself.
+fn serve_at(dir: &TestDir, socket: &Path, extra: &[&str]) -> Finished {
+    let mut args = vec!["serve", "--socket", socket.to_str().unwrap()];
+    if !extra.contains(&"--pool-size") {
+        args.extend(["--pool-size", "8MiB"]);
+    }
+    args.extend_from_slice(extra);
+    kvnode_until_exit(dir, &args)
+}
+
+fn assert_refused(out: &Finished, must_name: &[&str]) {
+    assert!(
+        out.failed(),
+        "the node must refuse to start (status {:?}); stderr:\n{}",
+        out.status,
+        out.stderr
+    );
+    for s in must_name {
+        assert!(
+            out.stderr.contains(s),
+            "stderr must contain {s:?}:\n{}",
+            out.stderr
+        );
+    }
+    assert_no_kind_prefix(&out.stderr);
+}
+
+#[test]
+fn regular_file_at_the_socket_path_is_refused_and_left_alone() {
+    let dir = TestDir::new("sock-file");
+    let file = dir.join("precious.txt");
+    std::fs::write(&file, b"someone's data").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = serve_at(&dir, &file, &[]);
+    assert_refused(&out, &[file.to_str().unwrap(), "regular file"]);
+    assert_eq!(std::fs::read(&file).unwrap(), b"someone's data", "kept");
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o644, "never chmodded");
+}
+
+#[test]
+fn directory_symlinks_and_fifo_at_the_socket_path_are_refused_and_left_alone() {
+    let dir = TestDir::new("sock-other");
+    let sub = dir.join("a-directory");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(sub.join("inside"), b"x").unwrap();
+    let target = dir.join("target.txt");
+    std::fs::write(&target, b"target").unwrap();
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let dangling = dir.join("dangling");
+    std::os::unix::fs::symlink(dir.join("nothing-here"), &dangling).unwrap();
+    let fifo = dir.join("fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    for (path, what) in [
+        (&sub, "directory"),
+        (&link, "symbolic link"),
+        (&dangling, "symbolic link"),
+        (&fifo, "fifo"),
+    ] {
+        let before = std::fs::symlink_metadata(path).unwrap();
+        let out = serve_at(&dir, path, &[]);
+        assert_refused(&out, &[path.to_str().unwrap(), what]);
+        let after = std::fs::symlink_metadata(path).expect("still there");
+        assert_eq!(before.file_type(), after.file_type(), "{}", path.display());
+        assert_eq!(
+            before.permissions().mode(),
+            after.permissions().mode(),
+            "{}",
+            path.display()
+        );
+    }
+    assert!(sub.join("inside").exists());
+    assert_eq!(std::fs::read(&target).unwrap(), b"target");
+}
+
+#[test]
+fn a_stale_socket_is_replaced() {
+    let dir = TestDir::new("sock-stale");
+    let path = dir.join("stale.sock");
+    drop(UnixListener::bind(&path).unwrap()); // the file stays, nobody accepts
+    assert!(std::fs::symlink_metadata(&path)
+        .unwrap()
+        .file_type()
+        .is_socket());
+    let node = NodeProc::start_at("stale-node", &path, &[]);
+    node.client().noop().unwrap();
+}
+
+#[test]
+fn a_missing_socket_directory_is_an_error_naming_it() {
+    let dir = TestDir::new("sock-nodir");
+    let missing = dir.join("missing").join("sub");
+    let socket = missing.join("kvnode.sock");
+    let out = serve_at(&dir, &socket, &[]);
+    assert_refused(&out, &[missing.to_str().unwrap(), "does not exist"]);
+    assert!(!dir.join("missing").exists(), "no directory was created");
+}
+
+#[test]
+fn sigterm_stops_a_node_whose_socket_file_was_deleted() {
+    let mut node = NodeProc::start("sigterm-deleted", &[]);
+    std::fs::remove_file(&node.socket).unwrap();
+    let st = node.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", node.log());
+}
+
+#[test]
+fn sigterm_stops_a_node_whose_socket_path_now_belongs_to_another_node() {
+    let mut a = NodeProc::start("sigterm-a", &[]);
+    std::fs::remove_file(&a.socket).unwrap();
+    let b = NodeProc::start_at("sigterm-b", &a.socket, &[]);
+    let st = a.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", a.log());
+    assert!(
+        std::fs::symlink_metadata(&b.socket).is_ok(),
+        "the first node must not remove the second node's socket"
+    );
+    b.client().noop().expect("the second node keeps serving");
+}
+
+#[test]
+fn shutdown_never_removes_a_file_put_at_the_socket_path() {
+    let mut node = NodeProc::start("sigterm-file", &[]);
+    std::fs::remove_file(&node.socket).unwrap();
+    std::fs::write(&node.socket, b"not a socket").unwrap();
+    let st = node.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", node.log());
+    assert_eq!(std::fs::read(&node.socket).unwrap(), b"not a socket");
+}
+
+#[test]
+fn sigterm_removes_the_nodes_own_socket() {
+    let mut node = NodeProc::start("sigterm-own", &[]);
+    let st = node.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", node.log());
+    assert!(std::fs::symlink_metadata(&node.socket).is_err(), "removed");
+}
+
+#[test]
+fn a_pool_larger_than_the_machine_is_refused_naming_the_available_memory() {
+    let dir = TestDir::new("pool-huge");
+    for pages in ["2m", "1g", "thp", "4k"] {
+        let socket = dir.join(format!("kvnode-{pages}.sock"));
+        let out = serve_at(&dir, &socket, &["--pool-size", "64TiB", "--pages", pages]);
+        assert_refused(&out, &["available", "64 TiB"]);
+        assert!(
+            out.stderr.contains("GiB") || out.stderr.contains("MiB"),
+            "the available memory is named with a size:\n{}",
+            out.stderr
+        );
+        assert!(
+            std::fs::symlink_metadata(&socket).is_err(),
+            "the socket created before the check is removed again"
+        );
+    }
+}
+
+#[test]
+fn a_second_node_on_a_busy_socket_is_refused_before_the_pool_and_l2_are_built() {
+    let first = NodeProc::start("busy-first", &[]);
+    let dir = TestDir::new("busy-second");
+    let l2 = dir.join("l2");
+    std::fs::create_dir(&l2).unwrap();
+    // A pool far beyond the machine: only reaching the socket check first gives "in use".
+    let out = serve_at(
+        &dir,
+        &first.socket,
+        &[
+            "--pool-size",
+            "64TiB",
+            "--l2-path",
+            l2.to_str().unwrap(),
+            "--l2-size",
+            "64MiB",
+        ],
+    );
+    assert_refused(&out, &[first.socket.to_str().unwrap(), "in use"]);
+    assert!(
+        !out.stderr.contains("available"),
+        "no memory check ran:\n{}",
+        out.stderr
+    );
+    assert!(
+        !l2.join("kvnode-l2.dat").exists(),
+        "the L2 tier was not opened"
+    );
+    first.client().noop().expect("the first node keeps serving");
+}
+
+#[test]
+fn the_socket_is_removed_when_a_later_start_up_step_fails() {
+    let dir = TestDir::new("late-fail");
+    let socket = dir.join("kvnode.sock");
+    let l2 = dir.join("foreign.dat");
+    let mut bytes = vec![0u8; 64 << 20];
+    bytes[..26].copy_from_slice(b"someone else's file system");
+    std::fs::write(&l2, &bytes).unwrap();
+    let out = serve_at(
+        &dir,
+        &socket,
+        &["--l2-path", l2.to_str().unwrap(), "--l2-size", "64MiB"],
+    );
+    assert_refused(&out, &[l2.to_str().unwrap()]);
+    assert!(
+        std::fs::symlink_metadata(&socket).is_err(),
+        "the socket this node created is removed"
+    );
+    assert_eq!(std::fs::read(&l2).unwrap()[..26], bytes[..26]);
+}
