@@ -1,7 +1,8 @@
 //! Several `kvnode-bench --socket` runs against ONE running `kvnode serve`: at the same time, and
 //! one after another. Every run must verify every byte it reads with zero corrupt chunks: keys are
-//! unique per run (random run nonce) and a chunk's bytes are a function of its key only, so runs
-//! never read each other's data as "corrupt". No timing assertions.
+//! unique per run (random run nonce), and a chunk's bytes are a function of its key only, so a
+//! chunk another run wrote (a deduplicated store, `--run-nonce`) verifies too. No timing
+//! assertions.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -12,10 +13,8 @@ struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(name: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!(
-            "kvnode-bench-shared-{}-{name}",
-            std::process::id()
-        ));
+        let d =
+            std::env::temp_dir().join(format!("kvnode-bench-shared-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         Scratch(d)
@@ -48,7 +47,14 @@ impl Node {
         let child = Command::new(&bin)
             .args(["serve", "--socket"])
             .arg(&socket)
-            .args(["--pool-size", "64MiB", "--chunk-size", "16", "--workers", "2"])
+            .args([
+                "--pool-size",
+                "64MiB",
+                "--chunk-size",
+                "16",
+                "--workers",
+                "2",
+            ])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -92,7 +98,7 @@ fn bench(node: &Node, json: &Path, workload: &str, extra: &[&str]) -> Command {
         .arg(&node.socket)
         .args(["--preset", "tiny", "--workload", workload])
         .args(["--instances", "2", "--ops", "40", "--warmup", "5"])
-        .args(["--working-set", "0.2", "--baseline-secs", "0.05"])
+        .args(["--working-set", "0.05", "--baseline-secs", "0.05"])
         .arg("--json")
         .arg(json)
         .args(extra)
@@ -137,10 +143,46 @@ fn two_runs_at_once_against_one_node_both_verify() {
     let rb = verified_report(&node, "mixed", &jb, b);
     assert!(ra["hits"].as_u64().unwrap() > 0);
     assert!(rb["hits"].as_u64().unwrap() > 0);
+    // Different random nonces: no key of one run was already on the node for the other.
+    assert_ne!(ra["run_nonce"], rb["run_nonce"]);
+    assert_eq!(ra["store_skipped_chunks"], 0, "{ra:#}");
+    assert_eq!(rb["store_skipped_chunks"], 0, "{rb:#}");
     // One after another on the same node too: a third run (multiturn, in processes).
     let jc = dir.0.join("c.json");
     let c = bench(&node, &jc, "multiturn", &["--processes"])
         .output()
         .unwrap();
     verified_report(&node, "multiturn", &jc, c);
+}
+
+#[test]
+fn a_deduplicated_store_verifies() {
+    let dir = Scratch::new("dedup");
+    let node = Node::start(&dir.0);
+    let nonce = ["--run-nonce", "424242"];
+    // Run 1 fills a working set of 2 x 102 chunks (0.05 of the 64 MiB pool in 16 KiB chunks).
+    let j1 = dir.0.join("1.json");
+    let r1 = bench(&node, &j1, "retrieve", &nonce).output().unwrap();
+    let r1 = verified_report(&node, "first", &j1, r1);
+    assert_eq!(r1["store_skipped_chunks"], 0, "{r1:#}");
+    assert_eq!(r1["run_nonce"], 424242);
+    // Run 2, same nonce, in processes (children share the run's nonce): its whole fill is already
+    // on the node, so every chunk it reads was written by run 1.
+    let j2 = dir.0.join("2.json");
+    let mut args = nonce.to_vec();
+    args.push("--processes");
+    let r2 = bench(&node, &j2, "retrieve", &args).output().unwrap();
+    let r2 = verified_report(&node, "second", &j2, r2);
+    let capacity = r2["node_status"]["capacity_bytes"].as_u64().unwrap();
+    let fill = 2 * (capacity as f64 * 0.05 / 16384.0 / 2.0).floor() as u64;
+    assert_eq!(r2["store_skipped_chunks"], fill, "{r2:#}");
+    assert!(r2["hits"].as_u64().unwrap() > 0);
+    // Run 3, same nonce, store workload: conversations 0..45 of each instance (5 warm-up, 40
+    // timed), all stored by run 1 already. Nothing is written; the post-run re-read verifies
+    // run 1's bytes.
+    let j3 = dir.0.join("3.json");
+    let r3 = bench(&node, &j3, "store", &nonce).output().unwrap();
+    let r3 = verified_report(&node, "third", &j3, r3);
+    assert_eq!(r3["store_skipped_chunks"], 2 * 45, "{r3:#}");
+    assert_eq!(r3["latency_us"]["commit_store"]["count"], 0, "{r3:#}");
 }
