@@ -8,6 +8,7 @@ mod disk;
 mod l2;
 mod node;
 mod opcount;
+mod payload;
 mod plot;
 mod report;
 mod stats;
@@ -108,6 +109,23 @@ pub struct Args {
     /// Do not verify retrieved bytes.
     #[arg(long)]
     no_verify: bool,
+    /// Fix the run nonce hashed into every key (default: random per run). Two runs given the same
+    /// nonce (and preset) use the same keys, so the second finds the first's chunks already
+    /// stored; for tests of deduplicated stores.
+    #[arg(long)]
+    run_nonce: Option<u64>,
+}
+
+/// A fresh random run nonce: std's `RandomState` (randomly keyed per process) over the pid and
+/// the time, so two runs, even started at the same instant, get different keys.
+fn random_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.finish()
 }
 
 /// Modes other than the default load test.
@@ -260,12 +278,15 @@ fn run(args: &Args) -> Result<bool, String> {
             .floor()
             .max(1.0) as u64;
     let duration_ms = (args.duration.unwrap_or(5.0) * 1000.0) as u64;
-    let run_id = std::process::id() as u64;
+    // Registrations are named by pid (unique among live processes); keys by the run nonce.
+    let run_id = u64::from(std::process::id());
+    let run_nonce = args.run_nonce.unwrap_or_else(random_nonce);
     let specs: Vec<InstanceSpec> = (0..args.instances)
         .map(|i| InstanceSpec {
             socket: socket.display().to_string(),
             instance_id: (run_id << 16) | u64::from(i),
             index: i,
+            run_nonce,
             layout: layout.clone(),
             workload: args.workload,
             hit_ratio: args.hit_ratio,
@@ -281,11 +302,11 @@ fn run(args: &Args) -> Result<bool, String> {
             turn_chunks: args.turn_chunks,
             turns: args.turns,
             verify: !args.no_verify,
-            seed: 0x5EED ^ (u64::from(i) << 32) ^ run_id,
+            seed: payload::splitmix64(run_nonce ^ 0x5EED ^ (u64::from(i) << 32)),
         })
         .collect();
     eprintln!(
-        "kvnode-bench: {} x {} ({} bytes/chunk), workload {:?}, pool {} MiB ({backing}), working set {} chunks/instance",
+        "kvnode-bench: {} x {} ({} bytes/chunk), workload {:?}, pool {} MiB ({backing}), working set {} chunks/instance, run nonce {run_nonce}",
         args.instances,
         layout.name,
         chunk_bytes,
@@ -329,6 +350,7 @@ fn run(args: &Args) -> Result<bool, String> {
         instances: args.instances,
         processes: args.processes,
         verify: !args.no_verify,
+        run_nonce,
         backing,
         chunk_bytes,
         results: &results,

@@ -21,8 +21,10 @@ pub fn instance_to_json(r: &InstanceResult) -> String {
         "misses": r.misses,
         "verified_chunks": r.verified_chunks,
         "corrupt_chunks": r.corrupt_chunks,
+        "store_skipped_chunks": r.store_skipped_chunks,
         "elapsed_ns": r.elapsed.as_nanos() as u64,
         "verify_ns": r.verify_time.as_nanos() as u64,
+        "payload_ns": r.payload_time.as_nanos() as u64,
     })
     .to_string()
 }
@@ -49,8 +51,10 @@ pub fn instance_from_json(text: &str) -> Result<InstanceResult, String> {
         misses: n("misses")?,
         verified_chunks: n("verified_chunks")?,
         corrupt_chunks: n("corrupt_chunks")?,
+        store_skipped_chunks: n("store_skipped_chunks")?,
         elapsed: Duration::from_nanos(n("elapsed_ns")?),
         verify_time: Duration::from_nanos(n("verify_ns")?),
+        payload_time: Duration::from_nanos(n("payload_ns")?),
     })
 }
 
@@ -68,6 +72,8 @@ pub struct Inputs<'a> {
     pub processes: bool,
     /// Whether bytes were verified.
     pub verify: bool,
+    /// The nonce hashed into every key of the run.
+    pub run_nonce: u64,
     /// Pool backing reported by the node.
     pub backing: String,
     /// Bytes per chunk.
@@ -123,9 +129,9 @@ impl Report {
         }
         let sum = |f: fn(&InstanceResult) -> u64| i.results.iter().map(f).sum::<u64>();
         let ops = sum(|r| r.ops);
-        // Throughput over the real wall time of the timed phase: all instances start together
-        // (barrier), so this is the longest instance's timed phase. Verification time is
-        // included (the harness's own work): use --no-verify for pure goodput.
+        // Throughput over the measured time of the timed phase: all instances start together
+        // (barrier), so this is the longest instance's timed phase, each one's minus the
+        // harness's own work in it (verifying retrieved bytes, generating payloads to store).
         let elapsed = i
             .results
             .iter()
@@ -133,6 +139,13 @@ impl Report {
             .max()
             .unwrap_or_default();
         let verify_s: f64 = i.results.iter().map(|r| r.verify_time.as_secs_f64()).sum();
+        let payload_s: f64 = i.results.iter().map(|r| r.payload_time.as_secs_f64()).sum();
+        // Wall time of every instance's timed phase, harness work included.
+        let timed_wall_s: f64 = i
+            .results
+            .iter()
+            .map(|r| (r.elapsed + r.verify_time + r.payload_time).as_secs_f64())
+            .sum();
         let store_gbps = gbps(sum(|r| r.stored_bytes), elapsed);
         let retrieve_gbps = gbps(sum(|r| r.retrieved_bytes), elapsed);
         let corrupt = sum(|r| r.corrupt_chunks);
@@ -183,8 +196,12 @@ impl Report {
             "hits": sum(|r| r.hits),
             "misses": sum(|r| r.misses),
             "verified_chunks": verified_chunks,
-            "verify_share": ratio(verify_s, elapsed.as_secs_f64() * i.results.len() as f64),
+            "verify_share": ratio(verify_s, timed_wall_s),
+            "verify_s": verify_s,
+            "payload_s": payload_s,
             "corrupt_chunks": corrupt,
+            "store_skipped_chunks": sum(|r| r.store_skipped_chunks),
+            "run_nonce": i.run_nonce,
             "per_instance_ops_per_sec": per_instance,
             "fairness_min_over_mean": ratio(min, mean),
             "memcpy": {"single_thread": i.memcpy_1, "per_instance_threads": i.memcpy_n},

@@ -9,6 +9,7 @@ use kvnode::hashing::{chunk_hashes, ChunkHash};
 use kvnode::protocol::{ChunkRange, RegisterRequest};
 use serde::{Deserialize, Serialize};
 
+use crate::payload::{splitmix64, Payload};
 use crate::stats::{Op, OpHistograms};
 
 /// A model layout preset (or an explicit layout). Object bytes = 2 x layers x chunk x hidden x itemsize.
@@ -80,10 +81,14 @@ pub enum WorkloadKind {
 pub struct InstanceSpec {
     /// Node socket.
     pub socket: String,
-    /// Instance id (unique per instance).
+    /// Instance id (unique per instance and process; it names the registration, not the keys).
     pub instance_id: u64,
-    /// Index of this instance in the run (0-based).
+    /// Index of this instance in the run (0-based); hashed into its keys.
     pub index: u32,
+    /// The run's nonce, shared by all its instances (threads or processes): hashed into every key,
+    /// so runs with different nonces never share keys, and instances of one run (different
+    /// `index`) never share keys either.
+    pub run_nonce: u64,
     /// Layout.
     pub layout: LayoutSpec,
     /// Workload.
@@ -127,14 +132,56 @@ pub struct InstanceResult {
     pub verified_chunks: u64,
     /// Chunks whose bytes differed (must be 0).
     pub corrupt_chunks: u64,
-    /// Wall time of the timed phase (all instances start it together).
+    /// Chunks of stores (every phase) that PREPARE_STORE did not hand out a slot for: already
+    /// held by the node or in flight from another writer (deduplicated), or no room.
+    pub store_skipped_chunks: u64,
+    /// Measured length of the timed phase (all instances start it together): its wall time minus
+    /// the harness's own work in it (`verify_time` + `payload_time`).
     pub elapsed: Duration,
-    /// Part of `elapsed` spent verifying bytes (the harness's work, not the engine's).
+    /// Time of the timed phase spent verifying retrieved bytes (the harness's work, not the
+    /// engine's; excluded from `elapsed` and from the latencies).
     pub verify_time: Duration,
+    /// Time of the timed phase spent generating the payloads to store from their keys (the
+    /// harness's work: an engine already holds its KV; excluded like `verify_time`).
+    pub payload_time: Duration,
 }
 
 /// Chunks re-read and verified after the timed phase (so every workload proves its data).
 const RECENT_CHUNKS: usize = 16;
+
+/// Key domains: multiturn conversations never share keys with the single-chunk conversations of
+/// the store, retrieve and mixed workloads (which do share keys with each other under one nonce).
+#[derive(Debug, Clone, Copy)]
+pub enum Domain {
+    /// Single-chunk conversations (store, retrieve, mixed), numbered per instance from 0.
+    Chunk = 1,
+    /// Multiturn conversations, numbered per instance from 0 up to its working set.
+    Multiturn = 2,
+}
+
+/// The 64-bit seed of conversation `conv` of instance `index` in the run `nonce`. For fixed
+/// `nonce`, `domain` and `index` it is a bijection of `conv` (no two conversations of an instance
+/// collide); other instances and runs collide only by chance.
+pub fn conversation_seed(nonce: u64, index: u32, domain: Domain, conv: u64) -> u64 {
+    // Each input is XORed into an already mixed value, so small nonces, domains, indices and
+    // numbers cannot cancel each other out (nonce 1 in one domain is not nonce 2 in another).
+    let run = splitmix64(splitmix64(nonce) ^ domain as u64);
+    let instance = splitmix64(run ^ u64::from(index));
+    splitmix64(instance ^ conv)
+}
+
+/// The first `n` tokens of the conversation with `seed`: tokens 0 and 1 are the seed's halves
+/// (so with chunks of at least 2 tokens the first chunk hash alone identifies the seed), the rest
+/// pseudo-random. A longer conversation extends a shorter one (multiturn prefixes).
+pub fn conversation_tokens(seed: u64, n: u32) -> Vec<u32> {
+    (0..u64::from(n))
+        .map(|j| match j {
+            0 => seed as u32,
+            1 => (seed >> 32) as u32,
+            _ => splitmix64(seed.wrapping_add(j)) as u32,
+        })
+        .collect()
+}
 
 struct Rng(u64);
 impl Rng {
@@ -162,8 +209,9 @@ pub struct Instance {
     client: Client,
     chunk_tokens: u32,
     chunk_bytes: usize,
-    /// The engine's private KV source (pattern); each stored chunk is this with its hash stamped
-    /// in the first 32 bytes, so any reader can verify it.
+    /// Every chunk's bytes, a function of its key only (so any reader can verify any chunk).
+    payload: Payload,
+    /// The engine's private KV source: the payload of the chunk being stored.
     source: Vec<u8>,
     /// Private destination for retrieves.
     dest: Vec<u8>,
@@ -176,6 +224,8 @@ pub struct Instance {
     timing: bool,
     /// Time spent verifying bytes (excluded from measurements).
     verify_time: Duration,
+    /// Time spent generating payloads to store (excluded from measurements).
+    payload_time: Duration,
 }
 
 impl Instance {
@@ -194,21 +244,15 @@ impl Instance {
                 use_mla: false,
             })
             .map_err(|e| format!("register: {e}"))?;
-        let chunk_bytes = reg.object_bytes as usize;
-        let mut source = vec![0u8; chunk_bytes];
-        let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ spec.instance_id;
-        for w in source.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes()[..w.len()]);
-        }
+        let chunk_bytes = usize::try_from(reg.object_bytes)
+            .map_err(|_| format!("{}-byte objects do not fit in memory", reg.object_bytes))?;
         let rng = Rng(spec.seed | 1);
         Ok(Instance {
             chunk_tokens: reg.chunk_tokens,
             chunk_bytes,
             dest: vec![0u8; chunk_bytes],
-            source,
+            source: vec![0u8; chunk_bytes],
+            payload: Payload::new(chunk_bytes),
             client,
             rng,
             next_conv: 0,
@@ -217,6 +261,7 @@ impl Instance {
             result: InstanceResult::default(),
             timing: false,
             verify_time: Duration::ZERO,
+            payload_time: Duration::ZERO,
             spec,
         })
     }
@@ -231,22 +276,26 @@ impl Instance {
         format!("bench-{}", self.spec.layout.name)
     }
 
-    /// Hashes of a fresh conversation of `chunks` chunks, unique to this instance.
+    /// Hashes of the first `chunks` chunks of this instance's conversation `conv` in `domain`.
+    fn conversation(&self, domain: Domain, conv: u64, chunks: u32) -> Vec<ChunkHash> {
+        let seed = conversation_seed(self.spec.run_nonce, self.spec.index, domain, conv);
+        let tokens = conversation_tokens(seed, chunks * self.chunk_tokens);
+        chunk_hashes(&tokens, self.chunk_tokens)
+    }
+
+    /// Hashes of a fresh single-chunk-domain conversation of `chunks` chunks (the next number).
     fn new_conversation(&mut self, chunks: u32) -> Vec<ChunkHash> {
         let conv = self.next_conv;
         self.next_conv += 1;
-        let base = (self.spec.instance_id << 40) ^ (conv << 20);
-        let tokens: Vec<u32> = (0..chunks * self.chunk_tokens)
-            .map(|i| (base.wrapping_add(u64::from(i)) as u32) ^ (base >> 32) as u32)
-            .collect();
-        chunk_hashes(&tokens, self.chunk_tokens)
+        self.conversation(Domain::Chunk, conv, chunks)
     }
 
     fn range(&self, first_chunk: u32, hashes: Vec<ChunkHash>) -> ChunkRange {
         ChunkRangeBuilder::worker(&self.model(), 1, 0).hashes(first_chunk, hashes)
     }
 
-    /// Stores `hashes` (chunks `first..`): prepare, copy the missing ones, commit.
+    /// Stores `hashes` (chunks `first..`): prepare, copy the missing ones, commit. Generating a
+    /// chunk's payload is the harness's work: it is timed apart and kept out of the latencies.
     fn store(&mut self, first: u32, hashes: &[ChunkHash]) -> Result<(), String> {
         let id = self.spec.instance_id;
         let range = self.range(first, hashes.to_vec());
@@ -256,18 +305,44 @@ impl Instance {
             .prepare_store(id, &range)
             .map_err(|e| format!("prepare_store: {e}"))?;
         self.record(Op::PrepareStore, t0);
+        if p.slots.len() != p.chunk_indices.len() || p.slots.len() > hashes.len() {
+            return Err(format!(
+                "prepare_store: {} slots and {} chunk indices for {} chunks",
+                p.slots.len(),
+                p.chunk_indices.len(),
+                hashes.len()
+            ));
+        }
         let pool = self.client.pool().ok_or("no pool mapped")?;
+        let mut generating = Duration::ZERO;
         for (slot, &i) in p.slots.iter().zip(&p.chunk_indices) {
+            let h = hashes.get(i as usize).ok_or_else(|| {
+                format!(
+                    "prepare_store: chunk index {i} of a {}-chunk range",
+                    hashes.len()
+                )
+            })?;
+            if slot.length != self.chunk_bytes as u64 {
+                return Err(format!(
+                    "prepare_store: a {}-byte slot for {}-byte chunks",
+                    slot.length, self.chunk_bytes
+                ));
+            }
+            let g = Instant::now();
+            self.payload.fill(h, &mut self.source);
+            generating += g.elapsed();
             pool.write_at(slot.offset, &self.source)
                 .map_err(|e| e.to_string())?;
-            pool.write_at(slot.offset, &hashes[i as usize])
-                .map_err(|e| e.to_string())?;
         }
-        for &i in &p.chunk_indices {
+        self.payload_time += generating;
+        self.result.store_skipped_chunks += (hashes.len() - p.slots.len()) as u64;
+        // Every chunk of the range is on the node after the commit, whoever wrote it (chunks
+        // the node skipped were already held or in flight elsewhere): re-read them all later.
+        for h in hashes {
             if self.recent.len() == RECENT_CHUNKS {
                 self.recent.pop_front();
             }
-            self.recent.push_back(hashes[i as usize]);
+            self.recent.push_back(*h);
         }
         if !p.slots.is_empty() {
             let t1 = Instant::now();
@@ -276,7 +351,11 @@ impl Instance {
                 .map_err(|e| format!("commit_store: {e}"))?;
             self.record(Op::CommitStore, t1);
         }
-        self.record(Op::Store, t0);
+        if self.timing {
+            self.result
+                .hist
+                .record(Op::Store, t0.elapsed().saturating_sub(generating));
+        }
         if self.timing {
             self.result.stored_bytes += p.slots.len() as u64 * self.chunk_bytes as u64;
         }
@@ -321,7 +400,7 @@ impl Instance {
                 // measured time (the retrieve latency and the goodput).
                 let v = Instant::now();
                 checked += 1;
-                if self.dest[..32] != h[..] || self.dest[32..] != self.source[32..] {
+                if !self.payload.check(h, &self.dest) {
                     bad += 1;
                 }
                 self.verify_time += v.elapsed();
@@ -408,11 +487,7 @@ impl Instance {
         let c = self.rng.below(convs);
         let turn = (self.rng.next() % u64::from(self.spec.turns.max(1))) as u32 + 1;
         let chunks = turn * self.spec.turn_chunks.max(1);
-        let base = (self.spec.instance_id << 40) ^ (c << 20) ^ 0xABCD;
-        let tokens: Vec<u32> = (0..chunks * self.chunk_tokens)
-            .map(|i| (base.wrapping_add(u64::from(i)) as u32) ^ (base >> 32) as u32)
-            .collect();
-        let hashes = chunk_hashes(&tokens, self.chunk_tokens);
+        let hashes = self.conversation(Domain::Multiturn, c, chunks);
         let req = format!("{}-{c}-{turn}-{}", self.spec.instance_id, self.rng.next());
         let all = ChunkRangeBuilder::all_ranks(&self.model(), 1).hashes(0, hashes.clone());
         let t = Instant::now();
@@ -458,25 +533,34 @@ impl Instance {
         ready();
         self.timing = true;
         self.verify_time = Duration::ZERO;
+        self.payload_time = Duration::ZERO;
         let start = Instant::now();
-        let deadline = start + Duration::from_millis(self.spec.duration_ms);
+        // The measured time: wall time minus the harness's own work (verification, payloads).
+        let measured = |i: &Instance| {
+            start
+                .elapsed()
+                .saturating_sub(i.verify_time + i.payload_time)
+        };
+        let budget = Duration::from_millis(self.spec.duration_ms);
         let mut n = 0;
         loop {
             match self.spec.ops {
                 Some(max) if n >= max => break,
-                None if Instant::now() >= deadline => break,
+                None if measured(&self) >= budget => break,
                 _ => {}
             }
             self.one_op(n)?;
             n += 1;
             progress(n);
         }
-        self.result.elapsed = start.elapsed();
+        self.result.elapsed = measured(&self);
         self.result.verify_time = self.verify_time;
+        self.result.payload_time = self.payload_time;
         self.result.ops = n;
         self.timing = false;
         if self.spec.verify {
-            // Read back what this instance wrote last (whatever was not evicted), untimed.
+            // Read back the last chunks this instance stored (written by it, or already held by
+            // the node), whatever was not evicted; untimed.
             let recent: Vec<ChunkHash> = self.recent.iter().copied().collect();
             for h in recent {
                 self.retrieve(0, &[h], None)?;
@@ -484,5 +568,49 @@ impl Instance {
         }
         let _ = self.client.unregister(self.spec.instance_id);
         Ok(self.result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversation_keys_differ_by_nonce_index_domain_and_number() {
+        let hashes = |nonce, index, domain, conv| {
+            chunk_hashes(
+                &conversation_tokens(conversation_seed(nonce, index, domain, conv), 32),
+                16,
+            )
+        };
+        let a = hashes(1, 0, Domain::Chunk, 0);
+        assert_eq!(a, hashes(1, 0, Domain::Chunk, 0), "a pure function");
+        let mut firsts = std::collections::HashSet::new();
+        for nonce in [1, 2, u64::MAX] {
+            for index in 0..4 {
+                for domain in [Domain::Chunk, Domain::Multiturn] {
+                    for conv in 0..64 {
+                        let h = hashes(nonce, index, domain, conv);
+                        assert!(firsts.insert(h[0]), "{nonce} {index} {domain:?} {conv}");
+                    }
+                }
+            }
+        }
+        // Within one instance a conversation's seed is a bijection of its number.
+        let seeds: std::collections::HashSet<u64> = (0..10_000)
+            .map(|c| conversation_seed(7, 3, Domain::Chunk, c))
+            .collect();
+        assert_eq!(seeds.len(), 10_000);
+    }
+
+    #[test]
+    fn a_longer_conversation_extends_a_shorter_one() {
+        let seed = conversation_seed(9, 1, Domain::Multiturn, 5);
+        let short = conversation_tokens(seed, 32);
+        let long = conversation_tokens(seed, 128);
+        assert_eq!(short[..], long[..32]);
+        assert_eq!(chunk_hashes(&short, 16)[..], chunk_hashes(&long, 16)[..2]);
+        assert_eq!(short[0], seed as u32);
+        assert_eq!(short[1], (seed >> 32) as u32);
     }
 }
