@@ -324,11 +324,32 @@ fn lmcache_protocol_end_to_end() {
     assert_eq!(get(get(&p, "context"), "slots"), &Value::Array(vec![]));
     assert_eq!(d.call(Op::EndSession, vec![wire::encode_str("s1")]), None);
 
-    // Retrieve needs LOOKUP's locks: without a lookup it misses.
-    let miss = d
+    // A retrieve whose session holds no lookup locks (no LOOKUP ran) takes locks of its own,
+    // released by its commit (LMCache misses here, W5; it never borrows another reader's lock).
+    let own = d
         .call(
             Op::PrepareRetrieve,
             vec![key(&tokens, 0, 64, Some(0), "r0"), inst.clone()],
+        )
+        .unwrap();
+    assert_eq!(get(&own, "success"), &Value::Boolean(true));
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(num(&st, &["objects", "read_locked"]), 4);
+    assert_eq!(
+        d.call(
+            Op::CommitRetrieve,
+            vec![key(&tokens, 0, 64, Some(0), "r0"), inst.clone()]
+        ),
+        Some(Value::Boolean(true))
+    );
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(num(&st, &["objects", "read_locked"]), 0);
+    // A retrieve of chunks that are not stored misses as a whole.
+    let absent: Vec<u32> = (5000..5064).collect();
+    let miss = d
+        .call(
+            Op::PrepareRetrieve,
+            vec![key(&absent, 0, 64, Some(0), "r0"), inst.clone()],
         )
         .unwrap();
     assert_eq!(get(&miss, "success"), &Value::Boolean(false));
@@ -336,7 +357,7 @@ fn lmcache_protocol_end_to_end() {
     assert_eq!(
         d.call(
             Op::CommitRetrieve,
-            vec![key(&tokens, 0, 64, Some(0), "r0"), inst.clone()]
+            vec![key(&absent, 0, 64, Some(0), "r0"), inst.clone()]
         ),
         Some(Value::Boolean(true))
     );

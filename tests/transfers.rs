@@ -196,11 +196,15 @@ fn lookup_locks_prefix_and_retrieve_consumes_them() {
     assert_eq!(buf, data[2]);
     c.commit_retrieve(1, p.transfer_id).unwrap();
     assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
-    // Without lookup locks, a lock-relying retrieve misses.
-    assert!(c
+    // With req-1's locks used up, a retrieve naming it takes locks of its own (it never
+    // relies on a lock it does not own) and its commit releases exactly those.
+    let p = c
         .prepare_retrieve(1, &stored, Some("req-1"))
         .unwrap()
-        .is_none());
+        .expect("stored chunks hit");
+    assert_eq!(num(&node.status(), &["objects", "read_locked"]), 3);
+    c.commit_retrieve(1, p.transfer_id).unwrap();
+    assert_eq!(num(&node.status(), &["objects", "read_locked"]), 0);
     // The retrieve used up req-1's locks: freeing its session releases nothing more.
     c.free_lookup_locks("req-1", 0, 100).unwrap();
     // Lookup again, then free the locks (clipped to the 3-chunk hit, each chunk once).
