@@ -132,6 +132,10 @@ impl L2Args {
 /// The LMCache server flags that matter (same names as LMCache's), plus kvnode's own.
 #[derive(clap::Args)]
 struct LmcacheArgs {
+    /// kvnode TOML configuration (keys as in `NodeConfig`) for what the LMCache flags do not
+    /// set: TTLs, limits, watermarks, L2 tuning. The LMCache flags below always win.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Interface to bind the ZMQ ROUTER on.
     #[arg(long, default_value = "localhost")]
     host: String,
@@ -277,7 +281,10 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
             .worker_registration_grace_seconds
             .max(a.worker_reap_timeout_seconds),
         workers: a.max_workers.unwrap_or(0),
-        ..NodeConfig::default()
+        ..match &a.config {
+            Some(p) => NodeConfig::from_toml_file(p).map_err(|e| e.to_string())?,
+            None => NodeConfig::default(),
+        }
     };
     a.l2.apply(&mut cfg.l2)?;
     let handlers = cfg.worker_threads();

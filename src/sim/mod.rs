@@ -499,3 +499,63 @@ impl Sim {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bounded CI run: a few seeds of every client kind; `scripts/simulate.sh` runs many.
+    #[test]
+    fn simulator_seeds_hold_every_invariant() {
+        for seed in 1..=SMOKE_SEEDS {
+            let opts = SimOptions {
+                steps: 2_000,
+                ..SimOptions::new(seed)
+            };
+            if let Err(f) = run(&opts) {
+                panic!("{f}");
+            }
+        }
+    }
+
+    /// A seed reproduces exactly (same steps, requests and simulated time).
+    #[test]
+    fn a_seed_reproduces_exactly() {
+        let opts = SimOptions {
+            steps: 600,
+            ..SimOptions::new(77)
+        };
+        let a = run(&opts).expect("seed 77 passes");
+        let b = run(&opts).expect("seed 77 passes");
+        assert_eq!(
+            (a.requests, a.sim_ms, a.stores_committed, a.retrieves_hit),
+            (b.requests, b.sim_ms, b.stores_committed, b.retrieves_hit)
+        );
+        assert!(a.stores_committed > 0 && a.retrieves_hit > 0, "{a:?}");
+    }
+
+    /// The checks can fail: a node that publishes a store without its COMMIT is caught.
+    #[test]
+    fn the_model_catches_an_object_published_without_commit() {
+        let mut sim = Sim::new(SimOptions::new(3));
+        let mut found = false;
+        for _ in 0..2_000 {
+            sim.step().expect("clean run");
+            // Sabotage: publish the first prepared, uncommitted store behind the client's back.
+            let pending = sim.ctx.instances.all().into_iter().find_map(|i| {
+                let p = i.pending.lock();
+                p.writes.values().next().cloned()
+            });
+            if let Some(w) = pending {
+                sim.ctx.storage.finish_write(&w.items);
+                found = sim.check().is_err();
+                break;
+            }
+        }
+        assert!(found, "publishing an uncommitted store went unnoticed");
+    }
+}
+
+/// Seeds the CI test runs.
+#[cfg(test)]
+const SMOKE_SEEDS: u64 = 20;
