@@ -54,4 +54,8 @@ fn namespaces_nothing_uses_are_reclaimed() {
     assert!(r.is_ok(), "{r:?}");
     let (ok, problems) = c.memcheck().unwrap();
     assert!(ok, "{problems:?}");
+    let st = c.status().unwrap();
+    let ns = &st["namespaces"];
+    assert!(ns["reclaimed"].as_u64().unwrap() > 0, "{ns}");
+    assert!(ns["held"].as_u64().unwrap() <= ns["limit"].as_u64().unwrap(), "{ns}");
 }

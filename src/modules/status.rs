@@ -53,6 +53,17 @@ pub struct LivenessStatus {
     pub disconnected: u64,
 }
 
+/// `(model, cache_salt)` namespaces.
+#[derive(Debug, Serialize)]
+pub struct NamespaceStatus {
+    /// Held now.
+    pub held: usize,
+    /// Most held at once (`limits.max_namespaces`).
+    pub limit: usize,
+    /// Dropped since start-up because nothing used them.
+    pub reclaimed: u64,
+}
+
 /// The whole report. Field names are a public contract (`kvnode status --json`).
 #[derive(Debug, Serialize)]
 pub struct StatusReport {
@@ -88,6 +99,8 @@ pub struct StatusReport {
     pub liveness: LivenessStatus,
     /// Open lookup sessions.
     pub sessions: usize,
+    /// Interned namespaces.
+    pub namespaces: NamespaceStatus,
     /// Distinct registered layouts.
     pub layouts: usize,
     /// Event bus counters.
@@ -160,6 +173,11 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
             disconnected: ctx.counters.disconnected.load(Ordering::Relaxed),
         },
         sessions: ctx.sessions.len(),
+        namespaces: NamespaceStatus {
+            held: ctx.namespaces.len(),
+            limit: ctx.namespaces.limit(),
+            reclaimed: ctx.namespaces.reclaimed(),
+        },
         layouts: ctx.layouts.len(),
         event_bus: ctx.events.stats(),
         connections: ctx.counters.connections.load(Ordering::Relaxed),

@@ -148,6 +148,7 @@ pub struct Namespaces {
     clock: OnceLock<Clock>,
     limit: AtomicUsize,
     reclaim_wanted: AtomicBool,
+    reclaimed: AtomicU64,
 }
 
 impl Default for Namespaces {
@@ -157,6 +158,7 @@ impl Default for Namespaces {
             clock: OnceLock::new(),
             limit: AtomicUsize::new(MAX_NAMESPACES),
             reclaim_wanted: AtomicBool::new(false),
+            reclaimed: AtomicU64::new(0),
         }
     }
 }
@@ -250,6 +252,11 @@ impl Namespaces {
         self.len() == 0
     }
 
+    /// Namespaces reclaimed since start-up.
+    pub fn reclaimed(&self) -> u64 {
+        self.reclaimed.load(Ordering::Relaxed)
+    }
+
     /// The most namespaces held at once.
     pub fn limit(&self) -> usize {
         self.limit.load(Ordering::Relaxed)
@@ -288,6 +295,8 @@ impl Namespaces {
         for id in &dropped {
             t.names.remove(&id.0);
         }
+        self.reclaimed
+            .fetch_add(dropped.len() as u64, Ordering::Relaxed);
         dropped.len()
     }
 
