@@ -10,6 +10,7 @@
 pub mod client;
 pub mod config;
 pub mod error;
+pub mod fuzzing;
 pub mod hashing;
 pub mod l2;
 pub mod liveness;
