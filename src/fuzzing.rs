@@ -57,7 +57,7 @@ struct Trickle<'a> {
 impl FrameSource for Trickle<'_> {
     fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
         self.calls += 1;
-        if self.ctl & 0x80 != 0 && self.calls % 3 == 0 {
+        if self.ctl & 0x80 != 0 && self.calls.is_multiple_of(3) {
             return Err(io::Error::from(io::ErrorKind::Interrupted));
         }
         let limit = match self.ctl & 0x7f {
