@@ -29,10 +29,11 @@
 #
 # The corpus a run grows goes to fuzz/work/NAME/corpus (git-ignored); fuzz/corpus/NAME (seeds
 # plus a minimised subset) is only read. To refresh the committed subset, merge the grown corpus
-# into a copy of the committed one (merge adds only inputs that bring new coverage):
+# into a copy of the committed one; set-cover merge on edges alone adds the fewest inputs that
+# keep every edge the grown corpus reaches:
 #   cp -r fuzz/corpus/NAME /tmp/m
-#   cargo fuzz run -s none -a NAME /tmp/m fuzz/work/NAME/corpus -- -merge=1
-# then copy /tmp/m back to fuzz/corpus/NAME.
+#   cargo fuzz run -s none -a NAME /tmp/m fuzz/work/NAME/corpus -- -set_cover_merge=1 -use_counters=0
+# then replace fuzz/corpus/NAME with /tmp/m.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi

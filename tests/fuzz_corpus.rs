@@ -70,6 +70,7 @@ fn corpus_and_regressions_pass_the_harnesses() {
             if kind == "corpus" && std::env::var_os("KVNODE_WRITE_FUZZ_SEEDS").is_none() {
                 assert!(!files.is_empty(), "fuzz/corpus/{target} is empty");
             }
+            eprintln!("fuzz/{kind}/{target}: {} inputs", files.len());
             for f in files {
                 let data = fs::read(&f).expect("readable input");
                 let r = std::panic::catch_unwind(|| run(&data));
