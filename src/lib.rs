@@ -11,6 +11,7 @@ pub mod client;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod fuzzing;
 pub mod hashing;
 pub mod l2;
 pub mod liveness;

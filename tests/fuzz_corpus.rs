@@ -1,0 +1,560 @@
+//! The fuzz corpora as regular tests: every file in `fuzz/corpus/<target>/` and
+//! `fuzz/regressions/<target>/` runs through the same harness as the cargo-fuzz target of that
+//! name (`kvnode::fuzzing`), and the seed files generated here from the golden vectors and the
+//! encoders must match the committed ones.
+//!
+//! Regenerate the seeds after changing the generator or the wire formats:
+//! `KVNODE_WRITE_FUZZ_SEEDS=1 cargo test --test fuzz_corpus`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use kvnode::fuzzing;
+use kvnode::lmcache::wire::{self, BlockRecord, IpcKey, Op, RegisterPayload};
+use kvnode::protocol::frame::{encode_request, encode_response};
+use kvnode::protocol::messages::{
+    BlockAllocationRecord, ChunkRange, RegisterReply, RegisterRequest, Request, Response,
+    WireLayout, WireSlot,
+};
+
+/// The harness of a fuzz target, by the target's (and its corpus directory's) name.
+fn harness(target: &str) -> Option<fn(&[u8])> {
+    match target {
+        "native_frame" => Some(fuzzing::native_frame),
+        "lmcache_request" => Some(fuzzing::lmcache_request),
+        _ => None,
+    }
+}
+
+const TARGETS: [&str; 2] = ["native_frame", "lmcache_request"];
+
+fn fuzz_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
+}
+
+/// Input files of `<kind>/<target>/`, sorted; dotfiles and READMEs are not inputs.
+fn inputs(kind: &str, target: &str) -> Vec<PathBuf> {
+    let dir = fuzz_dir().join(kind).join(target);
+    let Ok(rd) = fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = rd
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            p.is_file() && !name.starts_with('.') && !name.starts_with("README")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn corpus_and_regressions_pass_the_harnesses() {
+    for kind in ["corpus", "regressions"] {
+        // Every directory must belong to a target, so nothing is silently skipped.
+        for e in fs::read_dir(fuzz_dir().join(kind)).expect("fuzz directory") {
+            let p = e.expect("directory entry").path();
+            if p.is_dir() {
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                assert!(
+                    harness(name).is_some(),
+                    "{kind}/{name}: no such fuzz target"
+                );
+            }
+        }
+        for target in TARGETS {
+            let run = harness(target).expect("known target");
+            let files = inputs(kind, target);
+            // (While the seeds are being rewritten, the other test may see an empty directory.)
+            if kind == "corpus" && std::env::var_os("KVNODE_WRITE_FUZZ_SEEDS").is_none() {
+                assert!(!files.is_empty(), "fuzz/corpus/{target} is empty");
+            }
+            eprintln!("fuzz/{kind}/{target}: {} inputs", files.len());
+            for f in files {
+                let data = fs::read(&f).expect("readable input");
+                let r = std::panic::catch_unwind(|| run(&data));
+                assert!(r.is_ok(), "{} fails the {target} harness", f.display());
+            }
+        }
+    }
+}
+
+#[test]
+fn seeds_are_committed_and_pass() {
+    let write = std::env::var_os("KVNODE_WRITE_FUZZ_SEEDS").is_some();
+    for (target, seeds) in [
+        ("native_frame", native_seeds()),
+        ("lmcache_request", lmcache_seeds()),
+    ] {
+        let run = harness(target).expect("known target");
+        let dir = fuzz_dir().join("corpus").join(target);
+        for (name, data) in seeds {
+            run(&data);
+            let path = dir.join(format!("seed-{name}"));
+            if write {
+                fs::create_dir_all(&dir).expect("corpus directory");
+                fs::write(&path, &data).expect("seed written");
+            } else {
+                let committed = fs::read(&path).unwrap_or_else(|e| {
+                    panic!(
+                        "{}: {e}; regenerate with KVNODE_WRITE_FUZZ_SEEDS=1",
+                        path.display()
+                    )
+                });
+                assert!(
+                    committed == data,
+                    "{} is stale; regenerate with KVNODE_WRITE_FUZZ_SEEDS=1",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+// ---- native seeds: one frame of every request and response type, and pipelined streams ----
+
+fn range(worker_id: Option<u32>, chunks: u8) -> ChunkRange {
+    ChunkRange {
+        model: "m".into(),
+        world_size: 2,
+        worker_id,
+        cache_salt: "salt".into(),
+        first_chunk: 1,
+        chunk_hashes: (0..chunks).map(|i| [i; 32]).collect(),
+    }
+}
+
+fn all_requests() -> Vec<(&'static str, Request)> {
+    vec![
+        ("noop", Request::Noop),
+        ("ping", Request::Ping { instance_id: None }),
+        (
+            "ping-id",
+            Request::Ping {
+                instance_id: Some(7),
+            },
+        ),
+        ("get-chunk-size", Request::GetChunkSize),
+        (
+            "register",
+            Request::Register(RegisterRequest {
+                instance_id: 7,
+                model: "m".into(),
+                world_size: 1,
+                block_size: 16,
+                num_layers: 2,
+                hidden_dim: 16,
+                dtype: "float32".into(),
+                use_mla: false,
+            }),
+        ),
+        ("unregister", Request::Unregister { instance_id: 7 }),
+        (
+            "prepare-store",
+            Request::PrepareStore {
+                instance_id: 7,
+                range: range(Some(0), 2),
+            },
+        ),
+        (
+            "commit-store",
+            Request::CommitStore {
+                instance_id: 7,
+                transfer_id: 3,
+            },
+        ),
+        (
+            "abort-store",
+            Request::AbortStore {
+                instance_id: 7,
+                transfer_id: 3,
+            },
+        ),
+        (
+            "prepare-retrieve",
+            Request::PrepareRetrieve {
+                instance_id: 7,
+                range: range(Some(1), 3),
+                lookup_session: Some("req-1".into()),
+            },
+        ),
+        (
+            "commit-retrieve",
+            Request::CommitRetrieve {
+                instance_id: 7,
+                transfer_id: 4,
+            },
+        ),
+        (
+            "lookup",
+            Request::Lookup {
+                request_id: "req-1".into(),
+                range: range(None, 4),
+                tp_size: 2,
+            },
+        ),
+        (
+            "free-lookup-locks",
+            Request::FreeLookupLocks {
+                request_id: "req-1".into(),
+                start_chunk: 0,
+                end_chunk: 2,
+            },
+        ),
+        (
+            "end-session",
+            Request::EndSession {
+                request_id: "req-1".into(),
+            },
+        ),
+        (
+            "report-block-allocation",
+            Request::ReportBlockAllocation {
+                instance_id: 9,
+                model: "m".into(),
+                records: vec![
+                    BlockAllocationRecord {
+                        req_id: "r".into(),
+                        new_block_ids: vec![1, 2],
+                        new_token_ids: vec![3],
+                    },
+                    BlockAllocationRecord {
+                        req_id: "a-longer-request-id".into(),
+                        new_block_ids: vec![],
+                        new_token_ids: vec![4, 5, 6],
+                    },
+                ],
+            },
+        ),
+        ("clear", Request::Clear),
+        ("status", Request::Status),
+        ("memcheck", Request::Memcheck),
+    ]
+}
+
+fn layout() -> WireLayout {
+    WireLayout {
+        shape: vec![2, 2, 256, 8],
+        dtype: "bfloat16".into(),
+    }
+}
+
+fn all_responses() -> Vec<(&'static str, u16, bool, Response)> {
+    let slot = WireSlot {
+        offset: 4096,
+        length: 16384,
+    };
+    vec![
+        ("ok", 2, false, Response::Ok),
+        ("text", 1, false, Response::Text("OK".into())),
+        ("number", 3, false, Response::Number(256)),
+        (
+            "registered",
+            4,
+            true,
+            Response::Registered(RegisterReply {
+                pool_bytes: 1 << 30,
+                pool_backing: "4k".into(),
+                shm_name: "lmcache_l1_pool_x".into(),
+                chunk_tokens: 256,
+                layout: layout(),
+                object_bytes: 16384,
+                fd_attached: true,
+            }),
+        ),
+        (
+            "unregistered",
+            5,
+            false,
+            Response::Unregistered {
+                released_writes: 1,
+                released_reads: 2,
+            },
+        ),
+        (
+            "store-prepared",
+            6,
+            false,
+            Response::StorePrepared {
+                transfer_id: 3,
+                slots: vec![slot, slot],
+                chunk_indices: vec![0, 1],
+                layout: layout(),
+            },
+        ),
+        (
+            "store-committed",
+            7,
+            false,
+            Response::StoreCommitted { published: 2 },
+        ),
+        (
+            "store-aborted",
+            8,
+            false,
+            Response::StoreAborted { freed: 2 },
+        ),
+        (
+            "retrieve-prepared",
+            9,
+            false,
+            Response::RetrievePrepared {
+                hit: true,
+                transfer_id: 4,
+                slots: vec![slot],
+                layout: layout(),
+            },
+        ),
+        ("lookup-hits", 11, false, Response::LookupHits { chunks: 3 }),
+        (
+            "cleared",
+            15,
+            false,
+            Response::Cleared {
+                deleted: 5,
+                deferred: 1,
+            },
+        ),
+        (
+            "memcheck",
+            17,
+            false,
+            Response::Memcheck {
+                ok: false,
+                problems: vec!["p1".into(), "a longer problem description".into()],
+            },
+        ),
+        (
+            "error",
+            6,
+            false,
+            Response::Error {
+                kind: 3,
+                message: "invalid request".into(),
+            },
+        ),
+    ]
+}
+
+fn native_seeds() -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stream = Vec::new();
+    for (i, (name, req)) in all_requests().into_iter().enumerate() {
+        let frame = encode_request(i as u64 + 1, &req).expect("encodes");
+        out.push((
+            format!("req-{name}"),
+            fuzzing::native_frame_input(0, &frame),
+        ));
+        stream.extend(frame);
+    }
+    // The whole set pipelined: delivered at once, in small chunks, and with interruptions.
+    out.push((
+        "stream-requests".into(),
+        fuzzing::native_frame_input(0, &stream),
+    ));
+    out.push((
+        "stream-requests-chunked".into(),
+        fuzzing::native_frame_input(5, &stream),
+    ));
+    out.push((
+        "stream-requests-interrupted".into(),
+        fuzzing::native_frame_input(0x80 | 40, &stream),
+    ));
+    for (name, opcode, fd, resp) in all_responses() {
+        let frame = encode_response(1, opcode, fd, &resp).expect("encodes");
+        out.push((
+            format!("resp-{name}"),
+            fuzzing::native_frame_input(0, &frame),
+        ));
+    }
+    out
+}
+
+// ---- LMCache seeds: the golden vectors of wire.rs (lmcache-mp.md Appendix A) per op ----
+
+/// `wire.rs` tests' KEY_HEX / REG_HEX / RECORDS_HEX (LMCache 0.5.4 client captures).
+const KEY_HEX: &str = "88aa6d6f64656c5f6e616d65a16daa776f726c645f73697a6501a9776f726b65725f696400a9746f6b656e5f69647393010203a5737461727400a3656e6403aa726571756573745f6964a3726571aa63616368655f73616c74a0";
+const REG_HEX: &str = "88ab696e7374616e63655f696407aa6d6f64656c5f6e616d65a16daa776f726c645f73697a6501aa626c6f636b5f73697a6510aa6e756d5f6c617965727302af68696464656e5f64696d5f73697a6510a964747970655f737472a7666c6f61743332a77573655f6d6c61c2";
+const RECORDS_HEX: &str =
+    "9183a67265715f6964a172ad6e65775f626c6f636b5f6964739101ad6e65775f746f6b656e5f6964739102";
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+fn golden_key() -> IpcKey {
+    IpcKey {
+        model_name: "m".into(),
+        world_size: 1,
+        worker_id: Some(0),
+        token_ids: vec![1, 2, 3],
+        start: 0,
+        end: 3,
+        request_id: "req".into(),
+        cache_salt: String::new(),
+    }
+}
+
+fn golden_reg() -> RegisterPayload {
+    RegisterPayload {
+        instance_id: 7,
+        model_name: "m".into(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 16,
+        dtype_str: "float32".into(),
+        use_mla: false,
+    }
+}
+
+fn op_name(op: Op) -> String {
+    wire::parse_op(&wire::encode_op(op)).expect("parses").1
+}
+
+fn lmcache_seeds() -> Vec<(String, Vec<u8>)> {
+    // The copies of the golden vectors must still be what the encoders produce.
+    let key054 = unhex(KEY_HEX);
+    assert_eq!(wire::encode_key(&golden_key(), false), key054);
+    assert_eq!(wire::encode_register_payload(&golden_reg()), unhex(REG_HEX));
+    let key056 = wire::encode_key(&golden_key(), true);
+    let scheduler_key = wire::encode_key(
+        &IpcKey {
+            worker_id: None,
+            token_ids: (0..40).map(|t| t * 1000).collect(),
+            end: 40,
+            cache_salt: "tenant-a".into(),
+            ..golden_key()
+        },
+        true,
+    );
+    let mut reg056 = unhex(REG_HEX);
+    reg056[0] = 0x89;
+    reg056.extend(wire::encode_str("num_physical_slots"));
+    reg056.extend(wire::encode_uint(256));
+    let records = unhex(RECORDS_HEX);
+    assert!(matches!(
+        wire::decode_request(
+            Op::ReportBlockAllocation,
+            "x",
+            &[&wire::encode_uint(1), &wire::encode_str("m"), &records]
+        ),
+        Ok(wire::LmRequest::ReportBlockAllocation { ref records, .. })
+            if records == &[BlockRecord { req_id: "r".into(), new_block_ids: vec![1], new_token_ids: vec![2] }]
+    ));
+    let uint = wire::encode_uint;
+    let rid = wire::encode_str("rt-1");
+    let cases: Vec<(&str, Op, Vec<Vec<u8>>)> = vec![
+        ("get-chunk-size", Op::GetChunkSize, vec![]),
+        ("get-experimental", Op::GetExperimental, vec![]),
+        ("noop", Op::Noop, vec![]),
+        ("ping-nil", Op::Ping, vec![vec![0xc0]]),
+        ("ping-id", Op::Ping, vec![uint(1234567890123)]),
+        ("register", Op::RegisterEngineDriven, vec![unhex(REG_HEX)]),
+        ("register-056", Op::RegisterEngineDriven, vec![reg056]),
+        ("unregister", Op::UnregisterEngineDriven, vec![uint(0x3729)]),
+        (
+            "prepare-store",
+            Op::PrepareStore,
+            vec![key054.clone(), uint(5)],
+        ),
+        (
+            "prepare-store-056",
+            Op::PrepareStore,
+            vec![key056.clone(), uint(5)],
+        ),
+        (
+            "commit-store",
+            Op::CommitStore,
+            vec![key056.clone(), uint(0x3729), vec![0xc4, 0]],
+        ),
+        (
+            "commit-store-2-frames",
+            Op::CommitStore,
+            vec![key054.clone(), uint(0x3729)],
+        ),
+        (
+            "commit-store-pickle",
+            Op::CommitStore,
+            vec![key056.clone(), uint(5), vec![0xc4, 4, 0x80, 4, 0x95, 0x2e]],
+        ),
+        (
+            "prepare-retrieve",
+            Op::PrepareRetrieve,
+            vec![key056.clone(), uint(5)],
+        ),
+        (
+            "commit-retrieve",
+            Op::CommitRetrieve,
+            vec![key054.clone(), uint(9)],
+        ),
+        ("lookup", Op::Lookup, vec![scheduler_key.clone(), uint(2)]),
+        (
+            "free-lookup-locks",
+            Op::FreeLookupLocks,
+            vec![scheduler_key, uint(1)],
+        ),
+        (
+            "query-prefetch-status",
+            Op::QueryPrefetchStatus,
+            vec![rid.clone()],
+        ),
+        (
+            "query-prefetch-lookup-hits",
+            Op::QueryPrefetchLookupHits,
+            vec![rid.clone()],
+        ),
+        (
+            "wait-prefetch-status-float",
+            Op::WaitPrefetchStatus,
+            vec![rid.clone(), unhex("cb403e000000000000")],
+        ),
+        (
+            "wait-prefetch-status-int",
+            Op::WaitPrefetchStatus,
+            vec![rid.clone(), uint(30)],
+        ),
+        ("end-session", Op::EndSession, vec![rid]),
+        (
+            "report-block-allocation",
+            Op::ReportBlockAllocation,
+            vec![uint(4242), wire::encode_str("m"), records],
+        ),
+        ("clear", Op::Clear, vec![]),
+        ("clear-force", Op::Clear, vec![vec![0xc3]]),
+        ("store-gpu", Op::Store, vec![key056, uint(5)]),
+    ];
+    let mut out = Vec::new();
+    for (name, op, frames) in cases {
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        // Every seed is a request the decoder accepts.
+        wire::decode_request(op, "seed", &refs).expect("seed decodes");
+        // The type frame as a legacy int id (0.5.4/0.5.5 clients) and as a name (0.5.6).
+        out.push((
+            format!("{name}-id"),
+            fuzzing::lmcache_request_input(&wire::encode_op(op), &refs),
+        ));
+        out.push((
+            format!("{name}-name"),
+            fuzzing::lmcache_request_input(&wire::encode_str(&op_name(op)), &refs),
+        ));
+    }
+    // 0.5.4's GET_EXPERIMENTAL id and ops kvnode does not serve.
+    out.push((
+        "get-experimental-id40".into(),
+        fuzzing::lmcache_request_input(&uint(40), &[]),
+    ));
+    out.push((
+        "unsupported-cb".into(),
+        fuzzing::lmcache_request_input(&uint(25), &[&[0x90]]),
+    ));
+    out.push((
+        "unsupported-name".into(),
+        fuzzing::lmcache_request_input(&wire::encode_str("poll_kv_events"), &[]),
+    ));
+    out
+}
