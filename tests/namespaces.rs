@@ -57,5 +57,8 @@ fn namespaces_nothing_uses_are_reclaimed() {
     let st = c.status().unwrap();
     let ns = &st["namespaces"];
     assert!(ns["reclaimed"].as_u64().unwrap() > 0, "{ns}");
-    assert!(ns["held"].as_u64().unwrap() <= ns["limit"].as_u64().unwrap(), "{ns}");
+    assert!(
+        ns["held"].as_u64().unwrap() <= ns["limit"].as_u64().unwrap(),
+        "{ns}"
+    );
 }

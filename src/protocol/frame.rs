@@ -218,6 +218,11 @@ impl<R: Read> FrameSource for PlainSource<R> {
 /// arrive in one system call together with their header, and pipelined frames share one.
 pub const READ_BUFFER_BYTES: usize = 64 << 10;
 
+/// Smallest step by which a payload buffer grows while its bytes arrive.
+const PAYLOAD_GROWTH_BYTES: usize = 64 << 10;
+/// Payload buffer capacity a connection keeps between frames (beyond: freed after the frame).
+const RETAINED_PAYLOAD_BYTES: usize = 1 << 20;
+
 /// Reads frames from a byte stream with one buffered receive per burst of small frames instead
 /// of one per header and one per payload. Invariant: `buf[start..end]` holds received bytes not
 /// yet returned; an fd that arrived is handed out only with the next frame whose header has
@@ -286,14 +291,23 @@ impl FrameReader {
         self.start += HEADER_BYTES;
         let len = h.payload_len as usize;
         let buffered = (self.end - self.start).min(len);
+        if payload.capacity() > RETAINED_PAYLOAD_BYTES {
+            // A large frame went by: give its memory back rather than keep it per connection.
+            *payload = AlignedVec::new();
+        }
         payload.clear();
         payload.extend_from_slice(&self.buf[self.start..self.start + buffered]);
         self.start += buffered;
         if payload.len() < len {
-            // A large payload: receive the rest straight into its final place.
+            // A large payload: receive the rest straight into its final place, growing the
+            // buffer as bytes arrive (at most doubling), so a header alone never commits the
+            // node to the payload size it declares.
             let mut got = payload.len();
-            payload.resize(len, 0);
             while got < len {
+                if got == payload.len() {
+                    let next = len.min(got.max(PAYLOAD_GROWTH_BYTES).saturating_mul(2));
+                    payload.resize(next, 0);
+                }
                 match src.recv(&mut payload.as_mut_slice()[got..]) {
                     Ok((0, _)) => return Err(FrameError::Truncated),
                     Ok((n, fd)) => {
@@ -529,5 +543,49 @@ mod tests {
             encode_request(1, &big),
             Err(FrameError::Oversized { .. })
         ));
+    }
+
+    /// A header declaring a large payload commits the reader only to the bytes that arrive
+    /// (32 bytes from a client used to make the node allocate 16 MiB), and a large frame's
+    /// buffer is not kept for the connection's life.
+    #[test]
+    fn payload_memory_follows_the_bytes_received() {
+        let h = FrameHeader {
+            opcode: 11,
+            flags: 0,
+            request_id: 1,
+            payload_len: MAX_PAYLOAD_BYTES as u32,
+        };
+        let mut stream = h.encode().to_vec();
+        stream.extend(vec![7u8; 100_000]);
+        let mut payload = AlignedVec::<16>::new();
+        let r = FrameReader::default().read_frame(&mut PlainSource(&stream[..]), &mut payload);
+        assert_eq!(r.unwrap_err(), FrameError::Truncated);
+        assert!(
+            payload.capacity() < 1 << 20,
+            "{} bytes held for 100 000 received",
+            payload.capacity()
+        );
+        // A whole large frame is read, then its buffer is released at the next frame.
+        let big = FrameHeader {
+            payload_len: 4 << 20,
+            ..h
+        };
+        let mut stream = big.encode().to_vec();
+        stream.extend(vec![1u8; 4 << 20]);
+        stream.extend(
+            FrameHeader {
+                payload_len: 0,
+                ..h
+            }
+            .encode(),
+        );
+        let mut reader = FrameReader::default();
+        let mut src = PlainSource(&stream[..]);
+        let (got, _) = reader.read_frame(&mut src, &mut payload).unwrap().unwrap();
+        assert_eq!((got.payload_len, payload.len()), (4 << 20, 4 << 20));
+        assert!(payload.iter().all(|b| *b == 1));
+        reader.read_frame(&mut src, &mut payload).unwrap().unwrap();
+        assert!(payload.capacity() < 1 << 20);
     }
 }
