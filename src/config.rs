@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 /// Longest reap timeout or registration grace accepted (30 days): keeps every deadline far
 /// from overflowing the millisecond clock arithmetic.
 pub const MAX_LIVENESS_SECS: f64 = 30.0 * 24.0 * 3600.0;
+/// Longest write, read or session TTL accepted (30 days).
+pub const MAX_TTL_SECS: u64 = 30 * 24 * 3600;
 /// Longest liveness tick accepted.
 pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
 
@@ -333,6 +335,18 @@ impl NodeConfig {
                 "liveness tick {} ms outside 1..={MAX_LIVENESS_TICK_MS} ms",
                 self.liveness_tick_ms
             )));
+        }
+        for (name, v) in [
+            ("write_ttl_secs", self.write_ttl_secs),
+            ("read_ttl_secs", self.read_ttl_secs),
+            ("session_ttl_secs", self.session_ttl_secs),
+        ] {
+            if !(1..=MAX_TTL_SECS).contains(&v) {
+                return Err(Error::invalid(format!(
+                    "{name} = {v} is outside 1..={MAX_TTL_SECS} s: a TTL of 0 would free memory \
+                     a client is still copying, and the safety nets need a finite deadline"
+                )));
+            }
         }
         for (name, v) in [
             ("reap timeout", self.reap_timeout_secs),

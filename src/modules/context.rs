@@ -21,6 +21,9 @@ use crate::protocol::{RegisterRequest, WireLayout};
 use crate::storage::key::{validate_model_name, validate_rank};
 use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore};
 
+/// Rounds a registration retries when the instance it finds is being released meanwhile.
+const MAX_REGISTER_ATTEMPTS: u32 = 16;
+
 /// A namespace interned this recently is kept by a reclaim even if nothing uses it yet (the
 /// request that interned it is about to store under it).
 pub const NAMESPACE_RECLAIM_GRACE_MS: u64 = 2_000;
@@ -258,56 +261,82 @@ impl NodeContext {
             ));
         }
         let now = self.now_ms();
-        if let Some(existing) = self.instances.get(req.instance_id) {
-            let same = existing.model == req.model
-                && existing.world_size == req.world_size
-                && existing.use_mla == req.use_mla
-                && existing.layout == layout;
-            if same && !existing.is_released() {
-                existing.touch(now);
-                existing.attach(connection);
-                return Ok(existing);
+        let same_as = |i: &Instance| {
+            i.model == req.model
+                && i.world_size == req.world_size
+                && i.use_mla == req.use_mla
+                && i.layout == layout
+        };
+        // A registration never hands out a released instance: `attach` refuses once the release
+        // has begun (both under the instance's connection lock), and the loop then registers
+        // anew (the table replaces a released entry). Each retry means a release completed.
+        let mut attempts = 0;
+        let inst = loop {
+            attempts += 1;
+            if attempts > MAX_REGISTER_ATTEMPTS {
+                return Err(Error::internal(format!(
+                    "registration of instance {} kept racing its release",
+                    req.instance_id
+                )));
             }
-            tracing::info!(
-                instance = req.instance_id,
-                "re-registration with a new layout replaces the old context"
-            );
-            self.release(&existing, "re-registered");
-        }
-        let namespace = self.namespaces.intern(&req.model, "")?;
-        let inst = Arc::new(Instance {
-            id: req.instance_id,
-            generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
-            model: req.model.clone(),
-            world_size: req.world_size,
-            block_size: req.block_size,
-            use_mla: req.use_mla,
-            layout: layout.clone(),
-            namespace,
-            shard: self.shards.shard_for(req.instance_id),
-            connections: Mutex::new(vec![connection]),
-            last_seen_ms: AtomicU64::new(now),
-            pinged: AtomicBool::new(false),
-            released: AtomicBool::new(false),
-            mailbox: ArrayQueue::new(self.config.limits.max_queued_per_instance),
-            scheduled: AtomicBool::new(false),
-            pending: parking_lot::Mutex::new(PendingTransfers::default()),
-        });
-        match self.instances.insert(inst.clone()) {
-            Ok(None) => {}
-            Ok(Some(raced)) => {
-                // A concurrent registration of the same id won: this connection shares it.
-                raced.touch(now);
-                raced.attach(connection);
-                return Ok(raced);
+            if let Some(existing) = self.instances.get(req.instance_id) {
+                if same_as(&existing) {
+                    if existing.attach(connection) {
+                        existing.touch(now);
+                        return Ok(existing);
+                    }
+                    // Being released: register anew (the table replaces a released entry).
+                } else {
+                    tracing::info!(
+                        instance = req.instance_id,
+                        "re-registration with a new layout replaces the old context"
+                    );
+                    self.release(&existing, "re-registered");
+                }
             }
-            Err(_) => {
-                return Err(Error::limit(format!(
-                    "instance limit reached ({} registered)",
-                    self.config.limits.max_instances
-                )))
+            let namespace = self.namespaces.intern(&req.model, "")?;
+            let inst = Arc::new(Instance {
+                id: req.instance_id,
+                generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+                model: req.model.clone(),
+                world_size: req.world_size,
+                block_size: req.block_size,
+                use_mla: req.use_mla,
+                layout: layout.clone(),
+                namespace,
+                shard: self.shards.shard_for(req.instance_id),
+                connections: Mutex::new(vec![connection]),
+                last_seen_ms: AtomicU64::new(now),
+                pinged: AtomicBool::new(false),
+                released: AtomicBool::new(false),
+                mailbox: ArrayQueue::new(self.config.limits.max_queued_per_instance),
+                scheduled: AtomicBool::new(false),
+                pending: parking_lot::Mutex::new(PendingTransfers::default()),
+            });
+            match self.instances.insert(inst.clone()) {
+                Ok(None) => break inst,
+                Ok(Some(raced)) => {
+                    // A concurrent registration of the same id won: share it if it is the same
+                    // context, never hand out another layout.
+                    if !same_as(&raced) {
+                        return Err(Error::invalid(format!(
+                            "instance {} was registered concurrently with another layout",
+                            req.instance_id
+                        )));
+                    }
+                    if raced.attach(connection) {
+                        raced.touch(now);
+                        return Ok(raced);
+                    }
+                }
+                Err(_) => {
+                    return Err(Error::limit(format!(
+                        "instance limit reached ({} registered)",
+                        self.config.limits.max_instances
+                    )))
+                }
             }
-        }
+        };
         self.layouts.acquire(&inst.model, inst.world_size, &layout);
         self.liveness.arm(&inst);
         tracing::info!(
@@ -396,7 +425,7 @@ impl NodeContext {
             if let Some(inst) = self.instances.get(iid) {
                 if inst.detach(connection) {
                     self.counters.disconnected.fetch_add(1, Ordering::Relaxed);
-                    self.release(&inst, "disconnected");
+                    self.finish_release(&inst, "disconnected");
                 }
             }
         }
@@ -406,9 +435,16 @@ impl NodeContext {
     /// the table, **deletes and frees** its pending writes (never publishes them), unlocks its
     /// pending reads and drops its layout reference. Idempotent.
     pub fn release(&self, inst: &Arc<Instance>, reason: &'static str) -> Released {
-        if inst.released.swap(true, Ordering::AcqRel) {
+        if !inst.mark_released() {
             return Released::default();
         }
+        self.finish_release(inst, reason)
+    }
+
+    /// The rest of [`NodeContext::release`] for an instance its caller marked released (by
+    /// [`Instance::mark_released`] or [`Instance::detach`]); exactly one caller runs it.
+    pub fn finish_release(&self, inst: &Arc<Instance>, reason: &'static str) -> Released {
+        debug_assert!(inst.is_released());
         self.instances.remove_exact(inst);
         self.liveness.disarm(inst);
         let pending = std::mem::take(&mut *inst.pending.lock());

@@ -104,23 +104,42 @@ impl Instance {
     }
 
     /// Adds a registering connection (idempotent; at most [`MAX_CONNECTIONS_PER_INSTANCE`]
-    /// are remembered, the oldest is forgotten beyond that).
-    pub fn attach(&self, connection: u64) {
+    /// are remembered, the oldest is forgotten beyond that). Refused (`false`) once the
+    /// instance is released: checked under the same lock [`Instance::mark_released`] takes, so a
+    /// registration never joins an instance whose release has begun.
+    pub fn attach(&self, connection: u64) -> bool {
         let mut c = self.connections.lock();
+        if self.is_released() {
+            return false;
+        }
         if !c.contains(&connection) {
             if c.len() >= MAX_CONNECTIONS_PER_INSTANCE {
                 c.remove(0);
             }
             c.push(connection);
         }
+        true
     }
 
-    /// Removes a closed connection; true when it was the last one that registered the instance.
+    /// Marks the instance released; `true` for the one caller that did it (under the
+    /// connection lock, paired with [`Instance::attach`]).
+    pub fn mark_released(&self) -> bool {
+        let _c = self.connections.lock();
+        !self.released.swap(true, Ordering::AcqRel)
+    }
+
+    /// Removes a closed connection. When it was the last one that registered the instance,
+    /// the instance is marked released in the same step (under the connection lock, so no
+    /// registration can attach in between) and `true` is returned: the caller then finishes
+    /// the release with [`crate::modules::NodeContext::finish_release`].
     pub fn detach(&self, connection: u64) -> bool {
         let mut c = self.connections.lock();
         let before = c.len();
         c.retain(|&x| x != connection);
-        before != c.len() && c.is_empty()
+        if before != c.len() && c.is_empty() {
+            return !self.released.swap(true, Ordering::AcqRel);
+        }
+        false
     }
 
     /// Whether the instance is gone.

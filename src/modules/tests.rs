@@ -444,3 +444,40 @@ fn a_connections_registered_list_stays_bounded() {
     h.register(1);
     assert!(h.registered.contains(1));
 }
+
+/// Defect 7 under real concurrency: one connection registers and closes in a loop while
+/// another registers the same instance; a registration must never return an instance whose
+/// release has begun (it would answer every later request with NotRegistered).
+#[test]
+fn concurrent_registration_and_close_never_hand_out_a_released_instance() {
+    let h = Harness::new();
+    let ctx = h.ctx.clone();
+    let req = RegisterRequest {
+        instance_id: 42,
+        model: MODEL.into(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: world::NUM_LAYERS,
+        hidden_dim: world::HIDDEN,
+        dtype: world::DTYPE.into(),
+        use_mla: false,
+    };
+    std::thread::scope(|s| {
+        for conn in [100u64, 200] {
+            let ctx = ctx.clone();
+            let req = req.clone();
+            s.spawn(move || {
+                for _ in 0..3_000 {
+                    let inst = ctx.register(&req, conn).expect("registration");
+                    assert!(
+                        !inst.is_released(),
+                        "connection {conn} was handed a released instance"
+                    );
+                    ctx.connection_closed(conn, &[42]);
+                }
+            });
+        }
+    });
+    assert!(ctx.storage.memcheck().ok);
+    assert!(ctx.instances.len() <= 1);
+}

@@ -192,6 +192,14 @@ impl StorageCore {
         self.clock.now_ms()
     }
 
+    fn read_ttl_ms(&self) -> u64 {
+        u64::try_from(self.config.read_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn write_ttl_ms(&self) -> u64 {
+        u64::try_from(self.config.write_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
     /// The configuration in force.
     pub fn config(&self) -> &StorageConfig {
         &self.config
@@ -241,7 +249,7 @@ impl StorageCore {
         object_bytes: u64,
         temporary: bool,
     ) -> Vec<Result<Grant, KeyError>> {
-        let deadline = self.now_ms() + self.config.write_ttl.as_millis() as u64;
+        let deadline = self.now_ms().saturating_add(self.write_ttl_ms());
         self.reserve_write_until(keys, object_bytes, temporary, deadline)
     }
 
@@ -344,7 +352,7 @@ impl StorageCore {
     /// Takes one read lock on each of `keys` that is evictable right now, so eviction passes it
     /// by; returns the `(key, lease)` pairs for [`StorageCore::unpin`]. Caller holds `gate`.
     fn pin_unlocked(&self, keys: &[StorageKey]) -> Vec<(StorageKey, u64)> {
-        let deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        let deadline = self.now_ms().saturating_add(self.read_ttl_ms());
         let mut pinned = Vec::new();
         for k in keys {
             let mut shard = self.shard(k).lock();
@@ -516,7 +524,7 @@ impl StorageCore {
         let _g = self.gate.read();
         let n = items.len() as u64;
         let base = self.next_stamps(n);
-        let read_deadline = self.now_ms() + self.config.read_ttl.as_millis() as u64;
+        let read_deadline = self.now_ms().saturating_add(self.read_ttl_ms());
         items
             .iter()
             .enumerate()
@@ -607,7 +615,7 @@ impl StorageCore {
     pub fn reserve_read(&self, keys: &[StorageKey], extra: u32) -> Vec<Result<Grant, KeyError>> {
         let _g = self.gate.read();
         let now = self.now_ms();
-        let deadline = now + self.config.read_ttl.as_millis() as u64;
+        let deadline = now.saturating_add(self.read_ttl_ms());
         keys.iter()
             .map(|k| {
                 let mut shard = self.shard(k).lock();
@@ -661,7 +669,7 @@ impl StorageCore {
         if e.lease != lease || e.readers == 0 {
             return Err(KeyError::KeyInWrongState);
         }
-        let deadline = now + self.config.read_ttl.as_millis() as u64;
+        let deadline = now.saturating_add(self.read_ttl_ms());
         e.lock_deadline_ms = e.lock_deadline_ms.max(deadline);
         Ok(Grant {
             slot: e.slot,
