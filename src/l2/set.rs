@@ -356,7 +356,7 @@ mod tests {
             chunk_hash: h,
             kv_rank: 0,
             object_group: 0,
-            namespace: NamespaceId(ns),
+            namespace: NamespaceId(u64::from(ns)),
         }
     }
 

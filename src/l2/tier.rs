@@ -797,7 +797,7 @@ impl L2Tier {
                     {
                         continue; // left over from an earlier format or assignment
                     }
-                    let Ok(namespace) = namespaces.intern(&s.model, &s.cache_salt) else {
+                    let Ok(namespace) = namespaces.intern_recovered(&s.model, &s.cache_salt) else {
                         rejected += 1;
                         continue;
                     };

@@ -12,7 +12,7 @@
 //! in time). When the timer fires, the reaper compares the deadline with last-seen and re-arms
 //! or reaps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
@@ -163,7 +163,7 @@ pub struct Reaper {
     /// generation -> (instance id, its timer).
     timers: BTreeMap<u64, (u64, TimerId)>,
     /// Registrations that could not be armed (wheel full): retried every pass.
-    unarmed: HashMap<u64, u64>,
+    unarmed: BTreeMap<u64, u64>,
     fired: Vec<(TimerId, u64, (u64, u64))>,
 }
 
@@ -175,7 +175,7 @@ impl Reaper {
         Reaper {
             wheel: TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity),
             timers: BTreeMap::new(),
-            unarmed: HashMap::new(),
+            unarmed: BTreeMap::new(),
             fired: Vec::new(),
         }
     }

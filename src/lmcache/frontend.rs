@@ -38,6 +38,11 @@ pub const MAX_HASH_CACHE_BYTES: usize = 64 << 20;
 /// Bytes of pending-transfer bookkeeping (beyond: a new PREPARE is refused, never an older
 /// transfer dropped).
 pub const MAX_PENDING_BYTES: usize = 32 << 20;
+/// A registration's queued transfers may reach this many times `max_pending_transfers`: the
+/// node's own limit on open transfers, plus room for entries of transfers the node already
+/// expired that wait for their COMMIT to be paired (they must stay queued: dropping one would
+/// pair a later COMMIT with a transfer still in flight).
+pub const PENDING_PER_REGISTRATION_FACTOR: usize = 2;
 /// Bytes of prefetch results kept (beyond: the oldest unqueried results are forgotten; their
 /// query answers 0, a miss).
 pub const MAX_PREFETCH_BYTES: usize = 8 << 20;
@@ -157,7 +162,10 @@ impl LmFrontend {
     pub fn new(ctx: Arc<NodeContext>) -> LmFrontend {
         let state = Arc::new(State {
             hashes: Mutex::new(ByteBoundedMap::new(MAX_HASH_CACHE_BYTES)),
-            pending: Mutex::new(PendingTable::new(MAX_PENDING_BYTES)),
+            pending: Mutex::new(PendingTable::new(
+                MAX_PENDING_BYTES,
+                PENDING_PER_REGISTRATION_FACTOR * ctx.config.limits.max_pending_transfers,
+            )),
             prefetch: Mutex::new(ByteBoundedMap::new(MAX_PREFETCH_BYTES)),
             pickle_instances: Mutex::default(),
             counters: FrontendCounters::default(),
@@ -179,6 +187,12 @@ impl LmFrontend {
     /// Transfers handed to workers and not yet paired with a COMMIT.
     pub fn pending_transfers(&self) -> usize {
         self.state.pending.lock().len()
+    }
+
+    /// The native transfer ids queued for `instance`, waiting for their COMMIT (the simulator
+    /// checks them against the node's).
+    pub fn queued_transfer_ids(&self, instance: u64) -> Vec<u64> {
+        self.state.pending.lock().ids(instance)
     }
 
     /// Runs one native request through the dispatcher and waits for its response. Never called
@@ -444,10 +458,19 @@ impl LmFrontend {
             use_mla: p.use_mla,
         }));
         match resp {
-            Response::Registered(r) => LmReply::Register {
-                shm_name: r.shm_name,
-                pool_bytes: r.pool_bytes,
-            },
+            Response::Registered(r) => {
+                // A REGISTER is idempotent for the node (LMCache's rule: it refreshes liveness
+                // and keeps the registration), but ZMQ hides which process is asking: it may be
+                // a restarted worker reusing its id. So COMMITs are never paired with transfers
+                // prepared before it: those stay reserved (a live process may still be copying)
+                // until the node's write TTL or the instance's release, and are never published.
+                self.state.pending.lock().forget(p.instance_id, None);
+                self.state.pickle_instances.lock().remove(&p.instance_id);
+                LmReply::Register {
+                    shm_name: r.shm_name,
+                    pool_bytes: r.pool_bytes,
+                }
+            }
             other => {
                 tracing::warn!(instance = p.instance_id, response = ?other, "LMCache registration refused");
                 self.stateless(Op::RegisterEngineDriven)
@@ -480,7 +503,8 @@ impl LmFrontend {
                 tracing::warn!(
                     instance = before.id,
                     budget = MAX_PENDING_BYTES,
-                    "LMCache pending-transfer bookkeeping at its byte budget: PREPARE refused"
+                    "LMCache pending-transfer bookkeeping at its budget (bytes node-wide, or this \
+                     worker's share): PREPARE refused"
                 );
                 false
             }
@@ -559,10 +583,11 @@ impl LmFrontend {
                 });
             }
             if let Some(inst) = self.ctx.instances.get(instance_id) {
-                self.state
-                    .pickle_instances
-                    .lock()
-                    .insert(instance_id, inst.generation);
+                let mut pickle = self.state.pickle_instances.lock();
+                // Checked under the lock the release hook takes (as in `queue`).
+                if !inst.is_released() {
+                    pickle.insert(instance_id, inst.generation);
+                }
             }
             return LmReply::Bool(false);
         }
@@ -587,11 +612,15 @@ impl LmFrontend {
                 return self.stateless(Op::PrepareRetrieve);
             }
         };
-        if self
-            .state
-            .pickle_instances
-            .lock()
-            .contains_key(&instance_id)
+        let generation = self.ctx.instances.get(instance_id).map(|i| i.generation);
+        if generation.is_some()
+            && self
+                .state
+                .pickle_instances
+                .lock()
+                .get(&instance_id)
+                .copied()
+                == generation
         {
             tracing::warn!(
                 instance = instance_id,
@@ -657,6 +686,11 @@ impl LmFrontend {
             .get(&key.model_name, key.world_size)
             .is_none()
         {
+            // Like any LOOKUP, it replaces the session of its request id: release that one's
+            // locks now rather than at its idle expiry.
+            self.call(Request::EndSession {
+                request_id: key.request_id.clone(),
+            });
             0
         } else {
             let entry = HashEntry::compute(&key.token_ids, self.ctx.config.chunk_tokens);

@@ -187,3 +187,57 @@ fn cached_hashes_follow_the_tokens_not_the_request_id() {
     });
     assert_eq!(r, LmReply::PrepareRetrieve(None), "other tokens are a miss");
 }
+
+/// Review finding: a worker restarted under the same instance id re-registers while its dead
+/// predecessor's half-written reservation is still queued; the new process's COMMIT must never
+/// be paired with (and publish) the predecessor's transfer.
+#[test]
+fn a_restarted_worker_never_commits_its_predecessors_transfer() {
+    let lm = Lm::new();
+    assert_eq!(lm.prepare_store(0, 1).len(), 1);
+    assert_eq!(lm.commit_store(0, 1), LmReply::Bool(true));
+    let dead = lm.prepare_store(0, 2); // chunk 1, then the process dies mid-copy
+    assert_eq!(dead.len(), 1);
+    let keys: Vec<_> = lm
+        .ctx
+        .storage
+        .snapshot()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(lm.ctx.storage.evict_if_idle(&keys), 1, "chunk 0 evicted");
+    // The new process registers the same id and layout.
+    let r = lm
+        .fe
+        .handle_typed(LmRequest::RegisterEngineDriven(RegisterPayload {
+            instance_id: 5,
+            model_name: MODEL.into(),
+            world_size: 1,
+            block_size: 16,
+            num_layers: world::NUM_LAYERS,
+            hidden_dim_size: world::HIDDEN,
+            dtype_str: world::DTYPE.into(),
+            use_mla: false,
+        }));
+    assert!(matches!(r, LmReply::Register { .. }), "{r:?}");
+    let fresh = lm.prepare_store(0, 2);
+    assert_eq!(
+        fresh.len(),
+        1,
+        "chunk 0 only: chunk 1 is still the old reservation"
+    );
+    assert_eq!(lm.commit_store(0, 2), LmReply::Bool(true));
+    let all = lm.objects();
+    let state = |off: u64| all.iter().find(|o| o.0 == off).map(|o| o.1);
+    assert_eq!(
+        state(fresh[0]),
+        Some(ObjectState::Ready),
+        "the new process's chunk"
+    );
+    assert_eq!(
+        state(dead[0]),
+        Some(ObjectState::WriteReserved),
+        "the dead process's half-written chunk is never published (freed at its TTL)"
+    );
+    assert_eq!(lm.fe.pending_transfers(), 0);
+}

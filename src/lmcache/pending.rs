@@ -46,6 +46,8 @@ pub enum Kind {
 #[derive(Default)]
 struct Queues {
     generation: u64,
+    /// Transfers queued for this registration (both kinds).
+    count: usize,
     stores: HashMap<KeyId, VecDeque<u64>>,
     retrieves: HashMap<KeyId, VecDeque<u64>>,
 }
@@ -69,6 +71,7 @@ pub struct PendingTable {
     by_instance: HashMap<u64, Queues>,
     bytes: usize,
     budget: usize,
+    per_registration: usize,
 }
 
 /// The pending table is at its byte budget.
@@ -76,12 +79,15 @@ pub struct PendingTable {
 pub struct PendingFull;
 
 impl PendingTable {
-    /// An empty table holding at most `budget` estimated bytes.
-    pub fn new(budget: usize) -> PendingTable {
+    /// An empty table holding at most `budget` estimated bytes, and at most
+    /// `per_registration` transfers for any one registration (so a worker that never commits
+    /// fills only its own share).
+    pub fn new(budget: usize, per_registration: usize) -> PendingTable {
         PendingTable {
             by_instance: HashMap::new(),
             bytes: 0,
             budget,
+            per_registration,
         }
     }
 
@@ -103,7 +109,12 @@ impl PendingTable {
             self.forget(instance, None);
         }
         let size = ID_BYTES + key.bytes();
-        if self.bytes + size > self.budget {
+        if self.bytes + size > self.budget
+            || self
+                .by_instance
+                .get(&instance)
+                .is_some_and(|q| q.count >= self.per_registration)
+        {
             return Err(PendingFull);
         }
         let q = self.by_instance.entry(instance).or_insert_with(|| Queues {
@@ -111,6 +122,7 @@ impl PendingTable {
             ..Queues::default()
         });
         q.of(kind).entry(key).or_default().push_back(id);
+        q.count += 1;
         self.bytes += size;
         Ok(())
     }
@@ -127,6 +139,7 @@ impl PendingTable {
         if fifo.is_empty() {
             map.remove(key);
         }
+        q.count -= 1;
         self.bytes -= ID_BYTES + key.bytes();
         Some(id)
     }
@@ -144,6 +157,24 @@ impl PendingTable {
         for (k, ids) in q.stores.iter().chain(q.retrieves.iter()) {
             self.bytes -= ids.len() * (ID_BYTES + k.bytes());
         }
+    }
+
+    /// The transfer ids queued for `instance` (any registration), sorted.
+    pub fn ids(&self, instance: u64) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .by_instance
+            .get(&instance)
+            .map(|q| {
+                q.stores
+                    .values()
+                    .chain(q.retrieves.values())
+                    .flatten()
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
     }
 
     /// Transfers queued (all instances, both kinds).
@@ -184,7 +215,7 @@ mod tests {
 
     #[test]
     fn pairs_commits_with_the_oldest_prepare_of_the_key() {
-        let mut t = PendingTable::new(1 << 20);
+        let mut t = PendingTable::new(1 << 20, 1 << 20);
         t.push(1, 7, Kind::Store, key(0), 10).unwrap();
         t.push(1, 7, Kind::Store, key(0), 11).unwrap();
         t.push(1, 7, Kind::Retrieve, key(0), 12).unwrap();
@@ -202,7 +233,7 @@ mod tests {
 
     #[test]
     fn a_new_registration_or_a_release_drops_the_old_entries() {
-        let mut t = PendingTable::new(1 << 20);
+        let mut t = PendingTable::new(1 << 20, 1 << 20);
         t.push(1, 7, Kind::Store, key(0), 10).unwrap();
         t.push(1, 8, Kind::Store, key(16), 20).unwrap();
         assert_eq!(t.len(), 1, "generation 7 was dropped");
@@ -215,7 +246,7 @@ mod tests {
 
     #[test]
     fn refuses_beyond_its_byte_budget_and_never_evicts() {
-        let mut t = PendingTable::new(2_000);
+        let mut t = PendingTable::new(2_000, 1 << 20);
         let mut n = 0;
         while t.push(1, 1, Kind::Store, key(n * 16), n).is_ok() {
             n += 1;
@@ -224,5 +255,20 @@ mod tests {
         assert_eq!(t.len() as u64, n, "nothing was evicted to make room");
         assert_eq!(t.pop(1, 1, Kind::Store, &key(0)), Some(0));
         assert!(t.push(1, 1, Kind::Store, key(0), 99).is_ok(), "room again");
+    }
+
+    #[test]
+    fn one_registration_fills_only_its_own_share() {
+        let mut t = PendingTable::new(1 << 20, 3);
+        for i in 0..3 {
+            t.push(1, 1, Kind::Store, key(i * 16), i).unwrap();
+        }
+        assert_eq!(t.push(1, 1, Kind::Retrieve, key(0), 9), Err(PendingFull));
+        assert!(
+            t.push(2, 1, Kind::Store, key(0), 10).is_ok(),
+            "another worker is unaffected"
+        );
+        assert_eq!(t.pop(1, 1, Kind::Store, &key(0)), Some(0));
+        assert!(t.push(1, 1, Kind::Store, key(0), 11).is_ok());
     }
 }

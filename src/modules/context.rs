@@ -95,6 +95,8 @@ pub struct NodeCounters {
     pub reaped: AtomicU64,
     /// Instances released because their connection closed.
     pub disconnected: AtomicU64,
+    /// Read locks retrieves adopted from lookup sessions.
+    pub adopted_locks: AtomicU64,
     /// Requests inside `server::dispatch` right now (shutdown waits for them before it drains
     /// the write-behind and releases the L2 engines).
     pub dispatching: AtomicUsize,

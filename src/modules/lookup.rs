@@ -388,6 +388,7 @@ pub fn adopt(
             Ok(grant) => {
                 held.remaining -= 1;
                 out[i] = Some(grant);
+                ctx.counters.adopted_locks.fetch_add(1, Ordering::Relaxed);
             }
             // The lock is gone (expired): the session has nothing left to release there.
             Err(crate::storage::KeyError::KeyInWrongState) => held.remaining = 0,

@@ -99,6 +99,8 @@ pub struct StatusReport {
     pub liveness: LivenessStatus,
     /// Open lookup sessions.
     pub sessions: usize,
+    /// Read locks retrieves took over from lookup sessions so far.
+    pub adopted_lookup_locks: u64,
     /// Interned namespaces.
     pub namespaces: NamespaceStatus,
     /// Distinct registered layouts.
@@ -173,6 +175,7 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
             disconnected: ctx.counters.disconnected.load(Ordering::Relaxed),
         },
         sessions: ctx.sessions.len(),
+        adopted_lookup_locks: ctx.counters.adopted_locks.load(Ordering::Relaxed),
         namespaces: NamespaceStatus {
             held: ctx.namespaces.len(),
             limit: ctx.namespaces.limit(),

@@ -481,3 +481,17 @@ fn concurrent_registration_and_close_never_hand_out_a_released_instance() {
     assert!(ctx.storage.memcheck().ok);
     assert!(ctx.instances.len() <= 1);
 }
+
+/// Review finding: objects recovered from disk are never refused for the namespace limit
+/// (their slots would otherwise be treated as free and overwritten).
+#[test]
+fn recovered_namespaces_are_never_refused() {
+    let ns = crate::storage::Namespaces::default();
+    ns.configure(&Clock::manual(0), 2);
+    for i in 0..5 {
+        ns.intern_recovered("m", &format!("s{i}")).unwrap();
+    }
+    assert_eq!(ns.len(), 5);
+    assert!(ns.intern("m", "new").is_err(), "new ones wait for reclaims");
+    assert!(ns.intern("m", "s3").is_ok(), "held ones still resolve");
+}

@@ -554,7 +554,7 @@ mod tests {
             opcode: 11,
             flags: 0,
             request_id: 1,
-            payload_len: MAX_PAYLOAD_BYTES as u32,
+            payload_len: MAX_PAYLOAD_BYTES,
         };
         let mut stream = h.encode().to_vec();
         stream.extend(vec![7u8; 100_000]);

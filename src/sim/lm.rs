@@ -31,7 +31,10 @@ pub struct LmActor {
     stores: BTreeMap<LmKey, VecDeque<u64>>,
     /// Prepared retrieves per key, oldest first.
     retrieves: BTreeMap<LmKey, VecDeque<u64>>,
-    dead: bool,
+    pub(crate) dead: bool,
+    /// Node transfer ids a previous process of this worker left behind when it crashed and the
+    /// new one registered the same id: nobody commits them; the node's TTL releases them.
+    pub orphans: std::collections::BTreeSet<u64>,
 }
 
 impl LmActor {
@@ -43,6 +46,7 @@ impl LmActor {
             stores: BTreeMap::new(),
             retrieves: BTreeMap::new(),
             dead: false,
+            orphans: std::collections::BTreeSet::new(),
         }
     }
 
@@ -50,6 +54,22 @@ impl LmActor {
     pub fn forget(&mut self) {
         self.stores.clear();
         self.retrieves.clear();
+    }
+
+    /// A new process replaces this (dead) one.
+    pub fn revive(&mut self) {
+        self.dead = false;
+        self.forget();
+        self.orphans.clear();
+    }
+
+    /// Prepared transfers this worker still expects to commit.
+    pub fn queued(&self) -> usize {
+        self.stores
+            .values()
+            .chain(self.retrieves.values())
+            .map(VecDeque::len)
+            .sum()
     }
 }
 
@@ -110,7 +130,7 @@ impl Sim {
             return self.lm_register(i);
         }
         let weights = [
-            2,  // 0 register again
+            2,  // 0 crash and restart under the same id (before any reaping)
             8,  // 1 ping
             22, // 2 prepare store
             20, // 3 commit store
@@ -123,7 +143,7 @@ impl Sim {
             1,  // 10 fall silent
         ];
         match self.rng.weighted(&weights) {
-            0 => self.lm_register(i),
+            0 => self.lm_restart(i),
             1 => {
                 let id = self.lms[i].id;
                 self.touched(id, true);
@@ -178,6 +198,24 @@ impl Sim {
                 Ok(())
             }
         }
+    }
+
+    /// The worker's process dies and a new one registers the same id at once: the node keeps
+    /// the registration (REGISTER is idempotent), the old process's transfers are orphans the
+    /// new one never commits, and no COMMIT of the new one may be paired with them.
+    fn lm_restart(&mut self, i: usize) -> Check {
+        let id = self.lms[i].id;
+        if let Some(inst) = self.ctx.instances.get(id) {
+            let p = inst.pending.lock();
+            let left: Vec<u64> = p.writes.keys().chain(p.reads.keys()).copied().collect();
+            drop(p);
+            self.lms[i].orphans.extend(left);
+        }
+        self.model.release_instance(id);
+        self.lms[i].forget();
+        self.stats.lm_restarts += 1;
+        self.log(format!("lm {id} crashes and restarts under the same id"));
+        self.lm_register(i)
     }
 
     fn lm_register(&mut self, i: usize) -> Check {

@@ -41,7 +41,7 @@ pub struct SimOptions {
     /// Steps of history printed with a failure.
     pub trace: usize,
     /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
-    /// `locks`, `reaper`, `wheel`, `namespaces`, `answers`.
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`.
     pub skip: Vec<String>,
 }
 
@@ -71,6 +71,8 @@ pub struct SimStats {
     pub stores_committed: u64,
     /// Retrieves that hit (bytes verified at prepare and commit).
     pub retrieves_hit: u64,
+    /// Retrieve locks adopted from a lookup session (the path of defects 1 and 3).
+    pub adopted: u64,
     /// Lookups run.
     pub lookups: u64,
     /// Instances reaped by the liveness wheel.
@@ -81,6 +83,12 @@ pub struct SimStats {
     pub clears: u64,
     /// Transfers whose TTL passed while the client held them.
     pub expired: u64,
+    /// Silent workers replaced by a new process after their instance was reaped.
+    pub revived: u64,
+    /// LMCache workers that crashed and restarted under the same id before being reaped.
+    pub lm_restarts: u64,
+    /// xxh3 of every trace line: equal for two runs of one seed, or the run is not deterministic.
+    pub trace_digest: u64,
     /// Simulated milliseconds.
     pub sim_ms: u64,
 }
@@ -157,6 +165,7 @@ pub struct Sim {
     lms: Vec<lm::LmActor>,
     schedulers: Vec<native::Conn>,
     trace: VecDeque<String>,
+    digest: xxhash_rust::xxh3::Xxh3,
     step: u64,
     next_conn: u64,
     next_request: u64,
@@ -185,6 +194,12 @@ pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
     }
     sim.stats.steps = sim.step;
     sim.stats.sim_ms = sim.clock.now_ms();
+    sim.stats.trace_digest = sim.digest.digest();
+    sim.stats.adopted = sim
+        .ctx
+        .counters
+        .adopted_locks
+        .load(std::sync::atomic::Ordering::Relaxed);
     Ok(sim.stats)
 }
 
@@ -214,6 +229,7 @@ impl Sim {
             lms,
             schedulers: Vec::new(),
             trace: VecDeque::new(),
+            digest: xxhash_rust::xxh3::Xxh3::new(),
             step: 0,
             next_conn: 1,
             next_request: 1,
@@ -239,8 +255,9 @@ impl Sim {
         if self.trace.len() >= self.opts.trace {
             self.trace.pop_front();
         }
-        self.trace
-            .push_back(format!("#{} t={} {what}", self.step, self.now()));
+        let line = format!("#{} t={} {what}", self.step, self.now());
+        self.digest.update(line.as_bytes());
+        self.trace.push_back(line);
     }
 
     fn new_conn(&mut self) -> native::Conn {
@@ -279,7 +296,7 @@ impl Sim {
         self.stats.expired += self.model.expire(self.now()) as u64;
         let natives = if self.natives.is_empty() { 0 } else { 55 };
         let lms = if self.lms.is_empty() { 0 } else { 25 };
-        match self.rng.weighted(&[natives, lms, 8, 6, 4, 2]) {
+        match self.rng.weighted(&[natives * 4, lms * 4, 32, 24, 16, 1]) {
             0 => {
                 let i = self.rng.index(self.natives.len());
                 self.native_step(i)?;
@@ -354,8 +371,30 @@ impl Sim {
             self.stats.reaped += 1;
             self.log(format!("instance {id} reaped"));
             self.forget_instance(id, native)?;
+            self.revive(id, native);
         }
         Ok(())
+    }
+
+    /// After its instance was reaped, a silent (hung) worker's process is replaced by a new one
+    /// with the same id: the old connections close, the new process registers again.
+    fn revive(&mut self, id: u64, native: bool) {
+        if native {
+            let a = self.natives.iter_mut().find(|a| a.id == id).expect("actor");
+            if !a.dead {
+                return;
+            }
+            let conns = a.revive();
+            for c in conns {
+                let registered = c.registered.lock().ids();
+                self.ctx.connection_closed(c.id(), &registered);
+            }
+        } else {
+            let a = self.lms.iter_mut().find(|a| a.id == id).expect("actor");
+            a.revive();
+        }
+        self.stats.revived += 1;
+        self.log(format!("worker {id} restarts as a new process"));
     }
 
     fn is_live(&self, inst: &Arc<Instance>) -> bool {
@@ -431,6 +470,9 @@ impl Sim {
                 ));
             }
         }
+        if self.on("owners") {
+            self.check_transfer_owners()?;
+        }
         let live: Vec<u64> = self.ctx.instances.all().iter().map(|i| i.id).collect();
         let watched = self.reaper.watched();
         if self.on("wheel") && watched != live {
@@ -444,6 +486,63 @@ impl Sim {
                 self.ctx.liveness.tracked(),
                 live.len()
             ));
+        }
+        Ok(())
+    }
+
+    /// Every transfer the node holds for an instance is held by a client (or was left by a
+    /// crashed process that a new one replaced, and waits for its TTL): nothing is orphaned;
+    /// and every transfer a client holds within its TTL is still the node's.
+    fn check_transfer_owners(&mut self) -> Check {
+        for a in &self.natives {
+            let Some(reg) = &a.reg else { continue };
+            let node: std::collections::BTreeSet<u64> = {
+                let p = reg.inst.pending.lock();
+                p.writes.keys().chain(p.reads.keys()).copied().collect()
+            };
+            let held: std::collections::BTreeMap<u64, u64> = a.held().collect();
+            if let Some(t) = node.iter().find(|t| !held.contains_key(t)) {
+                return Err(format!(
+                    "the node holds transfer {t} of native instance {} that no client holds",
+                    a.id
+                ));
+            }
+            for (t, mid) in &held {
+                if self.model.get(*mid).is_some() && !node.contains(t) {
+                    return Err(format!(
+                        "native instance {} holds transfer {t} within its TTL, but the node \
+                         no longer has it",
+                        a.id
+                    ));
+                }
+            }
+        }
+        for a in &mut self.lms {
+            let Some(reg) = &a.reg else { continue };
+            let node: std::collections::BTreeSet<u64> = {
+                let p = reg.inst.pending.lock();
+                p.writes.keys().chain(p.reads.keys()).copied().collect()
+            };
+            let queued = self.frontend.queued_transfer_ids(a.id);
+            if queued.len() != a.queued() {
+                return Err(format!(
+                    "the frontend queues {} transfers for LMCache worker {}, which expects {}",
+                    queued.len(),
+                    a.id,
+                    a.queued()
+                ));
+            }
+            a.orphans.retain(|t| node.contains(t));
+            if let Some(t) = node
+                .iter()
+                .find(|t| queued.binary_search(t).is_err() && !a.orphans.contains(t))
+            {
+                return Err(format!(
+                    "the node holds transfer {t} of LMCache instance {} that the frontend does \
+                     not queue for any COMMIT",
+                    a.id
+                ));
+            }
         }
         Ok(())
     }
@@ -504,18 +603,36 @@ impl Sim {
 mod tests {
     use super::*;
 
+    /// Seeds the CI test runs.
+    const SMOKE_SEEDS: u64 = 16;
+
     /// The bounded CI run: a few seeds of every client kind; `scripts/simulate.sh` runs many.
     #[test]
     fn simulator_seeds_hold_every_invariant() {
+        let mut total = SimStats::default();
         for seed in 1..=SMOKE_SEEDS {
             let opts = SimOptions {
-                steps: 2_000,
+                steps: 1_500,
                 ..SimOptions::new(seed)
             };
-            if let Err(f) = run(&opts) {
-                panic!("{f}");
+            match run(&opts) {
+                Ok(s) => {
+                    assert!(
+                        s.stores_committed > 0 && s.retrieves_hit > 0,
+                        "seed {seed} exercised too little: {s:?}"
+                    );
+                    total.retrieves_hit += s.retrieves_hit;
+                    total.adopted += s.adopted;
+                    total.reaped += s.reaped;
+                    total.lm_restarts += s.lm_restarts;
+                }
+                Err(f) => panic!("{f}"),
             }
         }
+        // Coverage floor: the paths the defects lived on are exercised every run.
+        assert!(total.retrieves_hit >= 40 * SMOKE_SEEDS, "{total:?}");
+        assert!(total.adopted >= 5 * SMOKE_SEEDS, "{total:?}");
+        assert!(total.reaped > 0 && total.lm_restarts > 0, "{total:?}");
     }
 
     /// A seed reproduces exactly (same steps, requests and simulated time).
@@ -527,6 +644,7 @@ mod tests {
         };
         let a = run(&opts).expect("seed 77 passes");
         let b = run(&opts).expect("seed 77 passes");
+        assert_eq!(a.trace_digest, b.trace_digest, "the traces differ");
         assert_eq!(
             (a.requests, a.sim_ms, a.stores_committed, a.retrieves_hit),
             (b.requests, b.sim_ms, b.stores_committed, b.retrieves_hit)
@@ -554,8 +672,52 @@ mod tests {
         }
         assert!(found, "publishing an uncommitted store went unnoticed");
     }
-}
 
-/// Seeds the CI test runs.
-#[cfg(test)]
-const SMOKE_SEEDS: u64 = 20;
+    /// The checks can fail: a transfer the node holds for an LMCache worker that no COMMIT will
+    /// ever be paired with (an orphan, what a frontend bug would leave) is caught.
+    #[test]
+    fn the_model_catches_an_orphaned_transfer() {
+        let mut sim = Sim::new(SimOptions::new(5));
+        for _ in 0..4_000 {
+            sim.step().expect("clean run");
+            let Some(reg) = sim.lms.iter().find_map(|a| a.reg.as_ref()) else {
+                continue;
+            };
+            let id = reg.inst.id;
+            let Some((key, _)) = sim.ctx.storage.snapshot().into_iter().find(|(k, e)| {
+                k.namespace == reg.inst.namespace
+                    && e.state == crate::storage::index::ObjectState::Ready
+                    && !e.doomed
+            }) else {
+                continue;
+            };
+            // Sabotage: a retrieve prepared for the worker behind the frontend's back.
+            let conn = sim.schedulers[0].clone();
+            let r = sim.native_call(
+                &conn,
+                crate::protocol::Request::PrepareRetrieve {
+                    instance_id: id,
+                    range: crate::protocol::ChunkRange {
+                        model: reg.inst.model.clone(),
+                        world_size: 1,
+                        worker_id: Some(0),
+                        cache_salt: String::new(),
+                        first_chunk: 0,
+                        chunk_hashes: vec![key.chunk_hash],
+                    },
+                    lookup_session: None,
+                },
+            );
+            assert!(matches!(
+                r,
+                crate::protocol::Response::RetrievePrepared { hit: true, .. }
+            ));
+            let e = sim
+                .check()
+                .expect_err("an orphaned transfer went unnoticed");
+            assert!(e.contains("does not queue"), "{e}");
+            return;
+        }
+        panic!("no LMCache object to sabotage with");
+    }
+}

@@ -290,6 +290,28 @@ impl Model {
                 }
             }
         }
+        // A prepared retrieve keeps its locks until its TTL: their lease is the object's.
+        let now = ctx.now_ms();
+        for inst in ctx.instances.all().iter().filter(|_| on("locks")) {
+            let p = inst.pending.lock();
+            for (t, r) in p.reads.iter() {
+                if now >= r.created_ms + READ_TTL_MS {
+                    continue;
+                }
+                for (key, lease) in &r.keys {
+                    let ok = snapshot
+                        .get(key)
+                        .is_some_and(|e| e.lease == *lease && e.state == ObjectState::Ready);
+                    if !ok {
+                        return Err(format!(
+                            "retrieve {t} of instance {} lost its lock on {:?} before its TTL",
+                            inst.id,
+                            &key.chunk_hash[..4]
+                        ));
+                    }
+                }
+            }
+        }
         for (k, e) in snapshot.iter().filter(|_| on("locks")) {
             let c = claims.get(k).copied().unwrap_or(0);
             if c != u64::from(e.readers) {

@@ -18,7 +18,8 @@ use crate::storage::{pack_kv_rank, StorageKey};
 #[derive(Clone)]
 pub struct Conn {
     sink: Arc<CaptureSink>,
-    registered: Arc<parking_lot::Mutex<dispatch::Registered>>,
+    /// The dispatcher's record of instances registered over it.
+    pub registered: Arc<parking_lot::Mutex<dispatch::Registered>>,
 }
 
 impl Conn {
@@ -30,7 +31,8 @@ impl Conn {
         }
     }
 
-    fn id(&self) -> u64 {
+    /// The connection id.
+    pub fn id(&self) -> u64 {
         crate::transport::ReplySink::connection_id(&*self.sink)
     }
 }
@@ -50,7 +52,7 @@ pub struct NativeActor {
     /// Transfer ids already committed or aborted (repeated on purpose).
     retired: Vec<u64>,
     /// Silent forever (a hung process): only the reaper can release it.
-    dead: bool,
+    pub(crate) dead: bool,
 }
 
 impl NativeActor {
@@ -72,6 +74,20 @@ impl NativeActor {
     pub fn forget(&mut self) {
         self.writes.clear();
         self.reads.clear();
+    }
+
+    /// A new process replaces this (dead) one: nothing of the old one is kept; returns the old
+    /// connections, which the caller closes.
+    pub fn revive(&mut self) -> Vec<Conn> {
+        self.dead = false;
+        self.forget();
+        self.retired.clear();
+        std::mem::take(&mut self.conns)
+    }
+
+    /// Node transfer ids this worker holds (prepared and not yet committed or aborted).
+    pub fn held(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.writes.iter().chain(self.reads.iter()).copied()
     }
 }
 
@@ -139,7 +155,7 @@ impl Sim {
                 .ctx
                 .namespaces
                 .lookup(model, salt)
-                .unwrap_or(crate::storage::NamespaceId(u32::MAX)),
+                .unwrap_or(crate::storage::NamespaceId(u64::MAX)),
         }
     }
 

@@ -208,7 +208,7 @@ impl StorageCore {
     fn shard(&self, key: &StorageKey) -> &Mutex<Shard> {
         let mut b = [0u8; 8];
         b.copy_from_slice(&key.chunk_hash[8..16]);
-        let h = u64::from_le_bytes(b) ^ u64::from(key.kv_rank) ^ u64::from(key.namespace.0);
+        let h = u64::from_le_bytes(b) ^ u64::from(key.kv_rank) ^ key.namespace.0;
         &self.shards[(h as usize) & (INDEX_SHARDS - 1)]
     }
 
@@ -349,21 +349,28 @@ impl StorageCore {
         results
     }
 
-    /// Takes one read lock on each of `keys` that is evictable right now, so eviction passes it
-    /// by; returns the `(key, lease)` pairs for [`StorageCore::unpin`]. Caller holds `gate`.
+    /// Takes one read lock on each of `keys` that is readable (`Ready`, not doomed), so eviction
+    /// passes it by even if its other holders let go meanwhile; returns the `(key, lease)` pairs
+    /// for [`StorageCore::unpin`]. Caller holds `gate`.
     fn pin_unlocked(&self, keys: &[StorageKey]) -> Vec<(StorageKey, u64)> {
-        let deadline = self.now_ms().saturating_add(self.read_ttl_ms());
+        let now = self.now_ms();
+        let deadline = now.saturating_add(self.read_ttl_ms());
         let mut pinned = Vec::new();
         for k in keys {
             let mut shard = self.shard(k).lock();
             let Some(e) = shard.map.get_mut(k) else {
                 continue;
             };
-            if !e.evictable() {
+            if e.state != ObjectState::Ready || e.doomed {
                 continue;
             }
-            e.readers = 1;
-            e.lock_deadline_ms = deadline;
+            self.drop_expired_reads(e, now);
+            e.lock_deadline_ms = if e.readers == 0 {
+                deadline
+            } else {
+                e.lock_deadline_ms.max(deadline)
+            };
+            e.readers = e.readers.saturating_add(1);
             pinned.push((*k, e.lease));
             shard.sync_recency(k);
         }

@@ -110,9 +110,9 @@ impl ObjectKey {
 /// Interned id of a `(model, cache_salt)` pair. Invariant: issued by one [`Namespaces`] table
 /// and never reused for a different pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NamespaceId(pub u32);
+pub struct NamespaceId(pub u64);
 
-/// The index key: an [`ObjectKey`] with model and salt interned. `Copy`, 44 bytes, hashed from
+/// The index key: an [`ObjectKey`] with model and salt interned. `Copy`, 48 bytes, hashed from
 /// the (already uniformly random) chunk digest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct StorageKey {
@@ -134,13 +134,13 @@ impl StorageKey {
         let h = u64::from_le_bytes(b);
         let extra = (u64::from(self.kv_rank) << 32)
             ^ (u64::from(self.object_group) << 16)
-            ^ u64::from(self.namespace.0);
+            ^ self.namespace.0;
         (h ^ extra.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(17)
     }
 }
 
 /// Interning table for `(model, cache_salt)` pairs. Invariants: an id is never issued twice
-/// (ids only grow, so a key that outlives its namespace can never alias another one); at most
+/// (64-bit ids only grow, so a key that outlives its namespace can never alias another one); at most
 /// `limit` namespaces are interned at once; a namespace is dropped only by [`Namespaces::reclaim`],
 /// when nothing uses it and no request named it within the grace.
 pub struct Namespaces {
@@ -173,8 +173,8 @@ struct NamespaceEntry {
 struct NamespaceTable {
     /// model -> salt -> entry (nested so lookups borrow `&str` without allocating).
     ids: HashMap<String, HashMap<String, NamespaceEntry>>,
-    names: HashMap<u32, (String, String)>,
-    next_id: u32,
+    names: HashMap<u64, (String, String)>,
+    next_id: u64,
 }
 
 impl Namespaces {
@@ -191,8 +191,19 @@ impl Namespaces {
 
     /// The id of `(model, salt)`, interning it on first use (for a request that will store
     /// under it). Validates both names; refused when `limit` namespaces are held (a reclaim is
-    /// then requested) or the id space is exhausted.
+    /// then requested).
     pub fn intern(&self, model: &str, salt: &str) -> Result<NamespaceId> {
+        self.intern_with(model, salt, true)
+    }
+
+    /// [`Namespaces::intern`] without the limit, for objects found on disk at start-up: they
+    /// exist already, so refusing their namespace would only lose them. (While more than the
+    /// limit are held, new namespaces are refused until reclaims bring the count down.)
+    pub fn intern_recovered(&self, model: &str, salt: &str) -> Result<NamespaceId> {
+        self.intern_with(model, salt, false)
+    }
+
+    fn intern_with(&self, model: &str, salt: &str, bounded: bool) -> Result<NamespaceId> {
         let now = self.now_ms();
         {
             let t = self.inner.read();
@@ -209,18 +220,12 @@ impl Namespaces {
             return Ok(e.id);
         }
         let limit = self.limit.load(Ordering::Relaxed);
-        if t.names.len() >= limit {
+        if bounded && t.names.len() >= limit {
             self.reclaim_wanted.store(true, Ordering::Relaxed);
             return Err(Error::limit(format!(
                 "{limit} distinct (model, cache_salt) pairs are in use (the limit); \
                  ({model:?}, {salt:?}) is refused until some are no longer used"
             )));
-        }
-        if t.next_id == u32::MAX {
-            return Err(Error::limit(
-                "namespace ids are exhausted (4 294 967 295 distinct (model, cache_salt) pairs \
-                 since start-up); restart the node",
-            ));
         }
         let id = NamespaceId(t.next_id);
         t.next_id += 1;
