@@ -79,9 +79,17 @@ pub struct SoakArgs {
     /// Node `write_ttl_secs`.
     #[arg(long, default_value_t = 5)]
     pub write_ttl_secs: u64,
+    /// Deadline for the end state to become clean after the survivors exit, in seconds
+    /// (default: the longest TTL + the reap timeout + 10 s).
+    #[arg(long)]
+    pub settle_secs: Option<f64>,
     /// Keep the working directory (node log, worker log) even when the soak passes.
     #[arg(long)]
     pub keep_dir: bool,
+    /// Test of the harness itself: the survivors store every 8th chunk with one wrong byte, so
+    /// the soak must FAIL with corrupt chunks.
+    #[arg(long, hide = true)]
+    pub sabotage: bool,
 }
 
 /// One worker process.
@@ -135,6 +143,9 @@ impl Soak<'_> {
                 "--final-verify-limit",
                 &self.a.final_verify_limit.to_string(),
             ]);
+        if self.a.sabotage && role == Role::Survivor {
+            cmd.arg("--sabotage");
+        }
         match kind {
             ClientKind::Native => cmd.arg("--socket").arg(&self.node.socket),
             ClientKind::Lmcache => cmd.args(["--port", &self.node.port.to_string()]),
@@ -348,7 +359,7 @@ impl Soak<'_> {
             .session_ttl_secs
             .max(a.read_ttl_secs)
             .max(a.write_ttl_secs) as f64;
-        let limit = Duration::from_secs_f64(ttl + a.reap_secs + 10.0);
+        let limit = Duration::from_secs_f64(a.settle_secs.unwrap_or(ttl + a.reap_secs + 10.0));
         let t = Instant::now();
         let mut unmet = vec!["no status".to_string()];
         while self.node_died.is_none() {

@@ -35,6 +35,12 @@ pub struct WorkerState {
     pub notes: Vec<String>,
     /// `error ...` lines seen.
     pub errors: u64,
+    /// `corrupt ...` lines seen (counted here too: a kill may land before the next `stats`).
+    pub corrupt_lines: u64,
+    /// `anomaly lookup_then_miss ...` lines seen.
+    pub lookup_then_miss_lines: u64,
+    /// `anomaly stale_commit ...` lines seen.
+    pub stale_commit_lines: u64,
 }
 
 /// A worker's shared state plus the thread that fills it.
@@ -91,8 +97,12 @@ fn apply(st: &mut WorkerState, line: &str) {
         "final" => st.final_done = true,
         "exit" => st.exited = true,
         "corrupt" | "anomaly" | "error" => {
-            if word == "error" {
-                st.errors += 1;
+            match (word, rest.split(' ').next()) {
+                ("error", _) => st.errors += 1,
+                ("corrupt", _) => st.corrupt_lines += 1,
+                (_, Some("lookup_then_miss")) => st.lookup_then_miss_lines += 1,
+                (_, Some("stale_commit")) => st.stale_commit_lines += 1,
+                _ => {}
             }
             if st.notes.len() < MAX_NOTES {
                 st.notes.push(line.to_owned());
@@ -185,9 +195,9 @@ impl Tally {
         t.retrieves += s.retrieves;
         t.retrieve_misses += s.retrieve_misses;
         t.chunks_verified += s.chunks_verified;
-        t.corrupt += s.corrupt;
-        t.lookup_then_miss += s.lookup_then_miss;
-        t.stale_commits += s.stale_commits;
+        t.corrupt += s.corrupt.max(st.corrupt_lines);
+        t.lookup_then_miss += s.lookup_then_miss.max(st.lookup_then_miss_lines);
+        t.stale_commits += s.stale_commits.max(st.stale_commit_lines);
         t.stale_reads += s.stale_reads;
         t.pings += s.pings;
         t.final_convs += s.final_convs;
@@ -411,12 +421,15 @@ mod tests {
         apply(&mut st, r#"stats {"stores":3,"chunks_verified":9}"#);
         apply(&mut st, "corrupt conv=1 chunk=0");
         apply(&mut st, "error Io: gone");
+        apply(&mut st, "anomaly lookup_then_miss conv=1 hits=2");
         assert_eq!(st.phase, "copy_in");
         assert!(st.ready);
         assert_eq!(st.stats.stores, 3);
         assert_eq!(st.stats.chunks_verified, 9);
         assert_eq!(st.errors, 1);
-        assert_eq!(st.notes.len(), 2);
+        assert_eq!(st.corrupt_lines, 1);
+        assert_eq!(st.lookup_then_miss_lines, 1);
+        assert_eq!(st.notes.len(), 3);
         assert_eq!(phase_group(&st.phase), "store");
     }
 

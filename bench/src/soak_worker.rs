@@ -88,6 +88,9 @@ pub struct WorkerArgs {
     /// Conversations a survivor remembers and re-verifies at the end (the most recent ones).
     #[arg(long, default_value_t = 4096)]
     pub final_verify_limit: usize,
+    /// Test of the harness: every 8th chunk this worker stores gets one wrong byte.
+    #[arg(long, hide = true)]
+    pub sabotage: bool,
 }
 
 /// Cumulative counters of one worker process (printed as `stats {json}` after every operation).
@@ -188,6 +191,10 @@ struct Worker<'a> {
     own: VecDeque<(u64, u32)>,
     next_req: u64,
     next_private: u64,
+    /// Chunks copied into the pool so far.
+    written: u64,
+    /// In the final verification (no pauses: nobody is killed any more).
+    finishing: bool,
     last_ping: Instant,
 }
 
@@ -197,6 +204,9 @@ impl Worker<'_> {
     }
 
     fn pause(&mut self) {
+        if self.finishing {
+            return;
+        }
         let ms = self.rng.below(self.args.max_pause_ms + 1);
         if ms > 0 {
             std::thread::sleep(Duration::from_millis(ms));
@@ -306,6 +316,10 @@ impl Worker<'_> {
         for s in &p.slots {
             let h = slot_hash(&conv, s, want)?;
             self.payload.fill(h, &mut buf);
+            self.written += 1;
+            if self.args.sabotage && self.written.is_multiple_of(8) {
+                buf[want / 2] ^= 0x5A;
+            }
             self.engine.pool().write_at(s.offset, &buf)?;
         }
         self.phase("store_copied");
@@ -439,6 +453,7 @@ impl Worker<'_> {
 
     /// Survivors: re-read every remembered conversation still cached and verify every byte.
     fn final_verify(&mut self) -> Result<(), Error> {
+        self.finishing = true;
         let mut latest: HashMap<u64, u32> = HashMap::new();
         for &(id, n) in &self.own {
             let e = latest.entry(id).or_insert(0);
@@ -529,6 +544,8 @@ pub fn run(args: &WorkerArgs) -> i32 {
         own: VecDeque::new(),
         next_req: 0,
         next_private: 0,
+        written: 0,
+        finishing: false,
         last_ping: Instant::now(),
     };
     w.out.line(&format!("ready {}", args.instance_id));
