@@ -95,6 +95,7 @@ pub struct WorkerArgs {
 
 /// Cumulative counters of one worker process (printed as `stats {json}` after every operation).
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[serde(default)]
 pub struct WorkerStats {
     /// Committed stores that published at least one chunk.
     pub stores: u64,
