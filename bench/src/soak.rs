@@ -12,8 +12,6 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use kvnode::client::Client;
-
 use crate::soak_engine::object_bytes;
 use crate::soak_node::LmNode;
 use crate::soak_report::{end_unmet, mib, rss, Outcome, Reader, Tally, Verdict, WorkerState};
@@ -231,7 +229,7 @@ impl Soak<'_> {
     fn poll_status(&mut self) {
         let st = match self.node.status() {
             Ok(st) => st,
-            Err(e) => return self.failures.push(format!("node status failed: {e}")),
+            Err(e) => return self.fail_once(format!("node status failed: {e}")),
         };
         if st["memcheck_ok"] != true && !self.memcheck_failed {
             self.memcheck_failed = true;
@@ -244,13 +242,21 @@ impl Soak<'_> {
             .as_array()
             .map(|v| v.iter().filter_map(|i| i["id"].as_u64()).collect())
             .unwrap_or_default();
+        let mut lost = Vec::new();
         for s in &self.survivors {
             if s.reader.snapshot().ready && !ids.contains(&s.id) {
-                let msg = format!("{} is alive but no longer registered", s.name());
-                if !self.failures.contains(&msg) {
-                    self.failures.push(msg);
-                }
+                lost.push(format!("{} is alive but no longer registered", s.name()));
             }
+        }
+        for msg in lost {
+            self.fail_once(msg);
+        }
+    }
+
+    /// Records a failure unless the same one was recorded already (repeated polls).
+    fn fail_once(&mut self, msg: String) {
+        if !self.failures.contains(&msg) {
+            self.failures.push(msg);
         }
     }
 
@@ -383,9 +389,7 @@ impl Soak<'_> {
                 unmet.join(", ")
             ));
         }
-        let mc = Client::connect(&self.node.socket)
-            .and_then(|mut c| c.memcheck())
-            .map_err(|e| e.to_string());
+        let mc = self.node.memcheck();
         if !matches!(&mc, Ok((true, _))) {
             self.failures.push(format!("MEMCHECK: {mc:?}"));
         }

@@ -11,6 +11,9 @@ use kvnode::client::Client;
 
 use crate::soak::SoakArgs;
 
+/// Longest wait for the node's answer to STATUS or MEMCHECK.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The node under test. Invariant: stopped (SIGTERM, then SIGKILL) on drop; its segment removed.
 pub struct LmNode {
     child: Child,
@@ -106,11 +109,36 @@ impl LmNode {
         }
     }
 
-    /// The node's STATUS (a fresh connection).
+    /// Runs `f` on a fresh native connection, on its own thread, waiting at most
+    /// [`ANSWER_TIMEOUT`]: a hung node fails the soak instead of hanging it (the stuck thread
+    /// is left behind).
+    fn ask<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&mut Client) -> kvnode::Result<T> + Send + 'static,
+    ) -> Result<T, String> {
+        let socket = self.socket.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = Client::connect(&socket).and_then(|mut c| f(&mut c));
+            let _ = tx.send(r.map_err(|e| format!("{what}: {e}")));
+        });
+        rx.recv_timeout(ANSWER_TIMEOUT).unwrap_or_else(|_| {
+            Err(format!(
+                "{what}: no answer within {} s (node hung?)",
+                ANSWER_TIMEOUT.as_secs()
+            ))
+        })
+    }
+
+    /// The node's STATUS.
     pub fn status(&self) -> Result<serde_json::Value, String> {
-        Client::connect(&self.socket)
-            .and_then(|mut c| c.status())
-            .map_err(|e| format!("status: {e}"))
+        self.ask("STATUS", |c| c.status())
+    }
+
+    /// The node's MEMCHECK: (ok, problems).
+    pub fn memcheck(&self) -> Result<(bool, Vec<String>), String> {
+        self.ask("MEMCHECK", |c| c.memcheck())
     }
 
     /// The last `lines` lines of the node's log.
