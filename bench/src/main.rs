@@ -1,7 +1,8 @@
 //! `kvnode-bench`: load-tests a kvnode through the public client library, as real engines would,
 //! and reports latency percentiles and goodput next to the machine's limits measured in the same
 //! run (memcpy bandwidth over the same page backing, a bare Unix-socket ping-pong).
-//! `kvnode-bench l2` measures the L2 disk tier against raw `O_DIRECT` I/O on the same disk.
+//! `kvnode-bench l2` measures the L2 disk tier against raw `O_DIRECT` I/O on the same disk;
+//! `kvnode-bench soak` is the kill soak (clients SIGKILLed mid-transfer, the node must stay clean).
 
 mod baseline;
 mod disk;
@@ -11,6 +12,12 @@ mod opcount;
 mod payload;
 mod plot;
 mod report;
+mod soak;
+mod soak_engine;
+mod soak_lmcache;
+mod soak_node;
+mod soak_report;
+mod soak_worker;
 mod stats;
 mod workload;
 
@@ -133,6 +140,12 @@ fn random_nonce() -> u64 {
 enum Mode {
     /// L2 disk tier: raw O_DIRECT baseline, node write-behind and cold read per block engine.
     L2(l2::L2Args),
+    /// Kill soak: native and LMCache clients SIGKILLed at random points while survivors store
+    /// and verify; then the node must be clean (see bench/README.md).
+    Soak(soak::SoakArgs),
+    /// One client process of the kill soak (started by `soak`, never by hand).
+    #[command(hide = true)]
+    SoakWorker(soak_worker::WorkerArgs),
 }
 
 fn main() {
@@ -168,6 +181,8 @@ fn main() {
     let args = Args::parse();
     let outcome = match &args.mode {
         Some(Mode::L2(a)) => l2::run(a),
+        Some(Mode::Soak(a)) => soak::run(a),
+        Some(Mode::SoakWorker(a)) => std::process::exit(soak_worker::run(a)),
         None => run(&args),
     };
     match outcome {

@@ -12,7 +12,8 @@ pub struct SpawnedNode {
     pub socket: PathBuf,
 }
 
-fn find_node_bin(explicit: Option<&Path>) -> Result<PathBuf, String> {
+/// The `kvnode` binary: `explicit`, else next to this binary, else on PATH.
+pub fn find_node_bin(explicit: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(p) = explicit {
         return Ok(p.to_path_buf());
     }
