@@ -543,7 +543,8 @@ pub fn run(a: &SoakArgs) -> Result<bool, String> {
     }
     let pass = s.failures.is_empty();
     drop(s);
-    if pass && !a.keep_dir {
+    // A sabotaged soak is meant to fail: its logs are of no interest either.
+    if (pass || a.sabotage) && !a.keep_dir {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
         eprintln!("soak: node and worker logs kept in {}", dir.display());

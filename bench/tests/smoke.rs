@@ -5,14 +5,35 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvnode-bench-smoke-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+/// A private directory for one test's files, removed when the test ends (kept if it failed,
+/// for its files).
+struct TestDir(PathBuf);
+
+impl TestDir {
+    fn new(tag: &str) -> TestDir {
+        let d =
+            std::env::temp_dir().join(format!("kvnode-bench-smoke-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TestDir(d)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 fn run(workload: &str, extra: &[&str]) -> serde_json::Value {
-    let json = tmp(&format!("{workload}-{}.json", extra.len()));
+    let dir = TestDir::new(&format!("{workload}-{}", extra.len()));
+    let json = dir.path("out.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvnode-bench"))
         .args([
             "--spawn",
@@ -92,7 +113,8 @@ fn store_workload() {
 
 #[test]
 fn retrieve_workload_in_processes_with_plot() {
-    let png = tmp("retrieve.png");
+    let dir = TestDir::new("png");
+    let png = dir.path("retrieve.png");
     let j = run(
         "retrieve",
         &["--processes", "--plot", png.to_str().unwrap()],

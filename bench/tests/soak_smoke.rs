@@ -4,17 +4,12 @@
 //! is not vacuous). Small pool: debug nodes may run memcheck after every storage mutation.
 //! No timing assertions: the soak's own waits poll with generous deadlines.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn json_path(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvnode-soak-smoke-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
-}
-
 fn soak(name: &str, extra: &[&str]) -> (Output, serde_json::Value) {
-    let json = json_path(name);
+    let dir = std::env::temp_dir().join(format!("kvnode-soak-smoke-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("soak.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvnode-bench"))
         .args(["soak", "--duration", "5", "--pool-gb", "0.03125"])
         .args(["--final-verify-limit", "256"])
@@ -30,6 +25,7 @@ fn soak(name: &str, extra: &[&str]) -> (Output, serde_json::Value) {
             String::from_utf8_lossy(&out.stderr)
         )
     });
+    let _ = std::fs::remove_dir_all(&dir);
     (out, serde_json::from_str(&text).unwrap())
 }
 
