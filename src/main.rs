@@ -289,10 +289,12 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     a.l2.apply(&mut cfg.l2)?;
     let handlers = cfg.worker_threads();
     let signals = install_signals()?;
+    // The port is checked before the pool is built: a second server on a busy port fails at once,
+    // without pre-faulting memory or touching anything.
+    let host = lmcache_bind_host(&a.host, a.port)?;
     let node = Node::start(cfg).map_err(|e| e.to_string())?;
     let frontend = kvnode::lmcache::frontend::LmFrontend::new(node.context().clone());
-    let server = match kvnode::lmcache::server::LmServer::start(frontend, &a.host, a.port, handlers)
-    {
+    let server = match kvnode::lmcache::server::LmServer::start(frontend, &host, a.port, handlers) {
         Ok(s) => s,
         Err(e) => {
             node.shutdown();
@@ -306,6 +308,43 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     server.shutdown();
     node.shutdown();
     Ok(())
+}
+
+/// The address to bind the LMCache ROUTER on: an IP address as given, `*` for every
+/// interface, or a host name resolved to its first IPv4 address (libzmq binds interfaces and
+/// addresses, not names: `localhost` would fail). Fails, naming the port, when it is taken.
+fn lmcache_bind_host(host: &str, port: u16) -> Result<String, String> {
+    use std::net::{IpAddr, ToSocketAddrs};
+    let ip: IpAddr = if host == "*" {
+        IpAddr::from([0, 0, 0, 0])
+    } else if let Ok(ip) = host.parse() {
+        ip
+    } else {
+        let addrs: Vec<_> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| format!("--host {host:?}: cannot resolve it: {e}"))?
+            .collect();
+        addrs
+            .iter()
+            .find(|a| a.is_ipv4())
+            .or(addrs.first())
+            .map(|a| a.ip())
+            .ok_or_else(|| format!("--host {host:?}: resolves to no address"))?
+    };
+    match std::net::TcpListener::bind((ip, port)) {
+        Ok(probe) => drop(probe),
+        Err(e) => {
+            return Err(format!(
+                "cannot serve LMCache clients on {host}:{port} ({ip}): {e}; is another server \
+                 running on that port?"
+            ))
+        }
+    }
+    Ok(match (host, ip) {
+        ("*", _) => "*".to_owned(),
+        (_, IpAddr::V6(v6)) => format!("[{v6}]"),
+        (_, IpAddr::V4(v4)) => v4.to_string(),
+    })
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {

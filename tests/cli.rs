@@ -434,3 +434,60 @@ fn help_shows_the_defaults() {
         }
     }
 }
+
+/// `kvnode lmcache-server` with its default `--host localhost` comes up (libzmq binds
+/// addresses, not names), and a second server on the same port is refused before it builds a
+/// pool, leaving the first server's shm segment alone (it used to unlink it).
+#[test]
+fn lmcache_server_default_host_and_a_second_server_on_its_port() {
+    use std::time::{Duration, Instant};
+    let dir = TestDir::new("cli-lmhost");
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let port_s = port.to_string();
+    let shm = format!("clihost{}", std::process::id());
+    let sock = dir.join("s.sock");
+    let log = std::fs::File::create(dir.join("node.log")).unwrap();
+    let mut first = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args(["lmcache-server", "--port", &port_s, "--l1-size-gb", "0.01"])
+        .args(["--shm-name", &shm, "--socket", sock.to_str().unwrap()])
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "lmcache-server exited: {}",
+            std::fs::read_to_string(dir.join("node.log")).unwrap_or_default()
+        );
+        assert!(Instant::now() < deadline, "the LMCache port never opened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let segment = format!("/dev/shm/lmcache_l1_pool_{shm}");
+    let before = std::fs::metadata(&segment).unwrap();
+    let out = kvnode(&[
+        "lmcache-server",
+        "--port",
+        &port_s,
+        "--l1-size-gb",
+        "0.01",
+        "--shm-name",
+        &shm,
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("localhost:{port}")), "{err}");
+    let after = std::fs::metadata(&segment).expect("the first server's segment is kept");
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((before.dev(), before.ino()), (after.dev(), after.ino()));
+    assert!(
+        first.try_wait().unwrap().is_none(),
+        "the first server still runs"
+    );
+    let _ = Command::new("kill").arg(first.id().to_string()).status();
+    assert!(first.wait().unwrap().success());
+    assert!(!Path::new(&segment).exists(), "removed on SIGTERM");
+}

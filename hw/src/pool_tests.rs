@@ -318,6 +318,16 @@ fn posix_shm_pool() {
         .unwrap();
     assert_eq!((md.dev(), md.ino()), (pool_md.dev(), pool_md.ino()));
 
+    // A second node asking for the same name is refused while this one holds it, and the
+    // segment is left alone (it used to be unlinked under the running node).
+    let e = SharedPool::create(&o).unwrap_err().to_string();
+    assert!(
+        e.contains("in use by a running node") && e.contains(&path),
+        "{e}"
+    );
+    let md2 = std::fs::metadata(&path).unwrap();
+    assert_eq!((md2.dev(), md2.ino()), (md.dev(), md.ino()));
+
     let client = PoolMapping::open_posix_shm(&name, pool.len()).unwrap();
     client.region().write_at(MIB, b"via shm name").unwrap();
     let mut got = [0u8; 12];
@@ -348,10 +358,17 @@ fn posix_shm_drop_keeps_foreign_segment() {
     o.posix_shm_name = Some(name.clone());
     o.prefault = false;
     let first = SharedPool::create(&o).unwrap();
-    // Someone else takes over the name (stale-unlink + recreate).
-    let second = SharedPool::create(&o).unwrap();
+    // Someone else replaces the name by hand (an operator, another program).
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, b"someone else's").unwrap();
     drop(first);
-    assert!(std::path::Path::new(&path).exists(), "second segment kept");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"someone else's",
+        "a segment the pool did not create is kept"
+    );
+    // Nobody holds its lock: a new pool treats it as stale and replaces it.
+    let second = SharedPool::create(&o).unwrap();
     drop(second);
     assert!(!std::path::Path::new(&path).exists());
 }

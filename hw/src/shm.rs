@@ -45,6 +45,21 @@ fn shm_unlink(name: &CString) -> std::io::Result<()> {
     }
 }
 
+/// Takes an exclusive `flock` without waiting: `Ok(false)` when another open file holds it.
+/// The lock lasts as long as this open file description (any duplicate of `fd`) is open.
+fn try_lock_exclusive(fd: &OwnedFd) -> std::io::Result<bool> {
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
 /// Opens an existing segment read-write.
 pub(crate) fn open_existing(name: &str) -> HwResult<OwnedFd> {
     let c = c_name(name)?;
@@ -63,17 +78,52 @@ pub(crate) struct ShmSegment {
 }
 
 impl ShmSegment {
-    /// Creates `/dev/shm/<name>` exclusively with mode 0600, after unlinking
-    /// a stale segment of that name. Returns the guard and the fd.
+    /// Creates `/dev/shm/<name>` exclusively with mode 0600 and takes an exclusive `flock` on
+    /// it, held for as long as the returned descriptor (the pool's) is open. An existing segment
+    /// of that name is removed only when it is stale: nobody holds its lock (a node that died)
+    /// and it belongs to this user. A segment another running node holds is never touched: the
+    /// call fails naming it. Returns the guard and the fd.
     pub(crate) fn create(name: &str) -> HwResult<(ShmSegment, OwnedFd)> {
         let c = c_name(name)?;
-        match shm_unlink(&c) {
-            Ok(()) => tracing::warn!(name, "unlinked stale POSIX shm segment"),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => return Err(HwError::os("shm_unlink (stale segment)", e)),
-        }
-        let fd = shm_open(&c, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600)
-            .map_err(|e| HwError::os("shm_open(O_CREAT|O_EXCL)", e))?;
+        let path = format!("{}/{name}", crate::sys::DEV_SHM);
+        let mut removed_stale = false;
+        let fd = loop {
+            match shm_open(&c, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) {
+                Ok(fd) => break fd,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) && !removed_stale => {
+                    let old = shm_open(&c, libc::O_RDONLY, 0)
+                        .map_err(|e| HwError::os("shm_open (existing segment)", e))?;
+                    if !try_lock_exclusive(&old).map_err(|e| HwError::os("flock", e))? {
+                        return Err(HwError::Invalid(format!(
+                            "the POSIX shm segment {path} is in use by a running node (it holds \
+                             the segment's lock); choose another --shm-name or stop that node"
+                        )));
+                    }
+                    let owner = File::from(old)
+                        .metadata()
+                        .map_err(|e| HwError::os("fstat", e))?
+                        .uid();
+                    // SAFETY: geteuid has no preconditions and cannot fail.
+                    let me = unsafe { libc::geteuid() };
+                    if owner != me {
+                        return Err(HwError::Invalid(format!(
+                            "a stale POSIX shm segment {path} belongs to uid {owner}, not to this \
+                             node's uid {me}; remove it if no node uses it"
+                        )));
+                    }
+                    match shm_unlink(&c) {
+                        Ok(()) => tracing::warn!(
+                            path,
+                            "removed a stale POSIX shm segment (no node held its lock)"
+                        ),
+                        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                        Err(e) => return Err(HwError::os("shm_unlink (stale segment)", e)),
+                    }
+                    removed_stale = true;
+                }
+                Err(e) => return Err(HwError::os("shm_open(O_CREAT|O_EXCL)", e)),
+            }
+        };
         let file = File::from(fd);
         let md = match file.metadata() {
             Ok(md) => md,
@@ -93,7 +143,14 @@ impl ShmSegment {
         if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
             return Err(HwError::last_os("fchmod"));
         }
-        Ok((seg, OwnedFd::from(file)))
+        let fd = OwnedFd::from(file);
+        if !try_lock_exclusive(&fd).map_err(|e| HwError::os("flock", e))? {
+            return Err(HwError::Invalid(format!(
+                "the POSIX shm segment {path} was locked by another process right after this \
+                 node created it"
+            )));
+        }
+        Ok((seg, fd))
     }
 
     /// Name without the leading slash.

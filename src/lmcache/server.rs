@@ -116,6 +116,7 @@ impl LmServer {
             .socket(zmq::ROUTER)
             .map_err(|e| Error::new(crate::ErrorKind::Io, format!("zmq socket: {e}")))?;
         let _ = router.set_linger(0);
+        let _ = router.set_ipv6(host.starts_with('['));
         // libzmq refuses larger messages before buffering them (hostile peers).
         let _ = router.set_maxmsgsize(MAX_REQUEST_BYTES as i64);
         let _ = router.set_sndhwm(100_000);
