@@ -330,6 +330,13 @@ impl NodeConfig {
                 self.registration_grace_secs, self.reap_timeout_secs
             )));
         }
+        if self.socket_mode > 0o777 || self.socket_mode & 0o600 != 0o600 {
+            return Err(Error::invalid(format!(
+                "socket_mode {:#o}: permission bits only (at most 0777), and the owner needs read \
+                 and write, or not even the node's own user could connect",
+                self.socket_mode
+            )));
+        }
         if self.liveness_tick_ms == 0 || self.liveness_tick_ms > MAX_LIVENESS_TICK_MS {
             return Err(Error::invalid(format!(
                 "liveness tick {} ms outside 1..={MAX_LIVENESS_TICK_MS} ms",
@@ -505,6 +512,30 @@ mod tests {
         let mut c = NodeConfig::default();
         c.limits.max_instances = 0;
         assert!(c.validate().is_err());
+        // TTLs: 0 would free what a client is still copying; "forever" would overflow.
+        for (w, r, s) in [
+            (0, 300, 600),
+            (600, 0, 600),
+            (600, 300, 0),
+            (u64::MAX, 300, 600),
+        ] {
+            let c = NodeConfig {
+                write_ttl_secs: w,
+                read_ttl_secs: r,
+                session_ttl_secs: s,
+                ..NodeConfig::default()
+            };
+            let e = c.validate().unwrap_err();
+            assert!(e.context.contains("ttl_secs"), "{e}");
+        }
+        // The socket mode from a config file follows the flag's rules.
+        for mode in [0, 0o400, 0o1777] {
+            let c = NodeConfig {
+                socket_mode: mode,
+                ..NodeConfig::default()
+            };
+            assert!(c.validate().unwrap_err().context.contains("socket_mode"));
+        }
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
@@ -225,9 +227,20 @@ fn init_logs(filter: &str) -> Result<(), String> {
 
 /// Installs the SIGTERM/SIGINT handlers; call before starting anything, so a signal that
 /// arrives during start-up is not fatal.
-fn install_signals() -> Result<signal_hook::iterator::Signals, String> {
-    signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
-        .map_err(|e| format!("installing signal handlers: {e}"))
+/// The stop signals, and a flag they raise: a first SIGTERM/SIGINT during start-up stops the
+/// pool's pre-fault (the node then exits cleanly); a second one ends the process at once.
+/// After start-up, `Signals` delivers them to [`wait_for_signal`].
+fn install_signals() -> Result<(signal_hook::iterator::Signals, Arc<AtomicBool>), String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = Arc::new(AtomicBool::new(false));
+    let err = |e: std::io::Error| format!("installing signal handlers: {e}");
+    for sig in [SIGTERM, SIGINT] {
+        // Order matters: the conditional exit sees the flag as it was before this signal.
+        signal_hook::flag::register_conditional_shutdown(sig, 1, stop.clone()).map_err(err)?;
+        signal_hook::flag::register(sig, stop.clone()).map_err(err)?;
+    }
+    let signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(err)?;
+    Ok((signals, stop))
 }
 
 fn wait_for_signal(mut signals: signal_hook::iterator::Signals) {
@@ -288,11 +301,11 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     };
     a.l2.apply(&mut cfg.l2)?;
     let handlers = cfg.worker_threads();
-    let signals = install_signals()?;
+    let (signals, stop) = install_signals()?;
     // The port is checked before the pool is built: a second server on a busy port fails at once,
     // without pre-faulting memory or touching anything.
     let host = lmcache_bind_host(&a.host, a.port)?;
-    let node = Node::start(cfg).map_err(|e| e.to_string())?;
+    let node = Node::start_cancellable(cfg, Some(stop)).map_err(|e| e.to_string())?;
     let frontend = kvnode::lmcache::frontend::LmFrontend::new(node.context().clone());
     let server = match kvnode::lmcache::server::LmServer::start(frontend, &host, a.port, handlers) {
         Ok(s) => s,
@@ -392,6 +405,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if let Some(v) = args.socket_mode {
         cfg.socket_mode = v;
     }
+    if cfg.socket.as_os_str().is_empty() {
+        return Err(
+            "the socket path is empty: `kvnode serve` needs --socket PATH (or `socket` in \
+                    the config file) for engines to connect"
+                .into(),
+        );
+    }
     if let Some(v) = args.pool_size {
         cfg.pool_bytes = v;
     }
@@ -419,15 +439,26 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             "reap timeout under 30 s: engines heartbeat every 10 s and may be reaped while healthy"
         );
     }
-    let signals = install_signals()?;
-    let node = Node::start(cfg).map_err(|e| e.to_string())?;
+    let (signals, stop) = install_signals()?;
+    let node = Node::start_cancellable(cfg, Some(stop)).map_err(|e| e.to_string())?;
     wait_for_signal(signals);
     node.shutdown();
     Ok(())
 }
 
+/// How long `kvnode status` and `kvnode ping` wait for the node's answer.
+const CLI_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Connects for a one-shot CLI request, bounded by [`CLI_REPLY_TIMEOUT`].
+fn cli_client(socket: &std::path::Path) -> Result<Client, String> {
+    let mut c = Client::connect(socket).map_err(|e| e.to_string())?;
+    c.set_timeout(Some(CLI_REPLY_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    Ok(c)
+}
+
 fn status(socket: PathBuf, json: bool) -> Result<(), String> {
-    let mut c = Client::connect(&socket).map_err(|e| e.to_string())?;
+    let mut c = cli_client(&socket)?;
     let text = c.status_json().map_err(|e| e.to_string())?;
     if json {
         println!("{text}");
@@ -483,7 +514,7 @@ fn status(socket: PathBuf, json: bool) -> Result<(), String> {
 
 fn ping(socket: PathBuf) -> Result<(), String> {
     let t = Instant::now();
-    let mut c = Client::connect(&socket).map_err(|e| e.to_string())?;
+    let mut c = cli_client(&socket)?;
     c.ping(None).map_err(|e| e.to_string())?;
     println!(
         "pong from {} in {} us",

@@ -491,3 +491,30 @@ fn lmcache_server_default_host_and_a_second_server_on_its_port() {
     assert!(first.wait().unwrap().success());
     assert!(!Path::new(&segment).exists(), "removed on SIGTERM");
 }
+
+/// `kvnode status` against something that accepts but never answers (a node starting up or
+/// hung) gives up with a clear message instead of blocking forever.
+#[test]
+fn status_gives_up_on_a_node_that_never_answers() {
+    use std::time::{Duration, Instant};
+    let dir = TestDir::new("cli-mute");
+    let sock = dir.join("mute.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let held = std::thread::spawn(move || listener.accept().map(|c| c.0));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args(["status", "--socket", sock.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "kvnode status is still waiting");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not answer"), "{err}");
+    drop(held.join());
+}

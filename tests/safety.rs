@@ -229,3 +229,50 @@ fn the_socket_is_removed_when_a_later_start_up_step_fails() {
     );
     assert_eq!(std::fs::read(&l2).unwrap()[..26], bytes[..26]);
 }
+
+/// SIGTERM during start-up (while a large pool is being pre-faulted) stops the node there: it
+/// never finishes building the pool or starts serving, and removes the socket it created.
+#[test]
+fn sigterm_during_start_up_stops_the_pre_fault() {
+    use std::time::{Duration, Instant};
+    let dir = TestDir::new("sigterm-startup");
+    let sock = dir.join("s.sock");
+    let log = std::fs::File::create(dir.join("node.log")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args(["serve", "--socket", sock.to_str().unwrap()])
+        .args([
+            "--pool-size",
+            "6GiB",
+            "--pages",
+            "4k",
+            "--log",
+            "kvnode=debug,info",
+        ])
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    // The socket is bound before the pool is built: once it exists, the pre-fault runs.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::symlink_metadata(&sock).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "exited early");
+        assert!(Instant::now() < deadline, "no socket");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = Command::new("kill").arg(child.id().to_string()).status();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "the node did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(dir.join("node.log")).unwrap();
+    assert!(!status.success(), "start-up was interrupted: {text}");
+    assert!(text.contains("interrupted by a signal"), "{text}");
+    assert!(!text.contains("kvnode serving"), "{text}");
+    assert!(
+        std::fs::symlink_metadata(&sock).is_err(),
+        "its socket is removed"
+    );
+}

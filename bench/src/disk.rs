@@ -117,6 +117,7 @@ impl RawFile {
             prefault: true,
             name: "kvnode-bench-raw".into(),
             posix_shm_name: None,
+            cancel: None,
         })
         .map_err(|e| format!("raw baseline pool: {e}"))?;
         let pattern = pseudo_random_bytes(object_bytes as usize, 0x2545_F491_4F6C_DD1D);

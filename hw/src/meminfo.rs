@@ -8,7 +8,8 @@
 //! * hugetlb pages of size S: `free_hugepages - resv_hugepages` (pages that other mappings have
 //!   reserved but not yet faulted are free but not available), when the page preference tries S;
 //! * ordinary memory: `MemAvailable` from `/proc/meminfo`, further bounded by the cgroup v2
-//!   `memory.max - memory.current` of this process's cgroup and its ancestors. Reserved hugepages
+//!   `memory.max - memory.current` (less reclaimable `inactive_file` cache) of this process's
+//!   cgroup and its ancestors; a POSIX shm pool is also bounded by the free space of `/dev/shm`. Reserved hugepages
 //!   are already excluded from `MemAvailable`, and a pool that falls back to ordinary pages
 //!   cannot use them.
 //!
@@ -33,6 +34,9 @@ pub struct MemoryAvailable {
     pub huge_2m_pages: Option<u64>,
     /// Free, unreserved 1 GiB hugetlb pages.
     pub huge_1g_pages: Option<u64>,
+    /// Bytes free in the `/dev/shm` file system (where a POSIX shm pool lives; a container's
+    /// `--shm-size` bounds it).
+    pub dev_shm_free: Option<u64>,
 }
 
 impl MemoryAvailable {
@@ -45,6 +49,7 @@ impl MemoryAvailable {
             cgroup_headroom: cgroup_headroom(),
             huge_2m_pages: sys::hugepages_available(sys::HUGE_2M_DIR),
             huge_1g_pages: sys::hugepages_available(sys::HUGE_1G_DIR),
+            dev_shm_free: crate::sys::free_bytes(crate::sys::DEV_SHM),
         }
     }
 
@@ -81,6 +86,19 @@ impl MemoryAvailable {
         prefer: PagePreference,
         posix_shm: bool,
     ) -> Result<(), String> {
+        if posix_shm {
+            if let Some(free) = self.dev_shm_free {
+                if round_up(bytes, 2 << 20) > free {
+                    return Err(format!(
+                        "the pool ({}) does not fit in /dev/shm, where LMCache clients open it: \
+                         {} free there (in a container, raise --shm-size); {}",
+                        human_bytes(bytes),
+                        human_bytes(free),
+                        SMALLER_POOL
+                    ));
+                }
+            }
+        }
         let hugetlb: &[PoolBacking] = match (posix_shm, prefer) {
             (true, _) => &[],
             (false, PagePreference::Huge1G) => &[PoolBacking::Hugetlb1G, PoolBacking::Hugetlb2M],
@@ -120,11 +138,15 @@ impl MemoryAvailable {
         }
         Err(format!(
             "the pool ({}) does not fit in the memory available on this machine: {why}; \
-             choose a smaller --pool-size",
+             {SMALLER_POOL}",
             human_bytes(bytes)
         ))
     }
 }
+
+/// How to ask for less, for both commands that build a pool.
+const SMALLER_POOL: &str =
+    "choose a smaller pool (--pool-size, or --l1-size-gb for lmcache-server)";
 
 /// `bytes` rounded up to a multiple of `align` (a power of two), saturating.
 fn round_up(bytes: u64, align: u64) -> u64 {
@@ -178,7 +200,13 @@ fn cgroup_headroom() -> Option<u64> {
         let max = fs::read_to_string(dir.join("memory.max")).ok();
         let cur = sys::read_u64(&dir.join("memory.current").to_string_lossy());
         if let (Some(max), Some(cur)) = (max.as_deref().and_then(parse_limit), cur) {
-            let h = max.saturating_sub(cur);
+            // Inactive page cache counts in memory.current but the kernel reclaims it for a
+            // new pool (a container that loaded model weights holds gigabytes of it).
+            let reclaimable = fs::read_to_string(dir.join("memory.stat"))
+                .ok()
+                .and_then(|t| stat_value(&t, "inactive_file"))
+                .unwrap_or(0);
+            let h = max.saturating_sub(cur.saturating_sub(reclaimable));
             best = Some(best.map_or(h, |b: u64| b.min(h)));
         }
         if !dir.pop() || !dir.starts_with("/sys/fs/cgroup") || dir.as_os_str() == "/sys/fs/cgroup" {
@@ -186,6 +214,14 @@ fn cgroup_headroom() -> Option<u64> {
         }
     }
     best
+}
+
+/// A `key value` line of a cgroup `memory.stat` text.
+fn stat_value(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        (w.next()? == key).then(|| w.next()?.parse().ok())?
+    })
 }
 
 /// The path of the unified (v2) hierarchy in a `/proc/self/cgroup` text (`0::/path`).
@@ -210,7 +246,30 @@ mod tests {
             cgroup_headroom: None,
             huge_2m_pages: Some(huge_2m),
             huge_1g_pages: Some(huge_1g),
+            dev_shm_free: None,
         }
+    }
+
+    #[test]
+    fn a_posix_shm_pool_must_fit_in_dev_shm_and_cache_is_headroom() {
+        let m = MemoryAvailable {
+            dev_shm_free: Some(64 << 20),
+            ..mem(20, 0, 0)
+        };
+        let e = m.check_pool(GIB, PagePreference::Thp, true).unwrap_err();
+        assert!(
+            e.contains("/dev/shm") && e.contains("64 MiB") && e.contains("--l1-size-gb"),
+            "{e}"
+        );
+        assert!(
+            m.check_pool(GIB, PagePreference::Thp, false).is_ok(),
+            "memfd pools are not in /dev/shm"
+        );
+        assert_eq!(
+            stat_value("anon 5\ninactive_file 4096\nfile 9\n", "inactive_file"),
+            Some(4096)
+        );
+        assert_eq!(stat_value("inactive_file_x 1\n", "inactive_file"), None);
     }
 
     #[test]

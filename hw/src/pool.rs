@@ -99,6 +99,9 @@ pub struct PoolOptions {
     /// unlinked first) instead of a memfd; unlinked when the pool drops.
     /// Hugetlb is impossible there.
     pub posix_shm_name: Option<String>,
+    /// When set and raised (a signal during start-up), pre-faulting stops at the next 1 GiB and
+    /// creation fails: a node asked to stop never spends minutes building a pool first.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Default for PoolOptions {
@@ -109,6 +112,7 @@ impl Default for PoolOptions {
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: None,
+            cancel: None,
         }
     }
 }
@@ -219,6 +223,7 @@ fn create_memfd_chain(opts: &PoolOptions) -> HwResult<SharedPool> {
     for &backing in hugetlb {
         match try_hugetlb(opts, &name, backing) {
             Ok(pool) => return Ok(pool),
+            Err(e) if is_cancelled(opts) => return Err(e),
             Err(e) => {
                 let dir = match backing {
                     PoolBacking::Hugetlb1G => sys::HUGE_1G_DIR,
@@ -242,6 +247,12 @@ fn create_memfd_chain(opts: &PoolOptions) -> HwResult<SharedPool> {
     let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
     let backing = thp_or_4k(&region, want_thp, sys::memfd_thp_active(), "memfd");
     finish(opts, region, fd, backing, None)
+}
+
+fn is_cancelled(opts: &PoolOptions) -> bool {
+    opts.cancel
+        .as_ref()
+        .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 fn try_hugetlb(opts: &PoolOptions, name: &CString, backing: PoolBacking) -> HwResult<SharedPool> {
@@ -313,7 +324,7 @@ fn finish(
     shm: Option<ShmSegment>,
 ) -> HwResult<SharedPool> {
     if opts.prefault {
-        region.prefault_fresh()?;
+        region.prefault_fresh(opts.cancel.as_deref())?;
     }
     Ok(SharedPool {
         region,

@@ -11,6 +11,7 @@ fn opts(bytes: u64, prefer: PagePreference) -> PoolOptions {
         prefault: true,
         name: "kvnode-hw-test".into(),
         posix_shm_name: None,
+        cancel: None,
     }
 }
 

@@ -5,9 +5,14 @@ use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{HwError, HwResult};
 use crate::shm;
+
+/// Bytes pre-faulted per step (between two checks of the cancel flag). A multiple of every
+/// page size (1 GiB).
+pub(crate) const PREFAULT_STEP_BYTES: usize = 1 << 30;
 
 /// 2 MiB: minimum alignment we give every shared mapping, so that THP (and
 /// 2 MiB hugetlb) can use PMD-sized pages from the first byte on.
@@ -259,19 +264,55 @@ impl PoolRegion {
     /// failures as errors instead of a later SIGBUS. On older kernels
     /// (`EINVAL`) falls back to writing a zero byte into every base page,
     /// which is only correct because the pool is brand new (all zeroes).
-    pub(crate) fn prefault_fresh(&self) -> HwResult<()> {
-        loop {
-            match self.madvise(libc::MADV_POPULATE_WRITE) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
-                Err(e) => return Err(HwError::os("madvise(MADV_POPULATE_WRITE)", e)),
+    /// Works in steps of [`PREFAULT_STEP_BYTES`] and stops (with an error) between two steps
+    /// once `cancel` is raised.
+    pub(crate) fn prefault_fresh(&self, cancel: Option<&AtomicBool>) -> HwResult<()> {
+        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
+        let interrupted = || {
+            HwError::Invalid(
+                "start-up interrupted by a signal while the pool was being pre-faulted".into(),
+            )
+        };
+        let mut off = 0;
+        let mut supported = true;
+        while off < self.map_len {
+            if cancelled() {
+                return Err(interrupted());
             }
+            let len = PREFAULT_STEP_BYTES.min(self.map_len - off);
+            // SAFETY: off..off+len lies inside our live mapping (off < map_len, len clipped);
+            // MADV_POPULATE_WRITE only faults pages in, it never discards data.
+            let rc = unsafe {
+                libc::madvise(
+                    self.ptr.as_ptr().add(off).cast(),
+                    len,
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+            if rc == 0 {
+                off += len;
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EINVAL) if off == 0 => {
+                    supported = false;
+                    break;
+                }
+                _ => return Err(HwError::os("madvise(MADV_POPULATE_WRITE)", e)),
+            }
+        }
+        if supported {
+            return Ok(());
         }
         tracing::debug!("MADV_POPULATE_WRITE unsupported; touching every page");
         let page = base_page_size();
         let mut off = 0;
         while off < self.map_len {
+            if off % PREFAULT_STEP_BYTES == 0 && cancelled() {
+                return Err(interrupted());
+            }
             // SAFETY: off < map_len, inside our live, writable, fresh
             // mapping; writing 0 over zero-filled memory changes nothing.
             unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off), 0) };

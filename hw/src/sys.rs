@@ -133,6 +133,20 @@ pub fn process_cpu_seconds() -> Option<f64> {
     Some(secs(ru.ru_utime) + secs(ru.ru_stime))
 }
 
+/// Bytes available to an unprivileged writer in the file system holding `path` (`statvfs`);
+/// `None` if it cannot be queried.
+pub(crate) fn free_bytes(path: &str) -> Option<u64> {
+    let c = std::ffi::CString::new(path).ok()?;
+    // SAFETY: `st` is a plain C struct that statvfs fully initialises on success; `c` is a
+    // valid NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: see above; the pointers are valid for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -132,6 +132,12 @@ pub struct Client {
 
 fn frame_err(e: FrameError) -> Error {
     match e {
+        FrameError::Io(m) if m.contains("timed out") || m.contains("temporarily unavailable") => {
+            Error::new(
+                ErrorKind::Io,
+                format!("the node did not answer in time ({m}): still starting up, or hung"),
+            )
+        }
         FrameError::Io(m) => Error::new(ErrorKind::Io, m),
         FrameError::Truncated => Error::new(ErrorKind::Io, "node closed the connection"),
         other => Error::invalid(format!("bad frame from node: {other}")),
@@ -176,6 +182,14 @@ impl Client {
             pool: None,
             registration: None,
         })
+    }
+
+    /// Bounds how long a reply may take (`None`: wait forever, the default). A call that runs
+    /// past it fails with an error saying the node did not answer in time.
+    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)?;
+        Ok(())
     }
 
     /// Sends a request without waiting (pipelining); returns its request id.

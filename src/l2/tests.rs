@@ -172,6 +172,7 @@ fn open_rig_batched(
             prefault: true,
             name: "l2-unit".into(),
             posix_shm_name: None,
+            cancel: None,
         })
         .unwrap(),
     );

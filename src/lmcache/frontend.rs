@@ -464,7 +464,7 @@ impl LmFrontend {
                 // a restarted worker reusing its id. So COMMITs are never paired with transfers
                 // prepared before it: those stay reserved (a live process may still be copying)
                 // until the node's write TTL or the instance's release, and are never published.
-                self.state.pending.lock().forget(p.instance_id, None);
+                self.state.pending.lock().new_epoch(p.instance_id);
                 self.state.pickle_instances.lock().remove(&p.instance_id);
                 LmReply::Register {
                     shm_name: r.shm_name,
@@ -482,7 +482,14 @@ impl LmFrontend {
     /// registration, under `key`. `false` when it cannot be handed to the worker: the
     /// registration changed or was released meanwhile (the node already took the transfer back),
     /// or the bookkeeping is at its byte budget (the caller ends the transfer).
-    fn queue(&self, before: &Arc<Instance>, kind: Kind, key: KeyId, transfer_id: u64) -> bool {
+    fn queue(
+        &self,
+        before: &Arc<Instance>,
+        epoch: u64,
+        kind: Kind,
+        key: KeyId,
+        transfer_id: u64,
+    ) -> bool {
         let current = self.ctx.instances.get(before.id);
         if !current.is_some_and(|c| Arc::ptr_eq(&c, before)) {
             return false;
@@ -493,9 +500,16 @@ impl LmFrontend {
         if before.is_released() {
             return false;
         }
-        match pending.push(before.id, before.generation, kind, key, transfer_id) {
+        match pending.push(before.id, before.generation, epoch, kind, key, transfer_id) {
             Ok(()) => true,
-            Err(_) => {
+            Err(super::pending::PendingFull::StaleEpoch) => {
+                tracing::info!(
+                    instance = before.id,
+                    "a PREPARE that began before a new REGISTER of its instance is refused"
+                );
+                false
+            }
+            Err(super::pending::PendingFull::Budget) => {
                 self.state
                     .counters
                     .pending_refused
@@ -531,6 +545,7 @@ impl LmFrontend {
         };
         let id = Self::key_id(key, &hashes);
         let range = Self::worker_range(key, first, hashes);
+        let epoch = self.state.pending.lock().epoch(instance_id);
         match self.call(Request::PrepareStore { instance_id, range }) {
             Response::StorePrepared {
                 transfer_id,
@@ -538,7 +553,7 @@ impl LmFrontend {
                 chunk_indices,
                 layout,
             } => {
-                if transfer_id != 0 && !self.queue(&inst, Kind::Store, id, transfer_id) {
+                if transfer_id != 0 && !self.queue(&inst, epoch, Kind::Store, id, transfer_id) {
                     self.call(Request::AbortStore {
                         instance_id,
                         transfer_id,
@@ -640,6 +655,7 @@ impl LmFrontend {
         };
         let id = Self::key_id(key, &hashes);
         let range = Self::worker_range(key, first, hashes);
+        let epoch = self.state.pending.lock().epoch(instance_id);
         match self.call(Request::PrepareRetrieve {
             instance_id,
             range,
@@ -651,7 +667,7 @@ impl LmFrontend {
                 slots,
                 layout,
             } => {
-                if !self.queue(&inst, Kind::Retrieve, id, transfer_id) {
+                if !self.queue(&inst, epoch, Kind::Retrieve, id, transfer_id) {
                     self.call(Request::CommitRetrieve {
                         instance_id,
                         transfer_id,

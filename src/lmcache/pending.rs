@@ -69,14 +69,22 @@ const ID_BYTES: usize = 16;
 /// (`instance`, `generation`) that no COMMIT has been paired with yet.
 pub struct PendingTable {
     by_instance: HashMap<u64, Queues>,
+    /// Pairing epoch per registered instance: a REGISTER of a registered id starts a new one
+    /// (see [`PendingTable::new_epoch`]). Absent = 0; dropped when the instance is released.
+    epochs: HashMap<u64, u64>,
     bytes: usize,
     budget: usize,
     per_registration: usize,
 }
 
-/// The pending table is at its byte budget.
+/// Why [`PendingTable::push`] refused a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PendingFull;
+pub enum PendingFull {
+    /// The byte budget or this registration's share is used up.
+    Budget,
+    /// A REGISTER started a new pairing epoch while the transfer was being prepared.
+    StaleEpoch,
+}
 
 impl PendingTable {
     /// An empty table holding at most `budget` estimated bytes, and at most
@@ -85,22 +93,41 @@ impl PendingTable {
     pub fn new(budget: usize, per_registration: usize) -> PendingTable {
         PendingTable {
             by_instance: HashMap::new(),
+            epochs: HashMap::new(),
             bytes: 0,
             budget,
             per_registration,
         }
     }
 
-    /// Queues transfer `id` of registration (`instance`, `generation`) under `key`. Entries of
-    /// an older registration of the same id are dropped first.
+    /// The current pairing epoch of `instance`.
+    pub fn epoch(&self, instance: u64) -> u64 {
+        self.epochs.get(&instance).copied().unwrap_or(0)
+    }
+
+    /// Starts a new pairing epoch for `instance` (a REGISTER of a registered id: maybe a new
+    /// process): everything queued is dropped, and transfers prepared under the old epoch are
+    /// refused by [`PendingTable::push`] even if their PREPARE completes later.
+    pub fn new_epoch(&mut self, instance: u64) {
+        self.forget(instance, None);
+        *self.epochs.entry(instance).or_default() += 1;
+    }
+
+    /// Queues transfer `id` of registration (`instance`, `generation`) under `key`, prepared
+    /// during pairing epoch `epoch`. Entries of an older registration of the same id are dropped
+    /// first. Refused when the epoch moved on meanwhile or a budget is reached.
     pub fn push(
         &mut self,
         instance: u64,
         generation: u64,
+        epoch: u64,
         kind: Kind,
         key: KeyId,
         id: u64,
     ) -> Result<(), PendingFull> {
+        if self.epoch(instance) != epoch {
+            return Err(PendingFull::StaleEpoch);
+        }
         if self
             .by_instance
             .get(&instance)
@@ -115,7 +142,7 @@ impl PendingTable {
                 .get(&instance)
                 .is_some_and(|q| q.count >= self.per_registration)
         {
-            return Err(PendingFull);
+            return Err(PendingFull::Budget);
         }
         let q = self.by_instance.entry(instance).or_insert_with(|| Queues {
             generation,
@@ -147,6 +174,9 @@ impl PendingTable {
     /// Drops everything of `instance` (of `generation` only, when given): it was released and
     /// the node already handed its transfers back.
     pub fn forget(&mut self, instance: u64, generation: Option<u64>) {
+        if generation.is_some() {
+            self.epochs.remove(&instance);
+        }
         let Some(q) = self.by_instance.get(&instance) else {
             return;
         };
@@ -216,9 +246,9 @@ mod tests {
     #[test]
     fn pairs_commits_with_the_oldest_prepare_of_the_key() {
         let mut t = PendingTable::new(1 << 20, 1 << 20);
-        t.push(1, 7, Kind::Store, key(0), 10).unwrap();
-        t.push(1, 7, Kind::Store, key(0), 11).unwrap();
-        t.push(1, 7, Kind::Retrieve, key(0), 12).unwrap();
+        t.push(1, 7, 0, Kind::Store, key(0), 10).unwrap();
+        t.push(1, 7, 0, Kind::Store, key(0), 11).unwrap();
+        t.push(1, 7, 0, Kind::Retrieve, key(0), 12).unwrap();
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(10));
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), Some(11));
         assert_eq!(t.pop(1, 7, Kind::Store, &key(0)), None);
@@ -234,8 +264,8 @@ mod tests {
     #[test]
     fn a_new_registration_or_a_release_drops_the_old_entries() {
         let mut t = PendingTable::new(1 << 20, 1 << 20);
-        t.push(1, 7, Kind::Store, key(0), 10).unwrap();
-        t.push(1, 8, Kind::Store, key(16), 20).unwrap();
+        t.push(1, 7, 0, Kind::Store, key(0), 10).unwrap();
+        t.push(1, 8, 0, Kind::Store, key(16), 20).unwrap();
         assert_eq!(t.len(), 1, "generation 7 was dropped");
         t.forget(1, Some(7));
         assert_eq!(t.len(), 1, "a stale release does not touch generation 8");
@@ -248,27 +278,49 @@ mod tests {
     fn refuses_beyond_its_byte_budget_and_never_evicts() {
         let mut t = PendingTable::new(2_000, 1 << 20);
         let mut n = 0;
-        while t.push(1, 1, Kind::Store, key(n * 16), n).is_ok() {
+        while t.push(1, 1, 0, Kind::Store, key(n * 16), n).is_ok() {
             n += 1;
         }
         assert!(n > 0 && t.bytes() <= 2_000);
         assert_eq!(t.len() as u64, n, "nothing was evicted to make room");
         assert_eq!(t.pop(1, 1, Kind::Store, &key(0)), Some(0));
-        assert!(t.push(1, 1, Kind::Store, key(0), 99).is_ok(), "room again");
+        assert!(
+            t.push(1, 1, 0, Kind::Store, key(0), 99).is_ok(),
+            "room again"
+        );
+    }
+
+    #[test]
+    fn a_prepare_of_an_older_epoch_is_never_queued() {
+        let mut t = PendingTable::new(1 << 20, 1 << 20);
+        let seen = t.epoch(1);
+        t.push(1, 1, seen, Kind::Store, key(0), 10).unwrap();
+        t.new_epoch(1); // a REGISTER while a PREPARE of the old epoch is in flight
+        assert!(t.is_empty());
+        assert_eq!(
+            t.push(1, 1, seen, Kind::Store, key(0), 11),
+            Err(PendingFull::StaleEpoch)
+        );
+        assert!(t.push(1, 1, t.epoch(1), Kind::Store, key(0), 12).is_ok());
+        t.forget(1, Some(1)); // released: its epoch goes too
+        assert_eq!(t.epoch(1), 0);
     }
 
     #[test]
     fn one_registration_fills_only_its_own_share() {
         let mut t = PendingTable::new(1 << 20, 3);
         for i in 0..3 {
-            t.push(1, 1, Kind::Store, key(i * 16), i).unwrap();
+            t.push(1, 1, 0, Kind::Store, key(i * 16), i).unwrap();
         }
-        assert_eq!(t.push(1, 1, Kind::Retrieve, key(0), 9), Err(PendingFull));
+        assert_eq!(
+            t.push(1, 1, 0, Kind::Retrieve, key(0), 9),
+            Err(PendingFull::Budget)
+        );
         assert!(
-            t.push(2, 1, Kind::Store, key(0), 10).is_ok(),
+            t.push(2, 1, 0, Kind::Store, key(0), 10).is_ok(),
             "another worker is unaffected"
         );
         assert_eq!(t.pop(1, 1, Kind::Store, &key(0)), Some(0));
-        assert!(t.push(1, 1, Kind::Store, key(0), 11).is_ok());
+        assert!(t.push(1, 1, 0, Kind::Store, key(0), 11).is_ok());
     }
 }

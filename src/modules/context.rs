@@ -315,7 +315,14 @@ impl NodeContext {
                 scheduled: AtomicBool::new(false),
                 pending: parking_lot::Mutex::new(PendingTransfers::default()),
             });
-            match self.instances.insert(inst.clone()) {
+            // The layout reference is taken before the instance is visible: a release racing
+            // right after the insert then drops exactly this reference.
+            self.layouts.acquire(&inst.model, inst.world_size, &layout);
+            let inserted = self.instances.insert(inst.clone());
+            if !matches!(inserted, Ok(None)) {
+                self.layouts.release(&inst.model, inst.world_size);
+            }
+            match inserted {
                 Ok(None) => break inst,
                 Ok(Some(raced)) => {
                     // A concurrent registration of the same id won: share it if it is the same
@@ -339,7 +346,6 @@ impl NodeContext {
                 }
             }
         };
-        self.layouts.acquire(&inst.model, inst.world_size, &layout);
         self.liveness.arm(&inst);
         tracing::info!(
             instance = inst.id,

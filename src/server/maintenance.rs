@@ -14,7 +14,8 @@ const TICK: Duration = Duration::from_millis(100);
 const EVICTION_EVERY: Duration = Duration::from_secs(1);
 const EVENTS_PER_TICK: usize = 4096;
 /// Namespace reclaims (a scan of every index, O(objects)) run at most this often when wanted
-/// (an intern was refused at the limit)...
+/// (an intern was refused at the limit, or 90 % of the limit is held, so the first new
+/// namespace is not refused)...
 const RECLAIM_MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// ...and at least this often regardless.
 const RECLAIM_EVERY: Duration = Duration::from_secs(600);
@@ -74,7 +75,9 @@ fn run(ctx: &NodeContext) {
             ttl_sweep(ctx);
         }
         let since = last_reclaim.elapsed();
-        let wanted = since >= RECLAIM_MIN_INTERVAL && ctx.namespaces.take_reclaim_wanted();
+        let ns = &ctx.namespaces;
+        let wanted = since >= RECLAIM_MIN_INTERVAL
+            && (ns.take_reclaim_wanted() || ns.len() >= ns.limit() / 10 * 9);
         if wanted || since >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
             ctx.reclaim_namespaces();

@@ -50,6 +50,16 @@ impl Node {
     /// machine is refused at once. If any later step fails, the socket this node created is
     /// removed again.
     pub fn start(config: NodeConfig) -> Result<Node> {
+        Node::start_cancellable(config, None)
+    }
+
+    /// [`Node::start`] that gives up (cleanly: the socket and the pool it created are removed)
+    /// when `cancel` is raised while the pool is being pre-faulted, which is the long part of a
+    /// start-up (a signal must not wait minutes for it).
+    pub fn start_cancellable(
+        config: NodeConfig,
+        cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Result<Node> {
         config.validate()?;
         let bound = if config.socket.as_os_str().is_empty() {
             None
@@ -60,7 +70,7 @@ impl Node {
             Some((l, s)) => (Some(l), Some(s)),
             None => (None, None),
         };
-        match Node::start_bound(config, listener) {
+        match Node::start_bound(config, listener, cancel) {
             Ok((ctx, threads, wake)) => Ok(Node {
                 ctx,
                 threads,
@@ -78,7 +88,11 @@ impl Node {
 
     /// Everything after the socket: returns the context, the threads and the listener's wake-up
     /// descriptor.
-    fn start_bound(config: NodeConfig, listener: Option<UnixListener>) -> Result<Started> {
+    fn start_bound(
+        config: NodeConfig,
+        listener: Option<UnixListener>,
+        cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Result<Started> {
         let prefer = config.page_preference()?;
         kvnode_hw::MemoryAvailable::read()
             .check_pool(config.pool_bytes, prefer, !config.shm_name.is_empty())
@@ -89,6 +103,7 @@ impl Node {
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: (!config.shm_name.is_empty()).then(|| config.shm_name.clone()),
+            cancel,
         })
         .map_err(|e| {
             Error::from(e).context(format!(

@@ -82,6 +82,7 @@ pub fn build_node(clock: &Clock) -> Arc<NodeContext> {
         prefault: false,
         name: "kvnode-sim".into(),
         posix_shm_name: None,
+        cancel: None,
     })
     .expect("a small memfd pool for the simulator");
     Arc::new(NodeContext::with_clock(

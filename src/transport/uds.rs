@@ -99,6 +99,8 @@ impl BoundSocket {
     /// else found there (nothing, another node's socket, a file someone put there) is left
     /// alone. Returns whether the file was removed. Idempotent; never blocks on the socket.
     pub fn unlink_if_ours(&self) -> bool {
+        // Serialised with other kvnodes binding or removing a socket in the same directory.
+        let _dir = DirLock::take(&self.path);
         let accepting = !matches!(
             probe(&self.path),
             Err(ref e) if e.kind() == io::ErrorKind::ConnectionRefused
@@ -122,6 +124,26 @@ impl BoundSocket {
     }
 }
 
+/// An exclusive `flock` on the directory of a socket path, held while kvnode checks, removes
+/// or binds a socket there (advisory: it orders kvnode processes, creates no file, and is
+/// released when dropped). Taking it is best effort: without it the operations still run.
+struct DirLock {
+    _held: Option<std::fs::File>,
+}
+
+impl DirLock {
+    fn take(path: &Path) -> DirLock {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let file = std::fs::File::open(dir)
+            .ok()
+            .filter(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::LockExclusive).is_ok());
+        DirLock { _held: file }
+    }
+}
+
 /// Binds the node's socket at `path` with permission bits `mode`.
 ///
 /// Invariants: the directory of `path` must exist (it is never created); an existing *socket*
@@ -137,6 +159,10 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
         )));
     }
     check_socket_dir(path)?;
+    // The check, the removal of a stale socket and the bind happen as one step for every other
+    // kvnode using this directory: two nodes starting at once on a stale socket can no longer
+    // both remove it and bind.
+    let _dir = DirLock::take(path);
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => replace_stale_socket(path)?,
         Ok(m) => {
@@ -161,7 +187,11 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
                 .context(format!("cannot inspect the socket path {}", path.display())))
         }
     }
-    let listener = UnixListener::bind(path).map_err(|e| {
+    // Created with its final permission bits (no window in which others may connect).
+    let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(!mode & 0o777));
+    let bound_listener = UnixListener::bind(path);
+    rustix::process::umask(old_umask);
+    let listener = bound_listener.map_err(|e| {
         let what = if e.kind() == io::ErrorKind::AddrInUse {
             format!(
                 "cannot bind the socket {}: something was created there meanwhile",
@@ -449,5 +479,34 @@ mod tests {
         let null = std::fs::metadata("/dev/null").unwrap().file_type();
         assert_eq!(describe_file_type(&null), "a character device");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Two nodes starting at once on a stale socket: exactly one binds, and its socket is the
+    /// one at the path (before the directory lock, both could remove and bind, one of them
+    /// left with an unreachable socket).
+    #[test]
+    fn two_binds_racing_on_a_stale_socket_leave_one_reachable_node() {
+        let d = dir("race");
+        let path = d.join("s.sock");
+        for round in 0..3000 {
+            if !path.exists() {
+                drop(UnixListener::bind(&path).unwrap()); // stale: the file stays, nobody accepts
+            }
+            let results: Vec<_> = std::thread::scope(|s| {
+                let a = s.spawn(|| bind(&path, 0o600));
+                let b = s.spawn(|| bind(&path, 0o600));
+                vec![a.join().unwrap(), b.join().unwrap()]
+            });
+            let ok: Vec<_> = results.into_iter().filter_map(|r| r.ok()).collect();
+            assert_eq!(ok.len(), 1, "round {round}: {} binds succeeded", ok.len());
+            assert!(
+                UnixStream::connect(&path).is_ok(),
+                "round {round}: unreachable"
+            );
+            let (l, bound) = ok.into_iter().next().unwrap();
+            drop(l); // stale again for the next round
+            assert!(bound.is_ours());
+        }
+        let _ = std::fs::remove_dir_all(&d);
     }
 }
