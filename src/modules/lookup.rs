@@ -207,9 +207,11 @@ pub fn lookup(
             ctx.sessions.limit
         )));
     }
-    crate::storage::key::validate_model_name(&range.model)?;
-    crate::storage::key::validate_salt(&range.cache_salt)?;
     let Some(namespace) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
+        // Interned names were validated then; an unknown pair is checked here, so a bad name
+        // is still an error rather than a miss.
+        crate::storage::key::validate_model_name(&range.model)?;
+        crate::storage::key::validate_salt(&range.cache_salt)?;
         // Nothing is stored under this (model, salt): a miss, never an insertion. Like any
         // LOOKUP, it replaces a session of the same id (whose locks are released).
         if let Some(old) = ctx.sessions.remove(request_id) {

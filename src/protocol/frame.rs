@@ -245,7 +245,47 @@ impl Default for FrameReader {
     }
 }
 
+/// A large frame went by: give its memory back rather than keep it per connection.
+#[cold]
+#[inline(never)]
+fn release_payload(payload: &mut AlignedVec<16>) {
+    *payload = AlignedVec::new();
+}
+
 impl FrameReader {
+    /// The rest of a payload larger than what was buffered with its header, received straight
+    /// into its final place. The buffer grows as bytes arrive (at most doubling), so a header
+    /// alone never commits the node to the payload size it declares. (Out of line: the common,
+    /// small frame stays on the short path.)
+    #[cold]
+    #[inline(never)]
+    fn read_large_payload<S: FrameSource>(
+        &mut self,
+        src: &mut S,
+        payload: &mut AlignedVec<16>,
+        len: usize,
+    ) -> Result<(), FrameError> {
+        let mut got = payload.len();
+        while got < len {
+            if got == payload.len() {
+                let next = len.min(got.max(PAYLOAD_GROWTH_BYTES).saturating_mul(2));
+                payload.resize(next, 0);
+            }
+            match src.recv(&mut payload.as_mut_slice()[got..]) {
+                Ok((0, _)) => return Err(FrameError::Truncated),
+                Ok((n, fd)) => {
+                    got += n;
+                    if fd.is_some() {
+                        self.fd = fd;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FrameError::Io(e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
     /// Receives more bytes into the buffer; Ok(0) at end of stream.
     fn fill<S: FrameSource>(&mut self, src: &mut S) -> Result<usize, FrameError> {
         if self.start > 0 {
@@ -292,34 +332,13 @@ impl FrameReader {
         let len = h.payload_len as usize;
         let buffered = (self.end - self.start).min(len);
         if payload.capacity() > RETAINED_PAYLOAD_BYTES {
-            // A large frame went by: give its memory back rather than keep it per connection.
-            *payload = AlignedVec::new();
+            release_payload(payload);
         }
         payload.clear();
         payload.extend_from_slice(&self.buf[self.start..self.start + buffered]);
         self.start += buffered;
         if payload.len() < len {
-            // A large payload: receive the rest straight into its final place, growing the
-            // buffer as bytes arrive (at most doubling), so a header alone never commits the
-            // node to the payload size it declares.
-            let mut got = payload.len();
-            while got < len {
-                if got == payload.len() {
-                    let next = len.min(got.max(PAYLOAD_GROWTH_BYTES).saturating_mul(2));
-                    payload.resize(next, 0);
-                }
-                match src.recv(&mut payload.as_mut_slice()[got..]) {
-                    Ok((0, _)) => return Err(FrameError::Truncated),
-                    Ok((n, fd)) => {
-                        got += n;
-                        if fd.is_some() {
-                            self.fd = fd;
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(FrameError::Io(e.to_string())),
-                }
-            }
+            self.read_large_payload(src, payload, len)?;
         }
         // An fd belongs to the frame that announces it (FLAG_FD): one receive may return an
         // earlier frame's bytes together with the fd of a later one.
