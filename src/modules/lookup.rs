@@ -2,7 +2,7 @@
 //! request id. Lookups lock the hit prefix for every rank so the retrieve that follows is
 //! guaranteed to find it; sessions expire after an idle time (not after creation, fixing W5).
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
@@ -60,10 +60,11 @@ fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<
 
 const SESSION_SHARDS: usize = 16;
 
-/// Sessions by request id. Invariant: at most `limit` sessions. Ordered maps: clients choose
-/// request ids, so no hash flooding, and sweeps run in a deterministic order.
+/// Sessions by request id. Invariant: at most `limit` sessions. Hash maps with randomly keyed
+/// SipHash (clients choose request ids: no hash flooding); every walk over them that acts on
+/// sessions (expiry) sorts first, so it runs in a deterministic order.
 pub struct SessionTable {
-    shards: Vec<Mutex<BTreeMap<String, Session>>>,
+    shards: Vec<Mutex<HashMap<String, Session>>>,
     count: AtomicUsize,
     limit: usize,
 }
@@ -78,7 +79,7 @@ impl SessionTable {
         }
     }
 
-    fn shard(&self, id: &str) -> &Mutex<BTreeMap<String, Session>> {
+    fn shard(&self, id: &str) -> &Mutex<HashMap<String, Session>> {
         let h = blake3::hash(id.as_bytes());
         &self.shards[h.as_bytes()[0] as usize % SESSION_SHARDS]
     }
@@ -142,11 +143,12 @@ impl SessionTable {
         let mut out = Vec::new();
         for s in &self.shards {
             let mut m = s.lock();
-            let stale: Vec<String> = m
+            let mut stale: Vec<String> = m
                 .iter()
                 .filter(|(_, v)| v.last_used_ms < cutoff_ms)
                 .map(|(k, _)| k.clone())
                 .collect();
+            stale.sort_unstable();
             out.extend(stale.iter().filter_map(|k| m.remove(k)));
         }
         self.count.fetch_sub(out.len(), Ordering::Relaxed);

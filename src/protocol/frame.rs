@@ -310,6 +310,7 @@ impl FrameReader {
 
     /// Reads one frame: validates the header, copies the payload into `payload` (reused,
     /// 16-byte aligned). Returns `Ok(None)` on a clean end of stream between frames.
+    #[inline]
     pub fn read_frame<S: FrameSource>(
         &mut self,
         src: &mut S,
