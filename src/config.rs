@@ -86,6 +86,42 @@ impl WritePolicy {
     }
 }
 
+/// Which L2 devices the node may format. Invariant: the node never formats a device that holds
+/// data it cannot prove to be its own or empty unless told `overwrite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum L2Format {
+    /// Only a new or empty file or device (every byte zero, proven by reading its allocated
+    /// ranges, at most [`crate::l2::device::MAX_EMPTY_SCAN_BYTES`]) or one already holding a kvnode
+    /// L2 tier.
+    #[default]
+    IfEmpty,
+    /// Also a device or file holding other data (destroyed): for a disk handed to kvnode
+    /// explicitly.
+    Overwrite,
+}
+
+impl L2Format {
+    /// Stable name: `"if-empty"` or `"overwrite"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            L2Format::IfEmpty => "if-empty",
+            L2Format::Overwrite => "overwrite",
+        }
+    }
+
+    /// Parses `if-empty` or `overwrite`.
+    pub fn parse(s: &str) -> Result<L2Format> {
+        match s.to_ascii_lowercase().as_str() {
+            "if-empty" | "if_empty" => Ok(L2Format::IfEmpty),
+            "overwrite" => Ok(L2Format::Overwrite),
+            other => Err(Error::invalid(format!(
+                "L2 format must be if-empty or overwrite (got {other:?})"
+            ))),
+        }
+    }
+}
+
 /// `paths = ["/a", "/b"]`, or a single `path = "/a"` (the form before several devices).
 fn one_or_many_paths<'de, D: serde::Deserializer<'de>>(
     d: D,
@@ -143,6 +179,8 @@ pub struct L2Config {
     /// killed a moment ago keeps its files open until the kernel has finished its in-flight
     /// I/O); after that the node refuses to start.
     pub lock_wait_ms: u64,
+    /// Which devices the node may format (`if-empty` or `overwrite`).
+    pub format: L2Format,
 }
 
 impl Default for L2Config {
@@ -160,6 +198,7 @@ impl Default for L2Config {
             write_queue: 65_536,
             batch_objects: 64,
             lock_wait_ms: 5_000,
+            format: L2Format::IfEmpty,
         }
     }
 }

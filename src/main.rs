@@ -107,6 +107,11 @@ struct L2Args {
     /// unless the config file sets l2.write_policy].
     #[arg(long, value_parser = ["always", "on-evict"])]
     l2_write_policy: Option<String>,
+    /// Which L2 devices the node may format: if-empty (only a new or all-zero file or device,
+    /// or one that already holds a kvnode L2 tier) or overwrite (also one holding other data,
+    /// which is destroyed) [default: if-empty, unless the config file sets l2.format].
+    #[arg(long, value_parser = ["if-empty", "overwrite"])]
+    l2_format: Option<String>,
 }
 
 impl L2Args {
@@ -124,8 +129,13 @@ impl L2Args {
         if let Some(v) = &self.l2_write_policy {
             cfg.write_policy = kvnode::config::WritePolicy::parse(v).map_err(|e| e.to_string())?;
         }
-        if !cfg.enabled() && (self.l2_size.is_some() || self.l2_engine.is_some()) {
-            return Err("--l2-size/--l2-engine need --l2-path".into());
+        if let Some(v) = &self.l2_format {
+            cfg.format = kvnode::config::L2Format::parse(v).map_err(|e| e.to_string())?;
+        }
+        if !cfg.enabled()
+            && (self.l2_size.is_some() || self.l2_engine.is_some() || self.l2_format.is_some())
+        {
+            return Err("--l2-size/--l2-engine/--l2-format need --l2-path".into());
         }
         Ok(())
     }

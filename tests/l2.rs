@@ -506,6 +506,59 @@ fn foreign_data_is_never_overwritten() {
     );
 }
 
+/// Issue 10, defect 1: file systems and RAID labels that begin with zeros (md 1.2 at 4 KiB,
+/// ZFS at 16 KiB, btrfs at 64 KiB) are still someone else's data: refused, byte for byte
+/// untouched, and a refused file is never grown.
+#[test]
+fn data_behind_a_zero_first_block_is_never_overwritten_nor_grown() {
+    let dir = L2Dir::new("md", "auto");
+    let data = dir.0.join("kvnode-l2.dat");
+    let mut bytes = vec![0u8; 64 << 20];
+    bytes[4096..4100].copy_from_slice(&[0xfc, 0x4e, 0x2b, 0xa9]); // md superblock magic
+    for (i, b) in bytes[2 << 20..].iter_mut().enumerate() {
+        *b = (i % 251) as u8; // the array's data
+    }
+    std::fs::write(&data, &bytes).unwrap();
+    let err = serve_must_fail(&dir, "64MiB");
+    assert!(
+        err.contains("not a kvnode L2 tier") && err.contains("byte 4096"),
+        "{err}"
+    );
+    assert!(std::fs::read(&data).unwrap() == bytes, "the file changed");
+    // A small foreign file with a larger --l2-size: refused before it is resized.
+    let small = vec![7u8; 1 << 20];
+    std::fs::write(&data, &small).unwrap();
+    let err = serve_must_fail(&dir, "64MiB");
+    assert!(err.contains("not a kvnode L2 tier"), "{err}");
+    assert_eq!(std::fs::metadata(&data).unwrap().len(), 1 << 20, "grown");
+    assert!(std::fs::read(&data).unwrap() == small);
+}
+
+/// `--l2-format overwrite` hands a disk with other data to kvnode explicitly; an all-zero file
+/// needs nothing.
+#[test]
+fn overwrite_formats_foreign_data_and_zeros_need_no_flag() {
+    let dir = L2Dir::new("overwrite", "auto");
+    let data = dir.0.join("kvnode-l2.dat");
+    let mut bytes = vec![0u8; 64 << 20];
+    bytes[64 << 10] = 1;
+    std::fs::write(&data, &bytes).unwrap();
+    let mut node = start("overwrite", &dir, "16MiB", &["--l2-format", "overwrite"]);
+    let mut c = node.client();
+    c.register(&reg64k(1)).unwrap();
+    assert_eq!(store_all(&mut c, 0..2, 4), 8);
+    wait_written(&node, 8);
+    drop(c);
+    sigterm_and_wait(&mut node);
+    // Now kvnode's: a restart without the flag recovers it.
+    let node = start("overwrite2", &dir, "16MiB", &[]);
+    assert_eq!(l2(&node.status(), "recovered"), 8);
+    drop(node);
+    std::fs::write(&data, vec![0u8; 64 << 20]).unwrap();
+    let node = start("zeros", &dir, "16MiB", &[]);
+    assert_eq!(l2(&node.status(), "recovered"), 0);
+}
+
 fn two_devices_spread_objects_and_recover(engine: &'static str) {
     let dir = L2Dir::new("two", engine);
     let (a, b) = (dir.0.join("a"), dir.0.join("b"));

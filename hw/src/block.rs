@@ -238,26 +238,6 @@ pub fn lock_exclusive(file: &File, wait: std::time::Duration) -> HwResult<()> {
     }
 }
 
-/// [`open_direct`] holding [`lock_exclusive`] (waiting up to `wait`) *before*
-/// the file's length is touched: a process that cannot have the file never
-/// grows it under the one that has it. Without `reserve`, a shorter file is
-/// extended sparsely (`ftruncate`) instead of with `fallocate`, so later writes
-/// may fail with `ENOSPC` when the file system fills up: for callers that
-/// prefer a smaller working cache to failing at start-up.
-///
-/// Errors: as [`open_direct`], plus `Os { op: "flock", .. }` from the lock.
-pub fn open_direct_locked(
-    path: &Path,
-    size: u64,
-    reserve: bool,
-    wait: std::time::Duration,
-) -> HwResult<File> {
-    check_data_size(size)?;
-    let file = open_o_direct(path)?;
-    lock_exclusive(&file, wait)?;
-    size_data_file(file, path, size, reserve)
-}
-
 fn check_data_size(size: u64) -> HwResult<()> {
     if size & (BLOCK_ALIGN - 1) != 0 || size > i64::MAX as u64 {
         return Err(HwError::Invalid(format!(

@@ -24,6 +24,7 @@
 compile_error!("kvnode-hw only supports Linux");
 
 mod block;
+mod data_file;
 mod error;
 mod fdpass;
 mod meminfo;
@@ -38,8 +39,11 @@ mod uring;
 mod block_tests;
 
 pub use block::{
-    lock_exclusive, open_block_device, open_direct, open_direct_locked, open_engine, BlockEngine,
-    BlockIo, EngineKind, BLOCK_ALIGN,
+    lock_exclusive, open_block_device, open_direct, open_engine, BlockEngine, BlockIo, EngineKind,
+    BLOCK_ALIGN,
+};
+pub use data_file::{
+    grow_data_file, open_data_file_locked, read_direct, scan_for_data, DataScan, OpenedDataFile,
 };
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};

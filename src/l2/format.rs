@@ -2,7 +2,10 @@
 //!
 //! Layout of the L2 file (regular file opened `O_DIRECT`, or a block device):
 //!
-//! - bytes `0..BLOCK`: the [`Superblock`];
+//! - bytes `0..BLOCK` and `BLOCK..2 * BLOCK`: the two copies of the [`Superblock`], written
+//!   alternately (copy `update % 2`), each synced before it is relied on, so a torn superblock
+//!   write always leaves the previous copy intact; the valid copy with the higher `update` wins;
+//! - the rest of the first `EXTENT_BASE` bytes is reserved (zero);
 //! - extent `i` covers `[EXTENT_BASE + i * extent_bytes, EXTENT_BASE + (i + 1) * extent_bytes)`;
 //! - each extent starts with one [`ExtentHeader`] block, followed by slots of a fixed
 //!   `stride`: slot `j` starts at `extent_start + BLOCK + j * stride` and is one
@@ -26,13 +29,15 @@ const B: u64 = BLOCK as u64;
 /// File offset of extent 0 (2 MiB); extents are multiples of this size, so stay aligned.
 pub const EXTENT_BASE: u64 = 2 << 20;
 /// Format version written into every block; any other value decodes as `BadVersion`.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// Magic of the superblock (`b"KVL2SUPR"` little-endian); never 0.
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SUPR");
 /// Magic of an extent header (`b"KVL2EXTH"` little-endian); never 0.
 pub const EXTENT_MAGIC: u64 = u64::from_le_bytes(*b"KVL2EXTH");
 /// Magic of a slot header (`b"KVL2SLOT"` little-endian); never 0.
 pub const SLOT_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SLOT");
+/// File offsets of the two superblock copies; copy `i` is at `SUPERBLOCK_OFFSETS[i]`.
+pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, B];
 /// Maximum encoded length of [`SlotHeader::model`] in bytes.
 pub const MAX_MODEL_BYTES: usize = 1024;
 /// Maximum encoded length of [`SlotHeader::cache_salt`] in bytes.
@@ -86,9 +91,14 @@ pub fn payload_checksum(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
 }
 
-/// Block 0. Invariant (checked by decode): `extent_bytes` is a non-zero multiple of
-/// 2 MiB and `file_bytes >= EXTENT_BASE + extent_bytes`. `format_id` is random per
+/// A superblock copy. Invariant (checked by decode): `extent_bytes` is a non-zero multiple of
+/// 2 MiB, `file_bytes >= EXTENT_BASE + extent_bytes`, `update >= 1`. `format_id` is random per
 /// formatting; headers carrying another `format_id` are stale.
+///
+/// `seq_limit` and `epoch_limit` are leases: every slot sequence number and extent epoch ever
+/// written under this file is below them. A node that opens the file first raises both limits
+/// (and syncs the superblock) and then issues numbers from the old limits up, so numbers are
+/// never reused across runs, whatever headers a run could or could not read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
     /// Random id of this formatting of the file.
@@ -97,6 +107,13 @@ pub struct Superblock {
     pub file_bytes: u64,
     /// Size of every extent in bytes.
     pub extent_bytes: u64,
+    /// Number of superblock writes since the file was first formatted; the copy with the
+    /// higher value is current. Written to copy `update % 2`.
+    pub update: u64,
+    /// Every slot sequence number written so far is below this.
+    pub seq_limit: u64,
+    /// Every extent epoch written so far is below this.
+    pub epoch_limit: u64,
 }
 
 impl Superblock {
@@ -108,7 +125,15 @@ impl Superblock {
         put_u64(out, BODY, self.format_id);
         put_u64(out, BODY + 8, self.file_bytes);
         put_u64(out, BODY + 16, self.extent_bytes);
+        put_u64(out, BODY + 24, self.update);
+        put_u64(out, BODY + 32, self.seq_limit);
+        put_u64(out, BODY + 40, self.epoch_limit);
         seal(out, SUPERBLOCK_MAGIC);
+    }
+
+    /// File offset of the copy this superblock is written to (`update % 2`).
+    pub fn offset(&self) -> u64 {
+        SUPERBLOCK_OFFSETS[(self.update % 2) as usize]
     }
 
     /// Decodes and validates a `BLOCK`-byte buffer; never panics.
@@ -118,7 +143,13 @@ impl Superblock {
             format_id: get_u64(buf, BODY),
             file_bytes: get_u64(buf, BODY + 8),
             extent_bytes: get_u64(buf, BODY + 16),
+            update: get_u64(buf, BODY + 24),
+            seq_limit: get_u64(buf, BODY + 32),
+            epoch_limit: get_u64(buf, BODY + 40),
         };
+        if sb.update == 0 {
+            return Err(invalid("superblock update count 0".to_owned()));
+        }
         if sb.extent_bytes == 0 || !sb.extent_bytes.is_multiple_of(MIB2) {
             return Err(invalid(format!(
                 "extent_bytes {} is not a non-zero multiple of 2 MiB",
@@ -463,7 +494,11 @@ mod tests {
             format_id: 42,
             file_bytes: 10 << 30,
             extent_bytes: 256 * MIB,
+            update: 3,
+            seq_limit: 5 << 32,
+            epoch_limit: 7 << 32,
         };
+        assert_eq!(sb.offset(), SUPERBLOCK_OFFSETS[1]);
         let mut buf = vec![0xffu8; BLOCK];
         sb.encode(&mut buf);
         assert_eq!(Superblock::decode(&buf), Ok(sb));
@@ -598,12 +633,16 @@ mod tests {
                 format_id: 1,
                 file_bytes: EXTENT_BASE + 2 * MIB,
                 extent_bytes: 2 * MIB,
+                update: 1,
+                seq_limit: 1,
+                epoch_limit: 1,
             }
             .encode(&mut b);
             b
         };
         assert!(Superblock::decode(&sb).is_ok());
         for (at, v) in [
+            (BODY + 24, 0),
             (BODY + 16, 3 * MIB),
             (BODY + 16, 0),
             (BODY + 8, EXTENT_BASE),
@@ -719,7 +758,14 @@ mod tests {
         fn default_extent_bytes_valid(file_bytes: u64) {
             let e = default_extent_bytes(file_bytes);
             if e != 0 {
-                let sb = Superblock { format_id: 1, file_bytes, extent_bytes: e };
+                let sb = Superblock {
+                    format_id: 1,
+                    file_bytes,
+                    extent_bytes: e,
+                    update: 1,
+                    seq_limit: 1,
+                    epoch_limit: 1,
+                };
                 let mut b = vec![0u8; BLOCK];
                 sb.encode(&mut b);
                 prop_assert_eq!(Superblock::decode(&b), Ok(sb));

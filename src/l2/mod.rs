@@ -2,15 +2,19 @@
 //! `O_DIRECT`, or a block device) straight from their pool slots, loaded back into L1 slots by
 //! prefetch when a lookup finds them only on disk, and rebuilt from on-disk headers at start-up.
 //!
+//! * [`device`]: opening a device and judging it ours, empty or foreign before any write.
 //! * [`format`]: the on-disk layout (superblock, extent headers, slot headers, checksums).
+//! * [`identity`]: the superblock in force and the sequence numbers and epochs leased under it.
 //! * [`gate`]: the CLEAR gate (many operations at once, or one CLEAR alone).
 //! * [`space`]: the in-memory index and space manager (extents, fixed-stride slots, LRU).
 //! * [`tier`]: [`L2Tier`], the I/O around both: open/recover, write-behind batches, loads.
 //! * [`set`]: [`L2Set`], the tier over one or more devices (objects spread by key).
 //! * [`writer`]: the write-behind thread and its bounded queue.
 
+pub mod device;
 pub mod format;
 pub mod gate;
+pub mod identity;
 pub mod set;
 pub mod space;
 pub mod tier;

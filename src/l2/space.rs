@@ -354,6 +354,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         self.next_epoch = self.next_epoch.max(epoch.saturating_add(1));
     }
 
+    /// The epoch the next extent assignment gets (every later one is higher).
+    pub fn next_epoch(&self) -> u64 {
+        self.next_epoch
+    }
+
     /// The extent header written for `extent`'s current assignment was lost (the write
     /// failed): the next reservation in it reports `new_extent` again.
     pub fn header_lost(&mut self, extent: u32) {

@@ -19,6 +19,7 @@ use super::format::{
     slots_per_extent, ExtentHeader, FormatError, SlotHeader, Superblock, BLOCK,
 };
 use super::gate::{ClearGate, GateToken};
+use super::identity::Identity;
 use super::space::{L2Index, RecoverOutcome, Recovered, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
@@ -29,8 +30,7 @@ use crate::storage::{Grant, KeyError, Layout, Namespaces, StorageCore, StorageKe
 pub const STAGING_BYTES: u64 = 2 << 20;
 /// Header reads per batch at start-up (nothing else uses the staging area then).
 const RECOVERY_READS: usize = 256;
-/// Name of the data file created inside an L2 directory.
-pub const DATA_FILE: &str = "kvnode-l2.dat";
+pub use super::device::DATA_FILE;
 
 const BLOCK_U64: u64 = BLOCK as u64;
 
@@ -128,8 +128,8 @@ pub struct L2Tier {
     index: Mutex<L2Index<StorageKey>>,
     file_bytes: u64,
     extent_bytes: u64,
-    format_id: AtomicU64,
-    seq: AtomicU64,
+    /// The superblock in force and the sequence numbers and epochs leased under it.
+    identity: Identity,
     /// Objects being loaded, node-wide: shared by every device of a set.
     prefetching: parking_lot::RwLock<Arc<AtomicUsize>>,
     max_prefetch: usize,
@@ -152,94 +152,6 @@ fn hw(context: &str) -> impl FnOnce(HwError) -> Error + '_ {
 
 fn round_block(n: u64) -> u64 {
     n.div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN
-}
-
-/// A fresh format id: random, never 0.
-fn random_format_id() -> u64 {
-    let mut b = [0u8; 8];
-    let from_os = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .is_ok();
-    let mut id = u64::from_le_bytes(b);
-    if !from_os {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        id = t ^ (u64::from(std::process::id()) << 32);
-    }
-    id.max(1)
-}
-
-/// Opens the data file or device at `p`, locked for this process (waiting up to
-/// `l2.lock_wait_ms` for a previous holder), and returns it with its usable size.
-fn open_data(cfg: &L2Config, p: &Path) -> Result<(File, u64, PathBuf)> {
-    use std::os::unix::fs::FileTypeExt;
-    let lock_wait = std::time::Duration::from_millis(cfg.lock_wait_ms);
-    let p = &p.to_path_buf();
-    let meta = match std::fs::metadata(p) {
-        Ok(m) => Some(m),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(Error::invalid(format!("L2 path {}: {e}", p.display()))),
-    };
-    let file_path = match &meta {
-        Some(m) if m.file_type().is_block_device() => {
-            let (f, dev_bytes) =
-                kvnode_hw::open_block_device(p).map_err(hw("opening the L2 device"))?;
-            kvnode_hw::lock_exclusive(&f, lock_wait).map_err(|e| in_use(p, e))?;
-            let bytes = dev_bytes.min(cfg.bytes) & !((2 << 20) - 1);
-            return Ok((f, bytes, p.clone()));
-        }
-        Some(m) if m.is_dir() => p.join(DATA_FILE),
-        Some(m) if m.is_file() => p.clone(),
-        Some(_) => {
-            return Err(Error::invalid(format!(
-                "L2 path {} is neither a directory, a file nor a block device",
-                p.display()
-            )))
-        }
-        None => {
-            std::fs::create_dir_all(p).map_err(|e| {
-                Error::invalid(format!("creating L2 directory {}: {e}", p.display()))
-            })?;
-            p.join(DATA_FILE)
-        }
-    };
-    let bytes = cfg.bytes & !((2 << 20) - 1);
-    // The lock comes before the file is sized: a node refused here never grows the file of
-    // the node that holds it.
-    let file = match kvnode_hw::open_direct_locked(&file_path, bytes, true, lock_wait) {
-        Ok(f) => f,
-        Err(e @ HwError::Os { op: "flock", .. }) => return Err(in_use(&file_path, e)),
-        Err(HwError::Os {
-            op: "fallocate",
-            source,
-        }) if source.raw_os_error() == Some(libc::ENOSPC) => {
-            tracing::warn!(
-                path = %file_path.display(),
-                bytes,
-                "not enough free space to reserve the L2 file; using a sparse file (writes that \
-                 find the disk full fail per object and are counted as errors)"
-            );
-            kvnode_hw::open_direct_locked(&file_path, bytes, false, lock_wait).map_err(
-                |e| match e {
-                    HwError::Os { op: "flock", .. } => in_use(&file_path, e),
-                    e => hw("opening the L2 file")(e),
-                },
-            )?
-        }
-        Err(HwError::Invalid(m)) => {
-            return Err(Error::invalid(format!(
-                "{m} (pass the size the file was created with, or remove it)"
-            )))
-        }
-        Err(e) => return Err(hw("opening the L2 file")(e)),
-    };
-    Ok((file, bytes, file_path))
-}
-
-/// The error for a data file or device another process holds locked.
-fn in_use(path: &Path, e: HwError) -> Error {
-    Error::from(e).context(format!("{} is in use by another kvnode", path.display()))
 }
 
 /// Rings of the read engine: loads from different request threads run side by side.
@@ -494,11 +406,24 @@ impl L2Tier {
         namespaces: &Namespaces,
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> Result<L2Tier> {
-        let (file, file_bytes, path) = open_data(cfg, path)?;
+        // Nothing is written and nothing is resized before the device was judged ours or empty.
+        let mut dev = super::device::open(cfg, path)?;
+        let found = super::device::identify(&dev)?;
+        let previous = super::device::accept(cfg, &dev, found)?;
+        let file_bytes = dev.bytes;
+        if !dev.block_device && dev.len > file_bytes {
+            return Err(Error::invalid(format!(
+                "{} is {} bytes, larger than the {file_bytes} configured (l2.bytes / \
+                 --l2-size); refusing to truncate it (pass the size the file was created with, \
+                 or remove it)",
+                dev.path.display(),
+                dev.len
+            )));
+        }
         let write_engine = wrap(make_engine(
             cfg.engine_kind()?,
             &pool,
-            &file,
+            &dev.file,
             cfg,
             cfg.queue_depth,
             1,
@@ -506,84 +431,88 @@ impl L2Tier {
         let read_engine = wrap(make_engine(
             Some(write_engine.kind()),
             &pool,
-            &file,
+            &dev.file,
             cfg,
             cfg.read_queue_depth,
             READ_RINGS,
         )?);
-        let mut extent_bytes = if cfg.extent_bytes > 0 {
-            cfg.extent_bytes
-        } else {
-            default_extent_bytes(file_bytes)
+        let same_geometry = |sb: &Superblock| {
+            sb.file_bytes == file_bytes
+                && (cfg.extent_bytes == 0 || cfg.extent_bytes == sb.extent_bytes)
         };
+        let extent_bytes = match &previous {
+            Some(sb) if same_geometry(sb) => sb.extent_bytes,
+            _ if cfg.extent_bytes > 0 => cfg.extent_bytes,
+            _ => default_extent_bytes(file_bytes),
+        };
+        if extent_bytes == 0
+            || !extent_bytes.is_multiple_of(2 << 20)
+            || extent_count(file_bytes, extent_bytes) == 0
+        {
+            return Err(Error::invalid(format!(
+                "L2 size {file_bytes} bytes is too small for one extent of {extent_bytes} bytes \
+                 (need at least {} bytes; extents are multiples of 2 MiB)",
+                super::format::EXTENT_BASE + extent_bytes.max(2 << 20)
+            )));
+        }
         let mut tier = L2Tier {
             write_engine,
             read_engine,
             staging: Staging::new(staging_base, STAGING_BYTES),
             pool,
-            index: Mutex::new(L2Index::new(0, 1)),
+            index: Mutex::new(L2Index::new(
+                extent_count(file_bytes, extent_bytes),
+                extent_bytes,
+            )),
             file_bytes,
             extent_bytes,
-            format_id: AtomicU64::new(0),
-            seq: AtomicU64::new(1),
+            identity: Identity::unformatted(),
             prefetching: parking_lot::RwLock::new(Arc::new(AtomicUsize::new(0))),
             max_prefetch: cfg.max_prefetch_objects,
             batch_objects: cfg.batch_objects.min(STAGING_BYTES as usize / BLOCK / 4),
             counters: Counters::default(),
             recovered: 0,
-            path,
+            path: dev.path.clone(),
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
             clear_gate: ClearGate::default(),
-            _lock: file,
+            _lock: dev.file.try_clone().map_err(|e| {
+                Error::from(HwError::Os {
+                    op: "dup",
+                    source: e,
+                })
+            })?,
         };
-        let sb_block = tier.read_blocks(&[0], 1).pop().expect("one block");
-        let existing = match sb_block.map(|b| Superblock::decode(&b)) {
-            Ok(Ok(sb))
-                if sb.file_bytes == file_bytes
-                    && (cfg.extent_bytes == 0 || cfg.extent_bytes == sb.extent_bytes) =>
-            {
-                extent_bytes = sb.extent_bytes;
-                Some(sb.format_id)
-            }
-            Ok(Ok(sb)) => {
-                tracing::warn!(
-                    old_bytes = sb.file_bytes,
-                    old_extent_bytes = sb.extent_bytes,
-                    file_bytes,
-                    extent_bytes,
-                    "L2 geometry changed: starting with an empty tier"
-                );
-                None
-            }
-            Ok(Err(FormatError::Empty)) => None,
-            Ok(Err(FormatError::BadMagic { .. })) => {
-                return Err(Error::invalid(format!(
-                    "{} holds data that is not a kvnode L2 tier; refusing to overwrite it \
-                     (remove the file, or zero its first 4 KiB to hand it to kvnode)",
-                    tier.path.display()
-                )))
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "L2 superblock unreadable: starting with an empty tier");
-                None
-            }
-            Err(e) => return Err(e.context("reading the L2 superblock")),
-        };
-        if extent_bytes == 0 || extent_count(file_bytes, extent_bytes) == 0 {
-            return Err(Error::invalid(format!(
-                "L2 size {file_bytes} bytes is too small for one extent (need at least {} bytes)",
-                super::format::EXTENT_BASE + (2 << 20)
-            )));
-        }
-        tier.extent_bytes = extent_bytes;
-        *tier.index.get_mut() = L2Index::new(extent_count(file_bytes, extent_bytes), extent_bytes);
-        match existing {
-            Some(format_id) => {
-                tier.format_id.store(format_id, Ordering::Relaxed);
+        match previous {
+            Some(sb) if same_geometry(&sb) => {
+                // A file cut short by a crash during its first sizing is ours: grown again.
+                dev.grow()?;
+                tier.identity = Identity::open(sb, &|o, b| tier.write_durable(o, b))
+                    .map_err(|e| e.context("writing the L2 superblock"))?;
                 tier.recover(namespaces)?;
             }
-            None => tier.format()?,
+            previous => {
+                if let Some(sb) = &previous {
+                    tracing::warn!(
+                        old_bytes = sb.file_bytes,
+                        old_extent_bytes = sb.extent_bytes,
+                        file_bytes,
+                        extent_bytes,
+                        "L2 geometry changed: starting with an empty tier"
+                    );
+                }
+                // The superblock first, then the size: a crash in between leaves a file that
+                // is recognisably ours, never an unlabelled one.
+                tier.identity =
+                    Identity::format(previous.as_ref(), file_bytes, extent_bytes, &|o, b| {
+                        tier.write_durable(o, b)
+                    })
+                    .map_err(|e| e.context("formatting the L2 tier"))?;
+                dev.grow()?;
+                tier.index
+                    .get_mut()
+                    .note_epoch(tier.identity.first_epoch().saturating_sub(1));
+            }
         }
         tracing::info!(
             path = %tier.path.display(),
@@ -597,23 +526,14 @@ impl L2Tier {
         Ok(tier)
     }
 
-    /// Writes a new superblock with a fresh format id: every header written before is ignored
-    /// from now on (an empty tier).
-    fn format(&self) -> Result<()> {
-        let id = random_format_id();
-        let mut b = vec![0u8; BLOCK];
-        Superblock {
-            format_id: id,
-            file_bytes: self.file_bytes,
-            extent_bytes: self.extent_bytes,
-        }
-        .encode(&mut b);
-        self.write_blocks(&[(0, b)]).pop().expect("one block")?;
+    /// Writes one block at `file_offset` and syncs (superblock copies).
+    fn write_durable(&self, file_offset: u64, block: &[u8]) -> Result<()> {
+        self.write_blocks(&[(file_offset, block.to_vec())])
+            .pop()
+            .expect("one block")?;
         self.write_engine
             .sync()
-            .map_err(hw("syncing the L2 superblock"))?;
-        self.format_id.store(id, Ordering::Release);
-        Ok(())
+            .map_err(hw("syncing the L2 superblock"))
     }
 
     /// Runs `f` on parts of at most `per_call` items, each with as many staging blocks as items, and
@@ -694,7 +614,11 @@ impl L2Tier {
 
     /// Rebuilds the index from extent and slot headers (payloads are verified when loaded).
     fn recover(&mut self, namespaces: &Namespaces) -> Result<()> {
-        let format_id = self.format_id.load(Ordering::Relaxed);
+        let format_id = self.identity.format_id();
+        // Epochs of this run start above every epoch leased before, read or not.
+        self.index
+            .get_mut()
+            .note_epoch(self.identity.first_epoch().saturating_sub(1));
         let extents = extent_count(self.file_bytes, self.extent_bytes);
         let offsets: Vec<u64> = (0..extents)
             .map(|e| extent_offset(self.extent_bytes, e))
@@ -830,7 +754,8 @@ impl L2Tier {
         let index = self.index.get_mut();
         index.finish_recovery();
         self.recovered = index.stats().objects;
-        self.seq.store(max_seq.saturating_add(1), Ordering::Relaxed);
+        // Never above the lease in a tier this code wrote; kept as a guard all the same.
+        self.identity.seq_at_least(max_seq.saturating_add(1));
         if unreadable > 0 {
             self.counters
                 .errors
@@ -991,7 +916,8 @@ impl L2Tier {
         gate: GateToken<'a>,
     ) -> WriteBatch<'a> {
         let items = &locked;
-        let format_id = self.format_id.load(Ordering::Acquire);
+        let format_id = self.identity.format_id();
+        let write_durable = |o: u64, b: &[u8]| self.write_durable(o, b);
         let mut extent_headers: Vec<(u32, u64, Vec<u8>)> = Vec::new();
         let mut plans: Vec<PlannedWrite> = Vec::new();
         let mut slot_headers: Vec<Vec<u8>> = Vec::new();
@@ -1013,7 +939,20 @@ impl L2Tier {
                         continue;
                     }
                 };
-            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let seq = match self.identity.next_seq(&write_durable) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "no L2 sequence number: object not written");
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            let next_epoch = self.index.lock().next_epoch();
+            if let Err(e) = self.identity.ensure_epochs(next_epoch, &write_durable) {
+                tracing::warn!(error = %e, "no L2 extent epochs: object not written");
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let reservation = match self.index.lock().reserve(*key, len, seq) {
                 Ok(r) => r,
                 Err(ReserveError::Exists) => continue,
@@ -1425,12 +1364,14 @@ impl L2Tier {
         self.clear_gate.exclusive(|| {
             let l1 = clear_l1();
             let r = self.index.lock().clear();
-            self.format().map_err(|e| {
-                e.context(
-                    "L2 emptied in memory, but the new format id was not written: \
+            self.identity
+                .reformat(&|o, b| self.write_durable(o, b))
+                .map_err(|e| {
+                    e.context(
+                        "L2 emptied in memory, but the new format id was not written: \
                      cleared objects may reappear after a restart",
-                )
-            })?;
+                    )
+                })?;
             Ok((l1, r))
         })
     }

@@ -1,0 +1,348 @@
+//! [`Identity`]: the tier's current superblock and the numbers leased under it (slot sequence
+//! numbers and extent epochs).
+//!
+//! Numbers are never reused, whatever a run could read at start-up: the superblock records
+//! limits below which every number ever written lies, and a run raises a limit (writing and
+//! syncing a new superblock copy) *before* it issues a number at or above it. A run that opens
+//! the tier raises both limits at once and starts from the old ones, so its numbers are above
+//! every number of every earlier run, including those in headers it could not read.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::format::{Superblock, BLOCK};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Sequence numbers leased per superblock write.
+pub const SEQ_LEASE: u64 = 1 << 32;
+/// Extent epochs leased per superblock write.
+pub const EPOCH_LEASE: u64 = 1 << 24;
+/// A new epoch lease is taken when fewer than this many epochs are left (more than the number
+/// of threads that can reserve at once, each taking at most one epoch per reservation).
+pub const EPOCH_MARGIN: u64 = 1 << 10;
+
+/// Writes one superblock block at a file offset and makes it durable (write + fdatasync).
+pub type WriteDurable<'a> = &'a dyn Fn(u64, &[u8]) -> Result<()>;
+
+/// The current superblock and the lease counters. Invariants: `current` is the copy last
+/// written durably; every sequence number handed out is below `current.seq_limit`, and the
+/// caller keeps every epoch it assigns below `current.epoch_limit` ([`Identity::ensure_epochs`]).
+pub struct Identity {
+    current: Mutex<Superblock>,
+    format_id: AtomicU64,
+    next_seq: AtomicU64,
+    seq_limit: AtomicU64,
+    epoch_limit: AtomicU64,
+    first_epoch: u64,
+}
+
+fn random_format_id() -> u64 {
+    let mut b = [0u8; 8];
+    let from_os = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .is_ok();
+    let mut id = u64::from_le_bytes(b);
+    if !from_os {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        id = t ^ (u64::from(std::process::id()) << 32);
+    }
+    id.max(1)
+}
+
+fn exhausted(what: &str) -> Error {
+    Error::new(
+        ErrorKind::LimitExceeded,
+        format!("the L2 tier has used up its {what} (format the tier again)"),
+    )
+}
+
+impl Identity {
+    /// Formats: writes a superblock with a fresh format id, twice (both copies, one after the
+    /// other, each durable), continuing the update count and the limits of `previous` when the
+    /// device held a kvnode tier, so numbers keep growing across formats too.
+    pub fn format(
+        previous: Option<&Superblock>,
+        file_bytes: u64,
+        extent_bytes: u64,
+        write: WriteDurable<'_>,
+    ) -> Result<Identity> {
+        let base = previous.map_or(
+            Superblock {
+                format_id: 0,
+                file_bytes,
+                extent_bytes,
+                update: 0,
+                seq_limit: 1,
+                epoch_limit: 1,
+            },
+            |p| Superblock {
+                file_bytes,
+                extent_bytes,
+                ..p.clone()
+            },
+        );
+        let mut sb = Superblock {
+            format_id: random_format_id(),
+            ..base
+        };
+        for _ in 0..2 {
+            sb.update = sb
+                .update
+                .checked_add(1)
+                .ok_or_else(|| exhausted("updates"))?;
+            write_copy(&sb, write)?;
+        }
+        let id = Identity::recovered(sb.clone());
+        id.lease(write)?;
+        Ok(id)
+    }
+
+    /// Opens a tier recovered from `sb` (the current copy read from the device): raises both
+    /// limits durably before anything is numbered, and numbers from the old limits on.
+    pub fn open(sb: Superblock, write: WriteDurable<'_>) -> Result<Identity> {
+        let id = Identity::recovered(sb);
+        id.lease(write)?;
+        Ok(id)
+    }
+
+    /// A placeholder for a tier being opened, replaced by [`Identity::format`] or
+    /// [`Identity::open`] before anything is numbered or written under it.
+    pub(super) fn unformatted() -> Identity {
+        Identity::recovered(Superblock {
+            format_id: 0,
+            file_bytes: 0,
+            extent_bytes: 0,
+            update: 0,
+            seq_limit: 0,
+            epoch_limit: 0,
+        })
+    }
+
+    fn recovered(sb: Superblock) -> Identity {
+        Identity {
+            format_id: AtomicU64::new(sb.format_id),
+            next_seq: AtomicU64::new(sb.seq_limit),
+            seq_limit: AtomicU64::new(sb.seq_limit),
+            epoch_limit: AtomicU64::new(sb.epoch_limit),
+            first_epoch: sb.epoch_limit,
+            current: Mutex::new(sb),
+        }
+    }
+
+    /// Raises both limits by a lease (one superblock write).
+    fn lease(&self, write: WriteDurable<'_>) -> Result<()> {
+        self.update(write, |sb| {
+            sb.seq_limit = sb
+                .seq_limit
+                .checked_add(SEQ_LEASE)
+                .ok_or_else(|| exhausted("sequence numbers"))?;
+            sb.epoch_limit = sb
+                .epoch_limit
+                .checked_add(EPOCH_LEASE)
+                .ok_or_else(|| exhausted("extent epochs"))?;
+            Ok(())
+        })
+    }
+
+    /// Writes the next superblock copy: `change` applied to the current one, `update` + 1.
+    /// The in-memory state follows only once the copy is durable.
+    fn update(
+        &self,
+        write: WriteDurable<'_>,
+        change: impl FnOnce(&mut Superblock) -> Result<()>,
+    ) -> Result<()> {
+        let mut cur = self.current.lock();
+        let mut next = cur.clone();
+        change(&mut next)?;
+        next.update = next
+            .update
+            .checked_add(1)
+            .ok_or_else(|| exhausted("updates"))?;
+        write_copy(&next, write)?;
+        self.format_id.store(next.format_id, Ordering::Release);
+        self.seq_limit.store(next.seq_limit, Ordering::Release);
+        self.epoch_limit.store(next.epoch_limit, Ordering::Release);
+        *cur = next;
+        Ok(())
+    }
+
+    /// The format id headers are written under now.
+    pub fn format_id(&self) -> u64 {
+        self.format_id.load(Ordering::Acquire)
+    }
+
+    /// The current superblock copy.
+    pub fn superblock(&self) -> Superblock {
+        self.current.lock().clone()
+    }
+
+    /// Changes the format id (CLEAR): every header written before is stale from now on. The
+    /// new id is in force only once its superblock copy is durable.
+    pub fn reformat(&self, write: WriteDurable<'_>) -> Result<()> {
+        self.update(write, |sb| {
+            sb.format_id = random_format_id();
+            Ok(())
+        })
+    }
+
+    /// Makes the next sequence number at least `floor` (recovery found a header numbered
+    /// `floor - 1`, which a tier written by this code never has at or above its limit).
+    pub fn seq_at_least(&self, floor: u64) {
+        self.next_seq.fetch_max(floor, Ordering::AcqRel);
+    }
+
+    /// The next slot sequence number: above every number written before, in this run or any
+    /// earlier one; extends the lease (a superblock write) when the current one is used up.
+    pub fn next_seq(&self, write: WriteDurable<'_>) -> Result<u64> {
+        let s = self.next_seq.fetch_add(1, Ordering::AcqRel);
+        if s < self.seq_limit.load(Ordering::Acquire) {
+            return Ok(s);
+        }
+        if s < self.current.lock().seq_limit {
+            return Ok(s);
+        }
+        self.update(write, |sb| {
+            if sb.seq_limit <= s {
+                sb.seq_limit = s
+                    .checked_add(SEQ_LEASE)
+                    .ok_or_else(|| exhausted("sequence numbers"))?;
+            }
+            Ok(())
+        })?;
+        Ok(s)
+    }
+
+    /// Makes sure epochs up to `next_epoch + EPOCH_MARGIN` are leased (a superblock write when
+    /// not): call before any reservation that may assign an extent the epoch `next_epoch`.
+    pub fn ensure_epochs(&self, next_epoch: u64, write: WriteDurable<'_>) -> Result<()> {
+        let need = next_epoch.saturating_add(EPOCH_MARGIN);
+        if need < self.epoch_limit.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.update(write, |sb| {
+            if sb.epoch_limit <= need {
+                sb.epoch_limit = need
+                    .checked_add(EPOCH_LEASE)
+                    .ok_or_else(|| exhausted("extent epochs"))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The first epoch this run may assign: the epoch limit before this run's lease, above
+    /// every epoch written in earlier runs.
+    pub fn first_epoch(&self) -> u64 {
+        self.first_epoch
+    }
+}
+
+/// Encodes `sb` and writes it durably to its copy.
+fn write_copy(sb: &Superblock, write: WriteDurable<'_>) -> Result<()> {
+    let mut b = vec![0u8; BLOCK];
+    sb.encode(&mut b);
+    write(sb.offset(), &b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::Mutex as StdMutex;
+
+    /// A device of superblock copies, with a switch that makes writes fail.
+    #[derive(Default)]
+    struct Disk {
+        blocks: StdMutex<HashMap<u64, Vec<u8>>>,
+        fail: std::sync::atomic::AtomicBool,
+    }
+    impl Disk {
+        fn write(&self, off: u64, b: &[u8]) -> Result<()> {
+            if self.fail.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Io, "injected"));
+            }
+            self.blocks.lock().unwrap().insert(off, b.to_vec());
+            Ok(())
+        }
+        fn current(&self) -> Superblock {
+            self.blocks
+                .lock()
+                .unwrap()
+                .values()
+                .filter_map(|b| Superblock::decode(b).ok())
+                .max_by_key(|s| s.update)
+                .unwrap()
+        }
+    }
+
+    #[test]
+    fn numbers_of_a_reopened_tier_are_above_everything_leased_before() {
+        let disk = Disk::default();
+        let w = |o: u64, b: &[u8]| disk.write(o, b);
+        let first = Identity::format(None, 64 << 20, 2 << 20, &w).unwrap();
+        let a = first.next_seq(&w).unwrap();
+        let b = first.next_seq(&w).unwrap();
+        assert!(b > a);
+        let sb = disk.current();
+        assert_eq!(sb.update, 3, "two copies at format, one lease");
+        assert!(sb.seq_limit > b && sb.epoch_limit > 1);
+        // Reopened from what is on the disk, whatever headers were readable: the new run starts
+        // at the old limits.
+        let second = Identity::open(sb.clone(), &w).unwrap();
+        assert_eq!(second.next_seq(&w).unwrap(), sb.seq_limit);
+        assert_eq!(second.first_epoch(), sb.epoch_limit);
+        assert!(disk.current().seq_limit >= sb.seq_limit + SEQ_LEASE);
+        assert_eq!(disk.current().format_id, sb.format_id);
+    }
+
+    #[test]
+    fn a_used_up_lease_is_extended_durably_before_its_numbers_are_used() {
+        let disk = Disk::default();
+        let w = |o: u64, b: &[u8]| disk.write(o, b);
+        let id = Identity::format(None, 64 << 20, 2 << 20, &w).unwrap();
+        let limit = disk.current().seq_limit;
+        id.next_seq.store(limit - 1, Ordering::Relaxed);
+        assert_eq!(id.next_seq(&w).unwrap(), limit - 1);
+        disk.fail.store(true, Ordering::Relaxed);
+        assert!(
+            id.next_seq(&w).is_err(),
+            "no number beyond a lease that is not durable"
+        );
+        disk.fail.store(false, Ordering::Relaxed);
+        let s = id.next_seq(&w).unwrap();
+        assert!(s > limit && s < disk.current().seq_limit);
+        // Epochs: close to the limit, a new lease is written first.
+        let el = disk.current().epoch_limit;
+        id.ensure_epochs(el - EPOCH_MARGIN, &w).unwrap();
+        assert!(disk.current().epoch_limit > el);
+    }
+
+    #[test]
+    fn copies_alternate_and_a_reformat_keeps_the_limits() {
+        let disk = Disk::default();
+        let w = |o: u64, b: &[u8]| disk.write(o, b);
+        let id = Identity::format(None, 64 << 20, 2 << 20, &w).unwrap();
+        let before = disk.current();
+        assert_eq!(disk.blocks.lock().unwrap().len(), 2, "both copies written");
+        id.reformat(&w).unwrap();
+        let after = disk.current();
+        assert_ne!(after.format_id, before.format_id);
+        assert_eq!(id.format_id(), after.format_id);
+        assert_eq!(after.seq_limit, before.seq_limit);
+        assert_eq!(after.update, before.update + 1);
+        assert_ne!(after.offset(), before.offset());
+        // A failed write leaves the old id in force.
+        disk.fail.store(true, Ordering::Relaxed);
+        assert!(id.reformat(&w).is_err());
+        assert_eq!(id.format_id(), after.format_id);
+        // A format over an old tier continues its numbers.
+        disk.fail.store(false, Ordering::Relaxed);
+        let again = Identity::format(Some(&after), 128 << 20, 4 << 20, &w).unwrap();
+        let cur = disk.current();
+        assert!(cur.update > after.update && cur.seq_limit > after.seq_limit);
+        assert_eq!((cur.file_bytes, cur.extent_bytes), (128 << 20, 4 << 20));
+        assert!(again.next_seq(&w).unwrap() >= after.seq_limit);
+    }
+}
