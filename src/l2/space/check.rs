@@ -3,6 +3,7 @@
 use std::fmt;
 use std::hash::Hash;
 
+use super::reclaim::Summary;
 use super::{Counts, L2Index, State, BLOCK};
 
 impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
@@ -122,6 +123,48 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                     return Err(format!("LRU of stride {stride} holds stale {k:?}"));
                 }
             }
+        }
+        self.check_summaries()
+    }
+
+    /// Verifies the reclaim summaries (see [`Summary`]) against a recomputation from the
+    /// entries, and the reclaimable set against the summaries.
+    fn check_summaries(&self) -> Result<(), String> {
+        let mut exact = vec![Summary::default(); self.extents.len()];
+        for e in self.entries.values() {
+            let s = &mut exact[e.slot.extent as usize];
+            s.busy += u32::from(!e.evictable());
+            s.newest = s.newest.max(Some(e.stamp));
+        }
+        let mut listed = 0usize;
+        for (i, (x, exact)) in self.extents.iter().zip(&exact).enumerate() {
+            let s = x.summary;
+            if s.busy != exact.busy {
+                return Err(format!("extent {i}: busy {} != {}", s.busy, exact.busy));
+            }
+            // `newest` is an upper bound of the exact value, and exact when empty.
+            if s.newest < exact.newest || (exact.newest.is_none() && s.newest.is_some()) {
+                return Err(format!(
+                    "extent {i}: newest {:?} below or beside {:?}",
+                    s.newest, exact.newest
+                ));
+            }
+            let want = (x.stride != 0 && !x.draining && s.busy == 0).then_some(s.newest);
+            if s.listed != want {
+                return Err(format!("extent {i}: listed {:?}, want {want:?}", s.listed));
+            }
+            if let Some(newest) = want {
+                listed += 1;
+                if !self.reclaimable.contains(&(newest, i as u32)) {
+                    return Err(format!("extent {i}: reclaimable but not in the set"));
+                }
+            }
+        }
+        if self.reclaimable.len() != listed {
+            return Err(format!(
+                "reclaimable set holds {}, {listed} extents reclaimable",
+                self.reclaimable.len()
+            ));
         }
         Ok(())
     }

@@ -7,12 +7,15 @@
 //! payload). Every assignment of an extent bumps its epoch.
 //!
 //! * `mod.rs`: the types, reservation, state transitions, eviction.
+//! * `reclaim.rs`: per-extent summaries, the reclaim candidates.
 //! * `recover.rs`: rebuilding the index from headers read at start-up.
 //! * `check.rs`: the invariant checker ([`L2Index::check`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::hash::Hash;
+
+use reclaim::{ReclaimKey, Summary};
 
 /// File offset of extent 0; extent `i` starts at `EXTENT_BASE + i * extent_bytes`.
 pub const EXTENT_BASE: u64 = 2 << 20;
@@ -278,6 +281,8 @@ struct Extent<K> {
     /// failed): the next reservation in the extent reports it as `new_extent`
     /// again so the caller rewrites it.
     needs_header: bool,
+    /// Reclaim summary (see [`Summary`]); default when free.
+    summary: Summary,
 }
 
 #[derive(Debug, Clone)]
@@ -301,7 +306,10 @@ impl<K> Default for StrideSet<K> {
 /// [`L2Index::check`]): every slot of every assigned extent is either free or
 /// held by exactly one entry; pinned, Writing and doomed entries are never
 /// evicted and their slots never reused; per-stride LRU maps hold exactly the
-/// evictable (Ready, unpinned, not doomed) entries; epochs of assigned
+/// evictable (Ready, unpinned, not doomed) entries; every extent's reclaim
+/// summary (count of non-evictable entries, bound of the newest stamp) matches
+/// its entries, and the set of reclaimable extents holds exactly the assigned,
+/// non-draining extents without a non-evictable entry; epochs of assigned
 /// extents are `>= 1` and only grow.
 #[derive(Debug, Clone)]
 pub struct L2Index<K> {
@@ -319,6 +327,9 @@ pub struct L2Index<K> {
     /// Between the first `recover_entry` and `finish_recovery`: free lists are rebuilt at the
     /// end instead of being searched per entry.
     recovering: bool,
+    /// `(newest-stamp bound, extent)` of every assigned, non-draining extent whose entries
+    /// are all evictable (see [`Summary`]): the reclaim candidates, oldest first.
+    reclaimable: BTreeSet<ReclaimKey>,
 }
 
 fn stride_of(object_len: u64) -> u64 {
@@ -337,6 +348,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             live: 0,
             draining: false,
             needs_header: false,
+            summary: Summary::default(),
         };
         Self {
             extent_bytes,
@@ -349,6 +361,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             tick: 1,
             next_epoch: 1,
             recovering: false,
+            reclaimable: BTreeSet::new(),
         }
     }
 
@@ -395,16 +408,17 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         s
     }
 
-    /// Adds an entry's contribution to counters and LRU.
+    /// Adds an entry's contribution to counters, LRU and its extent's summary.
     fn link(&mut self, key: K, e: &Entry) {
         self.counts.add(Counts::of(e), true);
         if e.evictable() {
             let set = self.strides.entry(e.slot.stride).or_default();
             set.lru.insert(e.stamp, key);
         }
+        self.summary_add(e);
     }
 
-    /// Removes an entry's contribution from counters and LRU.
+    /// Removes an entry's contribution from counters, LRU and its extent's summary.
     fn unlink(&mut self, e: &Entry) {
         self.counts.add(Counts::of(e), false);
         if e.evictable() {
@@ -412,9 +426,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 set.lru.remove(&e.stamp);
             }
         }
+        self.summary_remove(e);
     }
 
-    /// Applies `f` to an entry, keeping counters and LRU in step.
+    /// Applies `f` to an entry, keeping counters, LRU and summaries in step.
     fn modify(&mut self, key: &K, f: impl FnOnce(&mut Entry)) -> Option<Entry> {
         let old = *self.entries.get(key)?;
         let mut new = old;
@@ -442,11 +457,14 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         x.occupants[e.slot.index as usize] = None;
         x.live -= 1;
         x.free.push(e.slot.index);
-        if !x.draining {
-            let stride = x.stride;
+        let (stride, draining, empty) = (x.stride, x.draining, x.live == 0);
+        if !draining {
             self.strides.entry(stride).or_default().partial.insert(ext);
-        } else if x.live == 0 {
+        }
+        if empty && draining {
             self.release_extent(ext);
+        } else if empty {
+            self.relist(ext); // its summary's bound becomes exact: no entry
         }
         Some(e)
     }
@@ -477,8 +495,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         x.live = 0;
         x.draining = false;
         x.needs_header = false;
+        debug_assert_eq!(x.summary.busy, 0);
+        x.summary.newest = None;
         let epoch = x.epoch;
         self.strides.entry(stride).or_default().partial.insert(ext);
+        self.relist(ext);
         (ext, epoch, stride)
     }
 
@@ -494,32 +515,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         x.free = Vec::new();
         x.draining = false;
         self.free_extents.insert(ext);
-    }
-
-    /// The extent of another stride, with only evictable entries, whose newest
-    /// stamp is the oldest (empty extents first; ties to the lowest number).
-    fn reclaim_candidate(&self, stride: u64) -> Option<u32> {
-        let mut best: Option<(Option<Stamp>, u32)> = None;
-        for (i, x) in self.extents.iter().enumerate() {
-            if x.stride == 0 || x.stride == stride || x.draining {
-                continue;
-            }
-            let mut newest = None;
-            let mut ok = true;
-            for k in x.occupants.iter().flatten() {
-                match self.entries.get(k) {
-                    Some(e) if e.evictable() => newest = newest.max(Some(e.stamp)),
-                    _ => {
-                        ok = false;
-                        break;
-                    }
-                }
-            }
-            if ok && best.is_none_or(|(b, _)| newest < b) {
-                best = Some((newest, i as u32));
-            }
-        }
-        best.map(|(_, i)| i)
+        self.relist(ext);
     }
 
     /// Reserves a slot for `key` and inserts it as Writing (invisible to
@@ -560,7 +556,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             };
             evicted.push(key);
             e.slot.extent
-        } else if let Some(ext) = self.reclaim_candidate(stride) {
+        } else if let Some(ext) = self.reclaim_candidate(stride, None) {
             let keys: Vec<K> = self.extents[ext as usize]
                 .occupants
                 .iter()
@@ -744,6 +740,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 if let Some(set) = self.strides.get_mut(&x.stride) {
                     set.partial.remove(&ext);
                 }
+                self.relist(ext); // (already unlisted: its entries are all doomed)
             }
         }
         (removed, deferred)
@@ -764,6 +761,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
 }
 
 mod check;
+mod reclaim;
 mod recover;
 
 #[cfg(test)]

@@ -689,3 +689,218 @@ proptest! {
         run(ops)?;
     }
 }
+
+// ---- randomized operations, summaries and reclaim choices checked after every step ----
+
+/// splitmix64: a deterministic generator, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The victim `reserve` must pick for `stride` in `ix`, found by brute force over every
+/// extent: `Some(Ok(key))` for the stride's LRU entry, `Some(Err(extent))` for an extent to
+/// reclaim, `None` for no space. Only asked when the stride has no free slot and no extent
+/// is free.
+fn expected_victim(ix: &L2Index<u32>, stride: u64) -> Option<Result<u32, u32>> {
+    let head = ix
+        .strides
+        .get(&stride)
+        .and_then(|s| s.lru.first_key_value())
+        .map(|(s, k)| (*s, *k));
+    if let Some((_, k)) = head {
+        return Some(Ok(k));
+    }
+    let mut best: Option<(Option<Stamp>, u32)> = None;
+    for (i, x) in ix.extents.iter().enumerate() {
+        let i = i as u32;
+        if x.stride == 0 || x.stride == stride || x.draining {
+            continue;
+        }
+        let all_evictable = x
+            .occupants
+            .iter()
+            .flatten()
+            .all(|k| ix.entries[k].evictable());
+        if all_evictable && best.is_none_or(|b| (x.summary.newest, i) < b) {
+            best = Some((x.summary.newest, i));
+        }
+    }
+    best.map(|(_, i)| Err(i))
+}
+
+/// Checks a successful reservation against the state before it.
+fn check_reservation(before: &L2Index<u32>, stride: u64, r: &Reservation<u32>) {
+    let set = before.strides.get(&stride);
+    let had_partial = set.is_some_and(|s| !s.partial.is_empty());
+    let x = &before.extents[r.slot.extent as usize];
+    for k in &r.evicted {
+        assert!(before.entries[k].evictable(), "evicted busy {k}");
+    }
+    if had_partial {
+        assert!(r.evicted.is_empty() && x.stride == stride);
+        return;
+    }
+    if !before.free_extents.is_empty() {
+        assert!(r.evicted.is_empty() && x.stride == 0);
+        assert_eq!(r.slot.extent, *before.free_extents.first().unwrap());
+        return;
+    }
+    match expected_victim(before, stride) {
+        Some(Ok(k)) => assert_eq!(r.evicted, vec![k], "own LRU entry"),
+        Some(Err(ext)) => {
+            assert_eq!(r.slot.extent, ext, "reclaimed extent");
+            let mut held: Vec<u32> = x.occupants.iter().flatten().copied().collect();
+            let mut ev = r.evicted.clone();
+            held.sort_unstable();
+            ev.sort_unstable();
+            assert_eq!(held, ev);
+        }
+        None => panic!("reserved although nothing was evictable"),
+    }
+    if let Some((ext, epoch, s)) = r.new_extent {
+        assert_eq!((ext, s), (r.slot.extent, stride));
+        assert!(epoch > before.extents[ext as usize].epoch && epoch >= before.next_epoch);
+    }
+}
+
+/// A restart: a fresh index rebuilt, as the tier does, from what is on "disk": the headers
+/// of every assigned extent and of every visible entry, plus stale copies of some keys in
+/// free slots (older or newer seqs). Checked after every step.
+fn recovered(ix: &L2Index<u32>, rng: &mut Rng) -> L2Index<u32> {
+    let mut n = L2Index::<u32>::new(ix.extents.len() as u32, ix.extent_bytes);
+    n.note_epoch(ix.next_epoch - 1);
+    for (i, x) in ix.extents.iter().enumerate() {
+        if x.stride != 0 {
+            n.recover_extent(i as u32, x.epoch, x.stride).unwrap();
+            n.check().unwrap();
+        }
+    }
+    let mut found: Vec<(u32, Entry)> = ix
+        .entries
+        .iter()
+        .filter(|(_, e)| e.visible())
+        .map(|(k, e)| (*k, *e))
+        .collect();
+    found.sort_unstable_by_key(|(k, _)| *k);
+    for (k, e) in found {
+        let rec = Recovered {
+            object_len: e.object_len,
+            checksum: e.checksum,
+            seq: e.seq,
+            layout: e.layout,
+        };
+        let out = n.recover_entry(k, e.slot.index, e.slot.extent, rec);
+        assert!(
+            matches!(out, RecoverOutcome::Inserted | RecoverOutcome::KeptNewer),
+            "{out:?}"
+        );
+        n.check().unwrap();
+    }
+    for _ in 0..rng.below(4) {
+        let ext = rng.below(ix.extents.len() as u64) as u32;
+        let x = &ix.extents[ext as usize];
+        if x.stride == 0 || x.occupants.is_empty() {
+            continue;
+        }
+        let slot = rng.below(x.occupants.len() as u64) as u32;
+        let rec = Recovered {
+            object_len: 1 + rng.below(x.stride - BLOCK),
+            checksum: 0,
+            seq: rng.below(ix.clock + 2),
+            layout: 0,
+        };
+        n.recover_entry(rng.below(96) as u32, slot, ext, rec);
+        n.check().unwrap();
+    }
+    n.finish_recovery();
+    n
+}
+
+fn random_run(seed: u64, steps: u64) {
+    /// Strides 64 KiB (31 slots), 256 KiB (7), 512 KiB (3), 1 MiB (1).
+    const LENS: [u64; 4] = [60 * KIB, SMALL, MID, BIG];
+    let mut rng = Rng(seed);
+    let mut ix = L2Index::<u32>::new(8, EB);
+    for step in 0..steps {
+        // Commit, abort and unpin mostly pick a key they apply to.
+        let pick = |ix: &L2Index<u32>, rng: &mut Rng, f: fn(&Entry) -> bool| {
+            let mut ks: Vec<u32> = ix
+                .entries
+                .iter()
+                .filter(|(_, e)| f(e))
+                .map(|(k, _)| *k)
+                .collect();
+            ks.sort_unstable();
+            match ks.len() {
+                0 => rng.below(96) as u32,
+                n if rng.below(8) > 0 => ks[rng.below(n as u64) as usize],
+                _ => rng.below(96) as u32,
+            }
+        };
+        let mut k = rng.below(96) as u32;
+        let op = rng.below(1000);
+        if (300..650).contains(&op) {
+            k = pick(&ix, &mut rng, |e| e.state == State::Writing);
+        } else if (730..810).contains(&op) {
+            k = pick(&ix, &mut rng, |e| e.pins > 0);
+        }
+        let slot = ix.entries.get(&k).map_or(DUMMY, |e| e.slot);
+        match op {
+            0..=299 => {
+                let len = LENS[rng.below(LENS.len() as u64) as usize];
+                let before = ix.clone();
+                match ix.reserve(k, len, step) {
+                    Ok(r) => check_reservation(&before, stride_of(len), &r),
+                    Err(e) => {
+                        assert_eq!(format!("{before:?}"), format!("{ix:?}"), "{e:?} changed");
+                        if e == ReserveError::NoSpace {
+                            assert!(before.free_extents.is_empty());
+                            assert_eq!(expected_victim(&before, stride_of(len)), None);
+                        }
+                    }
+                }
+            }
+            300..=599 => {
+                let _ = ix.commit(k, slot, 1, 2);
+            }
+            600..=649 => {
+                let _ = ix.abort(k, slot);
+            }
+            650..=729 => {
+                ix.pin(&k);
+            }
+            730..=809 => {
+                let _ = ix.unpin(&k, slot);
+            }
+            810..=869 => {
+                ix.remove(&k);
+            }
+            870..=989 => ix.touch(&k),
+            990..=994 => {
+                ix.clear();
+            }
+            _ => ix = recovered(&ix, &mut rng),
+        }
+        if let Err(e) = ix.check() {
+            panic!("seed {seed} step {step}: {e}");
+        }
+    }
+}
+
+#[test]
+fn randomized_operations_keep_summaries() {
+    for seed in 1..=4 {
+        random_run(seed, 2500);
+    }
+}
