@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::hash::Hash;
 
-use reclaim::{ReclaimKey, Summary};
+use reclaim::{ReclaimKey, Summary, Victim};
 
 /// File offset of extent 0; extent `i` starts at `EXTENT_BASE + i * extent_bytes`.
 pub const EXTENT_BASE: u64 = 2 << 20;
@@ -519,9 +519,12 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     }
 
     /// Reserves a slot for `key` and inserts it as Writing (invisible to
-    /// readers). Tries, in order: a free slot of the stride, a free extent, the
-    /// LRU evictable entry of the stride, a whole extent of another stride.
-    /// On error nothing changed.
+    /// readers). Tries, in order: a free slot of the stride, a free extent,
+    /// then the older of the stride's LRU evictable entry and the whole extent
+    /// of another stride whose newest entry is the oldest (the policy in
+    /// `reclaim.rs`): space goes to recently used objects whatever their
+    /// stride. Pinned, Writing and doomed entries are never evicted nor their
+    /// slots reused. On error nothing changed.
     pub fn reserve(
         &mut self,
         key: K,
@@ -536,9 +539,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             return Err(ReserveError::TooLarge { object_len, max });
         }
         let stride = stride_of(object_len);
-        let set = self.strides.get(&stride);
-        let partial = set.and_then(|s| s.partial.first().copied());
-        let victim = set.and_then(|s| s.lru.first_key_value().map(|(_, k)| *k));
+        let partial = self
+            .strides
+            .get(&stride)
+            .and_then(|s| s.partial.first().copied());
         let mut evicted = Vec::new();
         let mut new_extent = None;
         let ext = if let Some(ext) = partial {
@@ -550,28 +554,21 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         } else if let Some(ext) = self.free_extents.first().copied() {
             new_extent = Some(self.assign(ext, stride));
             ext
-        } else if let Some(key) = victim {
-            let Some(e) = self.drop_entry(&key) else {
-                return Err(ReserveError::NoSpace);
-            };
-            evicted.push(key);
-            e.slot.extent
-        } else if let Some(ext) = self.reclaim_candidate(stride, None) {
-            let keys: Vec<K> = self.extents[ext as usize]
-                .occupants
-                .iter()
-                .flatten()
-                .copied()
-                .collect();
-            for k in keys {
-                self.drop_entry(&k);
-                evicted.push(k);
-            }
-            self.release_extent(ext);
-            new_extent = Some(self.assign(ext, stride));
-            ext
         } else {
-            return Err(ReserveError::NoSpace);
+            match self.victim(stride) {
+                Some(Victim::Entry(key)) => {
+                    let Some(e) = self.drop_entry(&key) else {
+                        return Err(ReserveError::NoSpace);
+                    };
+                    evicted.push(key);
+                    e.slot.extent
+                }
+                Some(Victim::Extent(ext)) => {
+                    new_extent = Some(self.reclaim_extent(ext, stride, &mut evicted));
+                    ext
+                }
+                None => return Err(ReserveError::NoSpace),
+            }
         };
         let Some(index) = self.take_slot(ext) else {
             debug_assert!(false, "chosen extent {ext} has no free slot");

@@ -1,5 +1,14 @@
-//! Reclaim: per-extent summaries, kept in step with every entry change, from which
-//! `reserve` picks a whole extent of another stride to reclaim without scanning slots.
+//! Reclaim: what `reserve` frees when its stride has no free slot and no extent is free,
+//! and the per-extent summaries, kept in step with every entry change, that let it choose
+//! without scanning slots.
+//!
+//! Policy (issue 10, defect 4): space goes to recently used objects whatever their stride.
+//! The oldest evictable entry of the reserving stride (its LRU head) is weighed against the
+//! reclaimable extent of another stride (all entries evictable, not draining) whose newest
+//! entry is the oldest, empty extents first: if that whole extent is older than the head,
+//! or the stride has no evictable entry, the extent is reclaimed (its entries evicted, the
+//! extent reassigned with a new epoch); otherwise the head is evicted. Evicting only within
+//! the stride kept a stride that arrived after the disk filled in a single extent.
 
 use std::fmt;
 use std::hash::Hash;
@@ -10,6 +19,15 @@ use super::{Entry, L2Index, Stamp};
 /// holds no entry), then its number. Ordered oldest first, empty extents before all others,
 /// ties to the lowest number.
 pub(super) type ReclaimKey = (Option<Stamp>, u32);
+
+/// What `reserve` frees when it finds no free slot and no free extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Victim<K> {
+    /// The least recently used evictable entry of the reserving stride.
+    Entry(K),
+    /// A whole extent of another stride whose entries are all evictable.
+    Extent(u32),
+}
 
 /// Reclaim summary of one extent, updated by `link`, `unlink`, `drop_entry`, `assign`,
 /// `release_extent` and `clear`. Invariants (verified by `L2Index::check`):
@@ -64,6 +82,43 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             }
             x.summary.listed = want;
         }
+    }
+
+    /// What to free for a reservation of `stride` that found no free slot and no free
+    /// extent (the policy in the module doc); `None` when nothing may be evicted. O(log n).
+    pub(super) fn victim(&self, stride: u64) -> Option<Victim<K>> {
+        let head = self
+            .strides
+            .get(&stride)
+            .and_then(|s| s.lru.first_key_value())
+            .map(|(stamp, k)| (*stamp, *k));
+        match self.reclaim_candidate(stride, head.map(|(stamp, _)| stamp)) {
+            Some(ext) => Some(Victim::Extent(ext)),
+            None => head.map(|(_, k)| Victim::Entry(k)),
+        }
+    }
+
+    /// Evicts every entry of `ext` (all evictable), appending their keys to `evicted`, and
+    /// reassigns it to `stride` with a new epoch; returns `(extent, epoch, stride)`.
+    pub(super) fn reclaim_extent(
+        &mut self,
+        ext: u32,
+        stride: u64,
+        evicted: &mut Vec<K>,
+    ) -> (u32, u64, u64) {
+        let keys: Vec<K> = self.extents[ext as usize]
+            .occupants
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        for k in keys {
+            debug_assert!(self.entries.get(&k).is_some_and(Entry::evictable));
+            self.drop_entry(&k);
+            evicted.push(k);
+        }
+        self.release_extent(ext);
+        self.assign(ext, stride)
     }
 
     /// The extent of another stride than `stride` that holds only evictable entries and whose
