@@ -1,0 +1,770 @@
+//! In-memory index and space manager of the L2 disk tier. Pure logic, no I/O.
+//!
+//! The L2 file holds `extent_count` extents of `extent_bytes` each, extent `i`
+//! starting at `EXTENT_BASE + i * extent_bytes`. An extent is free or assigned
+//! to one stride; slot `j` of an assigned extent starts at
+//! `extent start + BLOCK + j * stride` (a `BLOCK`-byte slot header, then the
+//! payload). Every assignment of an extent bumps its epoch.
+//!
+//! * `mod.rs`: the types, reservation, state transitions, eviction.
+//! * `reclaim.rs`: per-extent summaries, the reclaim candidates.
+//! * `recover.rs`: rebuilding the index from headers read at start-up.
+//! * `check.rs`: the invariant checker ([`L2Index::check`]).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::hash::Hash;
+
+use reclaim::{ReclaimKey, Summary, Victim};
+
+/// File offset of extent 0; extent `i` starts at `EXTENT_BASE + i * extent_bytes`.
+pub const EXTENT_BASE: u64 = 2 << 20;
+/// Size of an extent header and of a slot header; every stride is a multiple of it.
+pub const BLOCK: u64 = 4096;
+/// Smallest valid stride: one header block plus one payload block.
+pub const MIN_STRIDE: u64 = 2 * BLOCK;
+
+/// Recency stamp: (primary, unique tie-break). Unique per entry; larger = more recent.
+type Stamp = (u64, u64);
+
+/// Where a slot lives. Invariant: `file_offset == EXTENT_BASE + extent *
+/// extent_bytes + BLOCK + index * stride`, and `epoch` is the extent's epoch
+/// at the time the slot was handed out (stale if the extent was reassigned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotRef {
+    /// Extent number, `< extent_count`.
+    pub extent: u32,
+    /// Slot number within the extent, `< (extent_bytes - BLOCK) / stride`.
+    pub index: u32,
+    /// Bytes per slot (header + payload), a multiple of `BLOCK`, `>= MIN_STRIDE`.
+    pub stride: u64,
+    /// Epoch of the extent's assignment, `>= 1`.
+    pub epoch: u64,
+    /// File offset of the slot header.
+    pub file_offset: u64,
+}
+
+/// A visible (Ready, not doomed) entry as seen by readers. Invariant:
+/// `0 < object_len <= slot.stride - BLOCK`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Located {
+    /// The slot holding the object.
+    pub slot: SlotRef,
+    /// Payload length in bytes.
+    pub object_len: u64,
+    /// Payload checksum recorded at commit.
+    pub checksum: u64,
+    /// Caller's sequence number (higher = newer version).
+    pub seq: u64,
+    /// Caller's layout fingerprint recorded at commit (0 = unknown).
+    pub layout: u64,
+}
+
+/// What recovery read from one slot header. Invariant: as found on disk, unvalidated;
+/// `recover_entry` checks it against the slot before inserting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recovered {
+    /// Payload length in bytes.
+    pub object_len: u64,
+    /// Payload checksum from the header.
+    pub checksum: u64,
+    /// Write sequence number from the header.
+    pub seq: u64,
+    /// Layout fingerprint from the header (0 = unknown).
+    pub layout: u64,
+}
+
+/// Result of [`L2Index::reserve`]. Invariant: `slot` is exclusively owned by the
+/// new Writing entry; `new_extent`, when set, is `(extent, epoch, stride)` of an
+/// extent just (re)assigned, whose header the caller must write first; no key
+/// in `evicted` is in the index any more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation<K> {
+    /// The slot to write the payload into.
+    pub slot: SlotRef,
+    /// `(extent, epoch, stride)` of a newly assigned extent, if any.
+    pub new_extent: Option<(u32, u64, u64)>,
+    /// Keys evicted to make room (for counters and logs).
+    pub evicted: Vec<K>,
+}
+
+/// Space usage snapshot. Invariant: `used_bytes <= capacity_bytes`,
+/// `free_extents <= extents`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpaceStats {
+    /// `extent_count * extent_bytes`.
+    pub capacity_bytes: u64,
+    /// Sum of the strides of all entries, Writing and doomed included.
+    pub used_bytes: u64,
+    /// Entries that are Ready and not doomed.
+    pub objects: u64,
+    /// Entries in the Writing state (doomed or not).
+    pub writing: u64,
+    /// Entries with at least one pin.
+    pub pinned: u64,
+    /// Extents assigned to no stride.
+    pub free_extents: u32,
+    /// Total extents.
+    pub extents: u32,
+}
+
+/// Why [`L2Index::reserve`] failed. Invariant: a failed reserve changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveError {
+    /// The key already has an entry (possibly Writing or doomed).
+    Exists,
+    /// `object_len` is 0 or above `max`.
+    TooLarge {
+        /// Requested length.
+        object_len: u64,
+        /// [`L2Index::max_object_len`].
+        max: u64,
+    },
+    /// Every slot that could hold the object is pinned, Writing or doomed.
+    NoSpace,
+}
+
+/// Why a state transition failed. Invariant: only `Doomed` comes with a change
+/// (the doomed entry was freed); the others change nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateError {
+    /// The key has no entry.
+    NotFound,
+    /// The entry is in another state, or its slot differs from the one given.
+    WrongState,
+    /// The entry was removed while in flight; it has now been freed.
+    Doomed,
+}
+
+/// Why [`L2Index::recover_extent`] refused an extent. Invariant: nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecoverError {
+    /// Extent out of range, already assigned, bad stride or bad epoch.
+    BadExtent(String),
+}
+
+/// Outcome of [`L2Index::recover_entry`]. Invariant: only `Inserted` and
+/// `ReplacedOlder` leave the given slot occupied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecoverOutcome {
+    /// New key, entry inserted.
+    Inserted,
+    /// The key had a lower seq; the old slot was freed, this one inserted.
+    ReplacedOlder,
+    /// The key has an equal or higher seq; this slot stays free.
+    KeptNewer,
+    /// The record does not fit the index; the slot stays free.
+    Rejected(String),
+}
+
+impl fmt::Display for ReserveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Exists => write!(f, "key already has an L2 entry"),
+            Self::TooLarge { object_len, max } => {
+                write!(
+                    f,
+                    "object of {object_len} bytes does not fit L2 (max {max})"
+                )
+            }
+            Self::NoSpace => write!(f, "no evictable L2 space"),
+        }
+    }
+}
+
+impl fmt::Display for StateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotFound => write!(f, "no L2 entry for key"),
+            Self::WrongState => write!(f, "L2 entry in wrong state or slot mismatch"),
+            Self::Doomed => write!(f, "L2 entry was removed while in flight"),
+        }
+    }
+}
+
+impl fmt::Display for RecoverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BadExtent(why) => write!(f, "bad L2 extent: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for ReserveError {}
+impl std::error::Error for StateError {}
+impl std::error::Error for RecoverError {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Writing,
+    Ready,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    slot: SlotRef,
+    object_len: u64,
+    checksum: u64,
+    seq: u64,
+    layout: u64,
+    state: State,
+    pins: u32,
+    doomed: bool,
+    stamp: Stamp,
+}
+
+impl Entry {
+    fn visible(&self) -> bool {
+        self.state == State::Ready && !self.doomed
+    }
+    fn evictable(&self) -> bool {
+        self.visible() && self.pins == 0
+    }
+    fn located(&self) -> Located {
+        Located {
+            slot: self.slot,
+            object_len: self.object_len,
+            checksum: self.checksum,
+            seq: self.seq,
+            layout: self.layout,
+        }
+    }
+}
+
+/// Aggregates kept incrementally; `check` recomputes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Counts {
+    used_bytes: u64,
+    objects: u64,
+    writing: u64,
+    pinned: u64,
+}
+
+impl Counts {
+    fn of(e: &Entry) -> Self {
+        Self {
+            used_bytes: e.slot.stride,
+            objects: u64::from(e.visible()),
+            writing: u64::from(e.state == State::Writing),
+            pinned: u64::from(e.pins > 0),
+        }
+    }
+    fn add(&mut self, o: Self, sign: bool) {
+        let op = |a: u64, b: u64| {
+            if sign {
+                a.wrapping_add(b)
+            } else {
+                a.wrapping_sub(b)
+            }
+        };
+        self.used_bytes = op(self.used_bytes, o.used_bytes);
+        self.objects = op(self.objects, o.objects);
+        self.writing = op(self.writing, o.writing);
+        self.pinned = op(self.pinned, o.pinned);
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Extent<K> {
+    /// 0 = free.
+    stride: u64,
+    epoch: u64,
+    /// One per slot when assigned; empty when free.
+    occupants: Vec<Option<K>>,
+    /// Free slot numbers (stack; lowest on top after assignment).
+    free: Vec<u32>,
+    live: u32,
+    /// Set by `clear` on extents with in-flight entries: takes no new entries,
+    /// becomes free when its last entry goes.
+    draining: bool,
+    /// The on-disk extent header may not describe this assignment (its write
+    /// failed): the next reservation in the extent reports it as `new_extent`
+    /// again so the caller rewrites it.
+    needs_header: bool,
+    /// Reclaim summary (see [`Summary`]); default when free.
+    summary: Summary,
+}
+
+#[derive(Debug, Clone)]
+struct StrideSet<K> {
+    /// Evictable entries of this stride, oldest first.
+    lru: BTreeMap<Stamp, K>,
+    /// Non-draining extents of this stride with at least one free slot.
+    partial: BTreeSet<u32>,
+}
+
+impl<K> Default for StrideSet<K> {
+    fn default() -> Self {
+        Self {
+            lru: BTreeMap::new(),
+            partial: BTreeSet::new(),
+        }
+    }
+}
+
+/// Index and space manager of the L2 tier. Invariants (verified by
+/// [`L2Index::check`]): every slot of every assigned extent is either free or
+/// held by exactly one entry; pinned, Writing and doomed entries are never
+/// evicted and their slots never reused; per-stride LRU maps hold exactly the
+/// evictable (Ready, unpinned, not doomed) entries; every extent's reclaim
+/// summary (count of non-evictable entries, bound of the newest stamp) matches
+/// its entries, and the set of reclaimable extents holds exactly the assigned,
+/// non-draining extents without a non-evictable entry; epochs of assigned
+/// extents are `>= 1` and only grow.
+#[derive(Debug, Clone)]
+pub struct L2Index<K> {
+    extent_bytes: u64,
+    extents: Vec<Extent<K>>,
+    free_extents: BTreeSet<u32>,
+    strides: HashMap<u64, StrideSet<K>>,
+    entries: HashMap<K, Entry>,
+    counts: Counts,
+    clock: u64,
+    tick: u64,
+    /// The epoch the next assignment gets: above every epoch assigned, recovered or noted,
+    /// so an epoch is never reused for a different assignment (of any extent).
+    next_epoch: u64,
+    /// Between the first `recover_entry` and `finish_recovery`: free lists are rebuilt at the
+    /// end instead of being searched per entry.
+    recovering: bool,
+    /// `(newest-stamp bound, extent)` of every assigned, non-draining extent whose entries
+    /// are all evictable (see [`Summary`]): the reclaim candidates, oldest first.
+    reclaimable: BTreeSet<ReclaimKey>,
+}
+
+fn stride_of(object_len: u64) -> u64 {
+    BLOCK + object_len.div_ceil(BLOCK) * BLOCK
+}
+
+impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
+    /// An index with all `extent_count` extents free and epoch 0. Any geometry
+    /// is accepted; if `extent_bytes < 3 * BLOCK` nothing fits (`max_object_len() == 0`).
+    pub fn new(extent_count: u32, extent_bytes: u64) -> Self {
+        let blank = Extent {
+            stride: 0,
+            epoch: 0,
+            occupants: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            draining: false,
+            needs_header: false,
+            summary: Summary::default(),
+        };
+        Self {
+            extent_bytes,
+            extents: vec![blank; extent_count as usize],
+            free_extents: (0..extent_count).collect(),
+            strides: HashMap::new(),
+            entries: HashMap::new(),
+            counts: Counts::default(),
+            clock: 1,
+            tick: 1,
+            next_epoch: 1,
+            recovering: false,
+            reclaimable: BTreeSet::new(),
+        }
+    }
+
+    /// The epoch the next extent assignment gets (every later one is higher).
+    pub fn next_epoch(&self) -> u64 {
+        self.next_epoch
+    }
+
+    /// The extent header written for `extent`'s current assignment was lost (the write
+    /// failed): the next reservation in it reports `new_extent` again.
+    pub fn header_lost(&mut self, extent: u32) {
+        if let Some(x) = self.extents.get_mut(extent as usize) {
+            if x.stride != 0 {
+                x.needs_header = true;
+            }
+        }
+    }
+
+    /// Largest `object_len` accepted by `reserve`: the stride
+    /// `BLOCK + round_up(len, BLOCK)` must fit in `extent_bytes - BLOCK`.
+    pub fn max_object_len(&self) -> u64 {
+        self.extent_bytes.saturating_sub(2 * BLOCK) / BLOCK * BLOCK
+    }
+
+    fn slots_per(&self, stride: u64) -> u32 {
+        let n = self.extent_bytes.saturating_sub(BLOCK) / stride.max(1);
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    fn slot_ref(&self, extent: u32, index: u32) -> SlotRef {
+        let x = &self.extents[extent as usize];
+        let file_offset = EXTENT_BASE
+            .saturating_add(u64::from(extent).saturating_mul(self.extent_bytes))
+            .saturating_add(BLOCK)
+            .saturating_add(u64::from(index).saturating_mul(x.stride));
+        SlotRef {
+            extent,
+            index,
+            stride: x.stride,
+            epoch: x.epoch,
+            file_offset,
+        }
+    }
+
+    fn next_stamp(&mut self) -> Stamp {
+        let s = (self.clock, self.tick);
+        self.clock = self.clock.saturating_add(1);
+        self.tick = self.tick.saturating_add(1);
+        s
+    }
+
+    /// Adds an entry's contribution to counters, LRU and its extent's summary.
+    fn link(&mut self, key: K, e: &Entry) {
+        self.counts.add(Counts::of(e), true);
+        if e.evictable() {
+            let set = self.strides.entry(e.slot.stride).or_default();
+            set.lru.insert(e.stamp, key);
+        }
+        self.summary_add(e);
+    }
+
+    /// Removes an entry's contribution from counters, LRU and its extent's summary.
+    fn unlink(&mut self, e: &Entry) {
+        self.counts.add(Counts::of(e), false);
+        if e.evictable() {
+            if let Some(set) = self.strides.get_mut(&e.slot.stride) {
+                set.lru.remove(&e.stamp);
+            }
+        }
+        self.summary_remove(e);
+    }
+
+    /// Applies `f` to an entry, keeping counters, LRU and summaries in step.
+    fn modify(&mut self, key: &K, f: impl FnOnce(&mut Entry)) -> Option<Entry> {
+        let old = *self.entries.get(key)?;
+        let mut new = old;
+        f(&mut new);
+        self.unlink(&old);
+        self.link(*key, &new);
+        self.entries.insert(*key, new);
+        Some(new)
+    }
+
+    fn insert(&mut self, key: K, e: Entry) {
+        let x = &mut self.extents[e.slot.extent as usize];
+        x.occupants[e.slot.index as usize] = Some(key);
+        x.live += 1;
+        self.link(key, &e);
+        self.entries.insert(key, e);
+    }
+
+    /// Removes an entry and frees its slot.
+    fn drop_entry(&mut self, key: &K) -> Option<Entry> {
+        let e = self.entries.remove(key)?;
+        self.unlink(&e);
+        let ext = e.slot.extent;
+        let x = &mut self.extents[ext as usize];
+        x.occupants[e.slot.index as usize] = None;
+        x.live -= 1;
+        x.free.push(e.slot.index);
+        let (stride, draining, empty) = (x.stride, x.draining, x.live == 0);
+        if !draining {
+            self.strides.entry(stride).or_default().partial.insert(ext);
+        }
+        if empty && draining {
+            self.release_extent(ext);
+        } else if empty {
+            self.relist(ext); // its summary's bound becomes exact: no entry
+        }
+        Some(e)
+    }
+
+    /// Pops a free slot of `ext` (lowest first after assignment).
+    fn take_slot(&mut self, ext: u32) -> Option<u32> {
+        let x = &mut self.extents[ext as usize];
+        let index = x.free.pop()?;
+        if x.free.is_empty() {
+            if let Some(set) = self.strides.get_mut(&x.stride) {
+                set.partial.remove(&ext);
+            }
+        }
+        Some(index)
+    }
+
+    /// Assigns a free extent to `stride`, bumping its epoch.
+    fn assign(&mut self, ext: u32, stride: u64) -> (u32, u64, u64) {
+        debug_assert!(self.free_extents.contains(&ext));
+        self.free_extents.remove(&ext);
+        let slots = self.slots_per(stride);
+        let x = &mut self.extents[ext as usize];
+        x.stride = stride;
+        x.epoch = self.next_epoch.max(x.epoch.saturating_add(1));
+        self.next_epoch = x.epoch.saturating_add(1);
+        x.occupants = vec![None; slots as usize];
+        x.free = (0..slots).rev().collect();
+        x.live = 0;
+        x.draining = false;
+        x.needs_header = false;
+        debug_assert_eq!(x.summary.busy, 0);
+        x.summary.newest = None;
+        let epoch = x.epoch;
+        self.strides.entry(stride).or_default().partial.insert(ext);
+        self.relist(ext);
+        (ext, epoch, stride)
+    }
+
+    /// Returns an assigned extent with no entries to the free pool.
+    fn release_extent(&mut self, ext: u32) {
+        let x = &mut self.extents[ext as usize];
+        debug_assert_eq!(x.live, 0);
+        if let Some(set) = self.strides.get_mut(&x.stride) {
+            set.partial.remove(&ext);
+        }
+        x.stride = 0;
+        x.occupants = Vec::new();
+        x.free = Vec::new();
+        x.draining = false;
+        self.free_extents.insert(ext);
+        self.relist(ext);
+    }
+
+    /// Reserves a slot for `key` and inserts it as Writing (invisible to
+    /// readers). Tries, in order: a free slot of the stride, a free extent,
+    /// then the older of the stride's LRU evictable entry and the whole extent
+    /// of another stride whose newest entry is the oldest (the policy in
+    /// `reclaim.rs`): space goes to recently used objects whatever their
+    /// stride. Pinned, Writing and doomed entries are never evicted nor their
+    /// slots reused. On error nothing changed.
+    pub fn reserve(
+        &mut self,
+        key: K,
+        object_len: u64,
+        seq: u64,
+    ) -> Result<Reservation<K>, ReserveError> {
+        if self.entries.contains_key(&key) {
+            return Err(ReserveError::Exists);
+        }
+        let max = self.max_object_len();
+        if object_len == 0 || object_len > max {
+            return Err(ReserveError::TooLarge { object_len, max });
+        }
+        let stride = stride_of(object_len);
+        let partial = self
+            .strides
+            .get(&stride)
+            .and_then(|s| s.partial.first().copied());
+        let mut evicted = Vec::new();
+        let mut new_extent = None;
+        let ext = if let Some(ext) = partial {
+            let x = &mut self.extents[ext as usize];
+            if std::mem::take(&mut x.needs_header) {
+                new_extent = Some((ext, x.epoch, x.stride));
+            }
+            ext
+        } else if let Some(ext) = self.free_extents.first().copied() {
+            new_extent = Some(self.assign(ext, stride));
+            ext
+        } else {
+            match self.victim(stride) {
+                Some(Victim::Entry(key)) => {
+                    let Some(e) = self.drop_entry(&key) else {
+                        return Err(ReserveError::NoSpace);
+                    };
+                    evicted.push(key);
+                    e.slot.extent
+                }
+                Some(Victim::Extent(ext)) => {
+                    new_extent = Some(self.reclaim_extent(ext, stride, &mut evicted));
+                    ext
+                }
+                None => return Err(ReserveError::NoSpace),
+            }
+        };
+        let Some(index) = self.take_slot(ext) else {
+            debug_assert!(false, "chosen extent {ext} has no free slot");
+            return Err(ReserveError::NoSpace);
+        };
+        let slot = self.slot_ref(ext, index);
+        let stamp = self.next_stamp();
+        let entry = Entry {
+            slot,
+            object_len,
+            checksum: 0,
+            seq,
+            layout: 0,
+            state: State::Writing,
+            pins: 0,
+            doomed: false,
+            stamp,
+        };
+        self.insert(key, entry);
+        Ok(Reservation {
+            slot,
+            new_extent,
+            evicted,
+        })
+    }
+
+    /// Writing -> Ready (visible, most recent) if the entry's slot is `slot`.
+    /// A doomed Writing entry is freed instead and `Err(Doomed)` returned.
+    pub fn commit(
+        &mut self,
+        key: K,
+        slot: SlotRef,
+        checksum: u64,
+        layout: u64,
+    ) -> Result<(), StateError> {
+        let e = self.entries.get(&key).ok_or(StateError::NotFound)?;
+        if e.state != State::Writing || e.slot != slot {
+            return Err(StateError::WrongState);
+        }
+        if e.doomed {
+            self.drop_entry(&key);
+            return Err(StateError::Doomed);
+        }
+        let stamp = self.next_stamp();
+        self.modify(&key, |e| {
+            e.state = State::Ready;
+            e.checksum = checksum;
+            e.layout = layout;
+            e.stamp = stamp;
+        });
+        Ok(())
+    }
+
+    /// Removes a Writing entry (doomed or not) whose slot is `slot`, freeing the slot.
+    pub fn abort(&mut self, key: K, slot: SlotRef) -> Result<(), StateError> {
+        let e = self.entries.get(&key).ok_or(StateError::NotFound)?;
+        if e.state != State::Writing || e.slot != slot {
+            return Err(StateError::WrongState);
+        }
+        self.drop_entry(&key);
+        Ok(())
+    }
+
+    /// The entry of `key` if it is Ready and not doomed. Does not touch.
+    pub fn get(&self, key: &K) -> Option<Located> {
+        self.entries
+            .get(key)
+            .filter(|e| e.visible())
+            .map(Entry::located)
+    }
+
+    /// Every key with an entry (any state).
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.entries.keys()
+    }
+
+    /// Whether `get(key)` would return `Some`.
+    pub fn contains(&self, key: &K) -> bool {
+        self.entries.get(key).is_some_and(Entry::visible)
+    }
+
+    /// Pins a visible entry (its slot is then neither evicted nor reused until
+    /// `unpin`) and touches it. `None` if not visible (or at `u32::MAX` pins).
+    pub fn pin(&mut self, key: &K) -> Option<Located> {
+        let e = self.entries.get(key)?;
+        if !e.visible() || e.pins == u32::MAX {
+            return None;
+        }
+        let stamp = self.next_stamp();
+        self.modify(key, |e| {
+            e.pins += 1;
+            e.stamp = stamp;
+        })
+        .map(|e| e.located())
+    }
+
+    /// [`L2Index::pin`] only if `wanted` accepts the visible entry: an entry refused is
+    /// neither pinned nor touched (a copy nobody can use must not look recently used).
+    pub fn pin_if(&mut self, key: &K, wanted: impl FnOnce(&Located) -> bool) -> Option<Located> {
+        if !self.get(key).is_some_and(|l| wanted(&l)) {
+            return None;
+        }
+        self.pin(key)
+    }
+
+    /// Drops one pin taken on `slot`; frees a doomed entry when its last pin goes.
+    pub fn unpin(&mut self, key: &K, slot: SlotRef) -> Result<(), StateError> {
+        let e = self.entries.get(key).ok_or(StateError::NotFound)?;
+        if e.pins == 0 || e.slot != slot {
+            return Err(StateError::WrongState);
+        }
+        if e.pins == 1 && e.doomed {
+            self.drop_entry(key);
+        } else {
+            self.modify(key, |e| e.pins -= 1);
+        }
+        Ok(())
+    }
+
+    /// Drops an entry: freed now if Ready and unpinned, else doomed (invisible,
+    /// freed at the last unpin / at commit or abort). Returns whether it existed.
+    pub fn remove(&mut self, key: &K) -> bool {
+        let Some(e) = self.entries.get(key) else {
+            return false;
+        };
+        if e.state == State::Ready && e.pins == 0 {
+            self.drop_entry(key);
+        } else {
+            self.modify(key, |e| e.doomed = true);
+        }
+        true
+    }
+
+    /// Marks a non-doomed entry as most recently used.
+    pub fn touch(&mut self, key: &K) {
+        if self.entries.get(key).is_some_and(|e| !e.doomed) {
+            let stamp = self.next_stamp();
+            self.modify(key, |e| e.stamp = stamp);
+        }
+    }
+
+    /// Removes every entry (Writing and pinned ones are doomed) and frees every
+    /// extent left without entries; extents still holding doomed entries take
+    /// no new entries and become free when their last entry goes.
+    /// Returns `(removed now, deferred)`.
+    pub fn clear(&mut self) -> (u64, u64) {
+        let keys: Vec<K> = self.entries.keys().copied().collect();
+        let (mut removed, mut deferred) = (0, 0);
+        for k in keys {
+            self.remove(&k);
+            if self.entries.contains_key(&k) {
+                deferred += 1;
+            } else {
+                removed += 1;
+            }
+        }
+        for ext in 0..self.extents.len() as u32 {
+            let x = &mut self.extents[ext as usize];
+            if x.stride == 0 {
+                continue;
+            }
+            if x.live == 0 {
+                self.release_extent(ext);
+            } else {
+                x.draining = true;
+                if let Some(set) = self.strides.get_mut(&x.stride) {
+                    set.partial.remove(&ext);
+                }
+                self.relist(ext); // (already unlisted: its entries are all doomed)
+            }
+        }
+        (removed, deferred)
+    }
+
+    /// Current usage; O(1).
+    pub fn stats(&self) -> SpaceStats {
+        SpaceStats {
+            capacity_bytes: (self.extents.len() as u64).saturating_mul(self.extent_bytes),
+            used_bytes: self.counts.used_bytes,
+            objects: self.counts.objects,
+            writing: self.counts.writing,
+            pinned: self.counts.pinned,
+            free_extents: self.free_extents.len() as u32,
+            extents: self.extents.len() as u32,
+        }
+    }
+}
+
+mod check;
+mod reclaim;
+mod recover;
+
+#[cfg(test)]
+mod tests;
