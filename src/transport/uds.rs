@@ -101,6 +101,13 @@ impl BoundSocket {
     pub fn unlink_if_ours(&self) -> bool {
         // Serialised with other kvnodes binding or removing a socket in the same directory.
         let _dir = DirLock::take(&self.path);
+        self.unlink_if_ours_locked()
+    }
+
+    /// [`BoundSocket::unlink_if_ours`] for a caller that already holds the [`DirLock`] of the
+    /// socket's directory (taking it again, through another open file description, would wait
+    /// for the caller itself forever).
+    fn unlink_if_ours_locked(&self) -> bool {
         let accepting = !matches!(
             probe(&self.path),
             Err(ref e) if e.kind() == io::ErrorKind::ConnectionRefused
@@ -153,6 +160,15 @@ impl DirLock {
 /// file gets exactly `mode` (chmod through a descriptor of the file just created, never through
 /// a path that could meanwhile name something else). On error nothing this call created remains.
 pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
+    bind_with(path, mode, |p, perms| std::fs::set_permissions(p, perms))
+}
+
+/// [`bind`], setting the permission bits with `set_mode` (tests inject a failing one).
+fn bind_with(
+    path: &Path,
+    mode: u32,
+    set_mode: impl Fn(&Path, std::fs::Permissions) -> io::Result<()>,
+) -> Result<(UnixListener, BoundSocket)> {
     if mode > 0o777 {
         return Err(Error::invalid(format!(
             "socket mode {mode:#o} has bits beyond 0777 (permission bits only)"
@@ -239,18 +255,18 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
     // chmod the inode the descriptor pins (an O_PATH descriptor cannot be fchmod'ed; its
     // /proc/self/fd link resolves to exactly that inode).
     let by_fd = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-    let chmod =
-        std::fs::set_permissions(&by_fd, std::fs::Permissions::from_mode(mode)).or_else(|e| {
-            // Without /proc: chmod by path, still only while the path holds our file.
-            if e.kind() == io::ErrorKind::NotFound && bound.is_ours() {
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            } else {
-                Err(e)
-            }
-        });
+    let chmod = set_mode(&by_fd, std::fs::Permissions::from_mode(mode)).or_else(|e| {
+        // Without /proc: chmod by path, still only while the path holds our file.
+        if e.kind() == io::ErrorKind::NotFound && bound.is_ours() {
+            set_mode(path, std::fs::Permissions::from_mode(mode))
+        } else {
+            Err(e)
+        }
+    });
     if let Err(e) = chmod {
         drop(listener);
-        bound.unlink_if_ours();
+        // `_dir` is held: remove the file under it (taking it again would wait for ourselves).
+        bound.unlink_if_ours_locked();
         return Err(Error::from(e).context(format!(
             "cannot set mode {mode:04o} on the socket {}",
             path.display()
@@ -478,6 +494,34 @@ mod tests {
         assert_eq!(describe_file_type(&dir_ft), "a directory");
         let null = std::fs::metadata("/dev/null").unwrap().file_type();
         assert_eq!(describe_file_type(&null), "a character device");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A chmod that fails right after the bind: the socket just created is removed again and
+    /// `bind` returns the error (it used to take the directory lock a second time, through
+    /// another open file description, and wait for itself forever).
+    #[test]
+    fn a_failed_chmod_removes_the_new_socket_and_returns() {
+        let d = dir("chmod");
+        let path = d.join("s.sock");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let r = bind_with(&p, 0o600, |_, _| {
+                Err(io::Error::from_raw_os_error(libc::EPERM))
+            });
+            tx.send(r.map(drop).map_err(|e| e.to_string())).unwrap();
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("bind returns within 30 s when its chmod fails");
+        let e = r.expect_err("the chmod failure is an error");
+        assert!(e.contains("cannot set mode 0600"), "{e}");
+        assert!(e.contains(path.to_str().unwrap()), "{e}");
+        assert!(
+            std::fs::symlink_metadata(&path).is_err(),
+            "the socket bind created is removed again"
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 
