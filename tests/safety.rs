@@ -150,6 +150,51 @@ fn shutdown_never_removes_a_file_put_at_the_socket_path() {
     assert_eq!(std::fs::read(&node.socket).unwrap(), b"not a socket");
 }
 
+/// Holds an exclusive `flock` on `dir` through its own open file description, as
+/// `flock DIR sleep inf` would, until dropped.
+fn lock_dir(dir: &Path) -> std::fs::File {
+    let f = std::fs::File::open(dir).unwrap();
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    f
+}
+
+/// Another process holding a lock on the socket's directory makes start-up fail naming the
+/// directory (it used to wait for the lock forever) and touches nothing there.
+#[test]
+fn a_lock_held_on_the_socket_directory_fails_start_up_naming_it() {
+    let dir = TestDir::new("dirlock-start");
+    let socket = dir.join("kvnode.sock");
+    let _held = lock_dir(dir.path());
+    let out = serve_at(&dir, &socket, &[]);
+    assert_refused(
+        &out,
+        &[&format!(
+            "another process holds a lock on {}",
+            dir.path().display()
+        )],
+    );
+    assert!(std::fs::symlink_metadata(&socket).is_err(), "nothing bound");
+}
+
+/// SIGTERM stops a node while another process holds a lock on its socket's directory (it used
+/// to wait for the lock forever): the socket file is left in place, with a warning.
+#[test]
+fn sigterm_stops_a_node_whose_socket_directory_is_locked() {
+    let mut node = NodeProc::start("dirlock-stop", &[]);
+    let _held = lock_dir(&node.dir);
+    let st = node.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", node.log());
+    assert!(
+        node.log().contains("leaving the socket file in place"),
+        "{}",
+        node.log()
+    );
+    assert!(
+        std::fs::symlink_metadata(&node.socket).is_ok(),
+        "left alone"
+    );
+}
+
 #[test]
 fn sigterm_removes_the_nodes_own_socket() {
     let mut node = NodeProc::start("sigterm-own", &[]);
