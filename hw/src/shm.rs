@@ -60,10 +60,15 @@ fn try_lock_exclusive(fd: &OwnedFd) -> std::io::Result<bool> {
     }
 }
 
-/// Opens an existing segment read-write.
+/// `/dev/shm/<name>`, for messages.
+fn segment_path(name: &str) -> String {
+    format!("{}/{name}", crate::sys::DEV_SHM)
+}
+
+/// Opens an existing segment read-write. Errors name its path.
 pub(crate) fn open_existing(name: &str) -> HwResult<OwnedFd> {
     let c = c_name(name)?;
-    shm_open(&c, libc::O_RDWR, 0).map_err(|e| HwError::os("shm_open", e))
+    shm_open(&c, libc::O_RDWR, 0).map_err(|e| HwError::os_path("shm_open", &segment_path(name), e))
 }
 
 /// A named segment this process created. Invariant: while it lives,
@@ -92,7 +97,7 @@ impl ShmSegment {
                 Ok(fd) => break fd,
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) && !removed_stale => {
                     let old = shm_open(&c, libc::O_RDONLY, 0)
-                        .map_err(|e| HwError::os("shm_open (existing segment)", e))?;
+                        .map_err(|e| HwError::os_path("shm_open (existing segment)", &path, e))?;
                     if !try_lock_exclusive(&old).map_err(|e| HwError::os("flock", e))? {
                         return Err(HwError::Invalid(format!(
                             "the POSIX shm segment {path} is in use by a running node (it holds \
