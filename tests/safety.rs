@@ -321,3 +321,30 @@ fn sigterm_during_start_up_stops_the_pre_fault() {
         "its socket is removed"
     );
 }
+
+/// A node killed while a native client still holds the pool descriptor it received over
+/// SCM_RIGHTS restarts on the same POSIX shm name (the segment used to carry the node's lock,
+/// which lived on in the client, so the restart was refused as "in use by a running node").
+#[test]
+fn a_node_killed_while_a_client_holds_its_pool_restarts_on_the_same_shm_name() {
+    let shm = format!("kvnode-it-restart-{}", std::process::id());
+    let segment = format!("/dev/shm/{shm}");
+    let toml = format!("shm_name = \"{shm}\"\n");
+    let mut first = NodeProc::start_with_config("shm-restart-a", &toml, &[]);
+    let mut client = first.client();
+    client.register(&reg(1)).expect("register maps the pool");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    assert!(
+        Path::new(&segment).exists(),
+        "a killed node leaves its segment"
+    );
+    let mut second = NodeProc::start_with_config("shm-restart-b", &toml, &[]);
+    second.client().noop().expect("the restarted node serves");
+    drop(client);
+    let st = second.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", second.log());
+    assert!(!Path::new(&segment).exists(), "removed on SIGTERM");
+    // The killed node's lock file is not the second node's to remove.
+    let _ = std::fs::remove_file(format!("{segment}.lock"));
+}
