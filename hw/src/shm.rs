@@ -317,6 +317,45 @@ impl ShmSegment {
     }
 }
 
+/// Bytes of memory the segment `name` occupies if it is stale, i.e. if [`ShmSegment::create`]
+/// would remove it (no node holds its lock file, it is a regular file of this user, and nobody
+/// holds a lock on it); 0 when there is none, or it is live or not removable. A snapshot: it
+/// creates nothing and holds no lock once it returns (it tries both locks for a moment).
+pub(crate) fn stale_segment_bytes(name: &str) -> u64 {
+    let Ok(c) = c_name(name) else { return 0 };
+    if name.ends_with(LOCK_SUFFIX) {
+        return 0;
+    }
+    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(lock_path(name))
+    {
+        Ok(lock) => {
+            let is_file = lock.metadata().is_ok_and(|m| m.file_type().is_file());
+            if !is_file || !try_lock_exclusive(lock.as_fd()).unwrap_or(false) {
+                return 0; // a running node holds it (or create would refuse the name)
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(_) => return 0,
+    }
+    let Ok(old) = shm_open(&c, libc::O_RDONLY | libc::O_NONBLOCK, 0).map(File::from) else {
+        return 0;
+    };
+    let Ok(md) = old.metadata() else { return 0 };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !md.file_type().is_file()
+        || md.uid() != me
+        || !try_lock_exclusive(old.as_fd()).unwrap_or(false)
+    {
+        return 0;
+    }
+    md.blocks().saturating_mul(512)
+}
+
 /// Removes the segment `c` (at `path`) if it exists and is stale; the caller holds the name's
 /// lock file, so no running node serves it (see [`ShmSegment::create`] for the other checks).
 fn remove_stale(c: &CString, path: &str) -> HwResult<()> {
@@ -470,6 +509,29 @@ mod tests {
         drop(client);
         drop(seg2);
         assert!(id_of(&path).is_none());
+        let _ = std::fs::remove_file(lock_path(&name));
+    }
+
+    /// A stale segment counts with the memory it occupies; a live one, or none, with nothing.
+    #[test]
+    fn the_memory_of_a_stale_segment_is_counted_only_while_it_is_stale() {
+        use std::io::Write;
+        let name = unique("stale-bytes");
+        assert_eq!(stale_segment_bytes(&name), 0, "no segment");
+        let (seg, fd) = ShmSegment::create(&name).unwrap();
+        let mut f = File::from(fd);
+        f.write_all(&vec![1u8; 4 << 20]).unwrap(); // 4 MiB of tmpfs pages
+        assert_eq!(
+            stale_segment_bytes(&name),
+            0,
+            "live: its node holds the lock file"
+        );
+        drop(f);
+        seg.abandon();
+        assert!(stale_segment_bytes(&name) >= 4 << 20, "stale: counted");
+        let (seg2, _fd2) = ShmSegment::create(&name).unwrap();
+        assert_eq!(stale_segment_bytes(&name), 0, "replaced by a live one");
+        drop(seg2);
         let _ = std::fs::remove_file(lock_path(&name));
     }
 
