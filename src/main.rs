@@ -26,7 +26,9 @@ struct Cli {
 enum Command {
     /// Run the node (embedded defaults; flags override the optional TOML config).
     Serve(ServeArgs),
-    /// Print the node's status report.
+    /// Print the node's status report. The node runs its full consistency check (memcheck) for
+    /// it, which takes a while on a node holding millions of objects: `status` waits up to 60 s
+    /// by default (`--timeout`), then gives up.
     Status {
         /// Node socket.
         #[arg(long, default_value_os_t = default_socket_path())]
@@ -34,14 +36,20 @@ enum Command {
         /// Print the raw JSON object.
         #[arg(long)]
         json: bool,
+        /// Seconds to wait for the node to take the connection, and then for its report.
+        #[arg(long, value_parser = timeout_arg, value_name = "SECS", default_value = "60")]
+        timeout: std::time::Duration,
     },
     /// Serve LMCache clients (drop-in for `python -m lmcache.v1.multiprocess.server`).
     LmcacheServer(LmcacheArgs),
-    /// Check that the node answers.
+    /// Check that the node answers (gives up after 10 s by default, `--timeout`).
     Ping {
         /// Node socket.
         #[arg(long, default_value_os_t = default_socket_path())]
         socket: PathBuf,
+        /// Seconds to wait for the node to take the connection, and then for its answer.
+        #[arg(long, value_parser = timeout_arg, value_name = "SECS", default_value = "10")]
+        timeout: std::time::Duration,
     },
 }
 
@@ -446,19 +454,26 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// How long `kvnode status` and `kvnode ping` wait for the node's answer.
-const CLI_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Connects for a one-shot CLI request, bounded by [`CLI_REPLY_TIMEOUT`].
-fn cli_client(socket: &std::path::Path) -> Result<Client, String> {
-    let mut c = Client::connect(socket).map_err(|e| e.to_string())?;
-    c.set_timeout(Some(CLI_REPLY_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+/// Connects for a one-shot CLI request: the connection and then each reply are bounded by
+/// `timeout`.
+fn cli_client(socket: &std::path::Path, timeout: std::time::Duration) -> Result<Client, String> {
+    let mut c = Client::connect_timeout(socket, timeout).map_err(|e| e.to_string())?;
+    c.set_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     Ok(c)
 }
 
-fn status(socket: PathBuf, json: bool) -> Result<(), String> {
-    let mut c = cli_client(&socket)?;
+/// A `--timeout` in seconds: more than 0, at most a day.
+fn timeout_arg(s: &str) -> Result<std::time::Duration, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "timeout {s:?}: must be a number of seconds above 0 and at most 86400"
+        )),
+    }
+}
+
+fn status(socket: PathBuf, json: bool, timeout: std::time::Duration) -> Result<(), String> {
+    let mut c = cli_client(&socket, timeout)?;
     let text = c.status_json().map_err(|e| e.to_string())?;
     if json {
         println!("{text}");
@@ -512,9 +527,9 @@ fn status(socket: PathBuf, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn ping(socket: PathBuf) -> Result<(), String> {
+fn ping(socket: PathBuf, timeout: std::time::Duration) -> Result<(), String> {
     let t = Instant::now();
-    let mut c = cli_client(&socket)?;
+    let mut c = cli_client(&socket, timeout)?;
     c.ping(None).map_err(|e| e.to_string())?;
     println!(
         "pong from {} in {} us",
@@ -529,8 +544,12 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Serve(a) => serve(a),
         Command::LmcacheServer(a) => lmcache_server(a),
-        Command::Status { socket, json } => status(socket, json),
-        Command::Ping { socket } => ping(socket),
+        Command::Status {
+            socket,
+            json,
+            timeout,
+        } => status(socket, json, timeout),
+        Command::Ping { socket, timeout } => ping(socket, timeout),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
