@@ -146,7 +146,8 @@ struct LmcacheArgs {
     /// set: TTLs, limits, watermarks, L2 tuning. The LMCache flags below always win.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Interface to bind the ZMQ ROUTER on.
+    /// Where to bind the ZMQ ROUTER: an IP address, `*` (every interface), a network interface
+    /// name (`eth0`) or a host name.
     #[arg(long, default_value = "localhost")]
     host: String,
     /// TCP port of the ZMQ ROUTER.
@@ -332,18 +333,29 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
 }
 
 /// The address to bind the LMCache ROUTER on: an IP address as given, `*` for every
-/// interface, or a host name resolved to its first IPv4 address (libzmq binds interfaces and
-/// addresses, not names: `localhost` would fail). Fails, naming the port, when it is taken.
+/// interface, the address of a network interface of this machine given by name (`eth0`; its
+/// first IPv4 address, else its first IPv6 one), or a host name resolved to its first IPv4
+/// address. The libzmq kvnode links binds addresses only: it resolves neither host names nor
+/// interface names (built without `getifaddrs`, it answers "No such device"), so both are
+/// resolved here. Interface names come first, as in libzmq. Fails, naming the port, when it is
+/// taken, and naming the host when it is none of these.
 fn lmcache_bind_host(host: &str, port: u16) -> Result<String, String> {
     use std::net::{IpAddr, ToSocketAddrs};
     let ip: IpAddr = if host == "*" {
         IpAddr::from([0, 0, 0, 0])
     } else if let Ok(ip) = host.parse() {
         ip
+    } else if let Some(&ip) = kvnode_hw::interface_addresses(host).first() {
+        ip
     } else {
         let addrs: Vec<_> = (host, port)
             .to_socket_addrs()
-            .map_err(|e| format!("--host {host:?}: cannot resolve it: {e}"))?
+            .map_err(|e| {
+                format!(
+                    "--host {host:?} is neither an IP address, nor a network interface of this \
+                     machine with an address, nor a host name that resolves ({e})"
+                )
+            })?
             .collect();
         addrs
             .iter()
@@ -557,5 +569,42 @@ fn main() -> ExitCode {
             eprintln!("kvnode: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    #[test]
+    fn bind_hosts_are_addresses_interfaces_or_resolved_names() {
+        let port = free_port();
+        assert_eq!(lmcache_bind_host("127.0.0.1", port).unwrap(), "127.0.0.1");
+        assert_eq!(lmcache_bind_host("localhost", port).unwrap(), "127.0.0.1");
+        assert_eq!(lmcache_bind_host("*", port).unwrap(), "*");
+        // An interface name (it used to be refused: it is no host name).
+        assert_eq!(lmcache_bind_host("lo", port).unwrap(), "127.0.0.1");
+        // None of these: refused naming it, before anything is built.
+        let e = lmcache_bind_host("kvnode-no-such-interface.invalid", port).unwrap_err();
+        assert!(
+            e.contains("\"kvnode-no-such-interface.invalid\" is neither"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_taken_port_on_an_address_is_refused_naming_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let e = lmcache_bind_host("127.0.0.1", port).unwrap_err();
+        assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
     }
 }

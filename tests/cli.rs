@@ -587,3 +587,43 @@ fn timeouts_must_be_positive() {
         assert!(err.contains("timeout"), "{bad}: {err}");
     }
 }
+
+/// `lmcache-server --host lo` serves on the interface's address (kvnode used to refuse the
+/// name as a host name that does not resolve, and the libzmq it links binds no interface names).
+#[test]
+fn lmcache_server_binds_an_interface_name() {
+    use std::time::{Duration, Instant};
+    let dir = TestDir::new("cli-iface");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let shm = format!("cliiface{}", std::process::id());
+    let log = std::fs::File::create(dir.join("node.log")).unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args([
+            "lmcache-server",
+            "--host",
+            "lo",
+            "--port",
+            &port.to_string(),
+        ])
+        .args(["--l1-size-gb", "0.01", "--shm-name", &shm])
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            server.try_wait().unwrap().is_none(),
+            "lmcache-server exited: {}",
+            std::fs::read_to_string(dir.join("node.log")).unwrap_or_default()
+        );
+        assert!(Instant::now() < deadline, "the LMCache port never opened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sigterm(&server);
+    let st = wait_exit(&mut server, Duration::from_secs(20)).expect("stops on SIGTERM");
+    assert!(st.success());
+}
