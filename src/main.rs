@@ -26,7 +26,9 @@ struct Cli {
 enum Command {
     /// Run the node (embedded defaults; flags override the optional TOML config).
     Serve(ServeArgs),
-    /// Print the node's status report.
+    /// Print the node's status report. The node runs its full consistency check (memcheck) for
+    /// it, which takes a while on a node holding millions of objects: `status` waits up to 60 s
+    /// by default (`--timeout`), then gives up.
     Status {
         /// Node socket.
         #[arg(long, default_value_os_t = default_socket_path())]
@@ -34,14 +36,20 @@ enum Command {
         /// Print the raw JSON object.
         #[arg(long)]
         json: bool,
+        /// Seconds to wait for the node to take the connection, and then for its report.
+        #[arg(long, value_parser = timeout_arg, value_name = "SECS", default_value = "60")]
+        timeout: std::time::Duration,
     },
     /// Serve LMCache clients (drop-in for `python -m lmcache.v1.multiprocess.server`).
     LmcacheServer(LmcacheArgs),
-    /// Check that the node answers.
+    /// Check that the node answers (gives up after 10 s by default, `--timeout`).
     Ping {
         /// Node socket.
         #[arg(long, default_value_os_t = default_socket_path())]
         socket: PathBuf,
+        /// Seconds to wait for the node to take the connection, and then for its answer.
+        #[arg(long, value_parser = timeout_arg, value_name = "SECS", default_value = "10")]
+        timeout: std::time::Duration,
     },
 }
 
@@ -148,7 +156,8 @@ struct LmcacheArgs {
     /// set: TTLs, limits, watermarks, L2 tuning. The LMCache flags below always win.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Interface to bind the ZMQ ROUTER on.
+    /// Where to bind the ZMQ ROUTER: an IP address, `*` (every interface), a network interface
+    /// name (`eth0`) or a host name.
     #[arg(long, default_value = "localhost")]
     host: String,
     /// TCP port of the ZMQ ROUTER.
@@ -334,18 +343,29 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
 }
 
 /// The address to bind the LMCache ROUTER on: an IP address as given, `*` for every
-/// interface, or a host name resolved to its first IPv4 address (libzmq binds interfaces and
-/// addresses, not names: `localhost` would fail). Fails, naming the port, when it is taken.
+/// interface, the address of a network interface of this machine given by name (`eth0`; its
+/// first IPv4 address, else its first IPv6 one), or a host name resolved to its first IPv4
+/// address. The libzmq kvnode links binds addresses only: it resolves neither host names nor
+/// interface names (built without `getifaddrs`, it answers "No such device"), so both are
+/// resolved here. Interface names come first, as in libzmq. Fails, naming the port, when it is
+/// taken, and naming the host when it is none of these.
 fn lmcache_bind_host(host: &str, port: u16) -> Result<String, String> {
     use std::net::{IpAddr, ToSocketAddrs};
     let ip: IpAddr = if host == "*" {
         IpAddr::from([0, 0, 0, 0])
     } else if let Ok(ip) = host.parse() {
         ip
+    } else if let Some(&ip) = kvnode_hw::interface_addresses(host).first() {
+        ip
     } else {
         let addrs: Vec<_> = (host, port)
             .to_socket_addrs()
-            .map_err(|e| format!("--host {host:?}: cannot resolve it: {e}"))?
+            .map_err(|e| {
+                format!(
+                    "--host {host:?} is neither an IP address, nor a network interface of this \
+                     machine with an address, nor a host name that resolves ({e})"
+                )
+            })?
             .collect();
         addrs
             .iter()
@@ -456,19 +476,26 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// How long `kvnode status` and `kvnode ping` wait for the node's answer.
-const CLI_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Connects for a one-shot CLI request, bounded by [`CLI_REPLY_TIMEOUT`].
-fn cli_client(socket: &std::path::Path) -> Result<Client, String> {
-    let mut c = Client::connect(socket).map_err(|e| e.to_string())?;
-    c.set_timeout(Some(CLI_REPLY_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+/// Connects for a one-shot CLI request: the connection and then each reply are bounded by
+/// `timeout`.
+fn cli_client(socket: &std::path::Path, timeout: std::time::Duration) -> Result<Client, String> {
+    let mut c = Client::connect_timeout(socket, timeout).map_err(|e| e.to_string())?;
+    c.set_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     Ok(c)
 }
 
-fn status(socket: PathBuf, json: bool) -> Result<(), String> {
-    let mut c = cli_client(&socket)?;
+/// A `--timeout` in seconds: more than 0, at most a day.
+fn timeout_arg(s: &str) -> Result<std::time::Duration, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "timeout {s:?}: must be a number of seconds above 0 and at most 86400"
+        )),
+    }
+}
+
+fn status(socket: PathBuf, json: bool, timeout: std::time::Duration) -> Result<(), String> {
+    let mut c = cli_client(&socket, timeout)?;
     let text = c.status_json().map_err(|e| e.to_string())?;
     if json {
         println!("{text}");
@@ -522,9 +549,9 @@ fn status(socket: PathBuf, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn ping(socket: PathBuf) -> Result<(), String> {
+fn ping(socket: PathBuf, timeout: std::time::Duration) -> Result<(), String> {
     let t = Instant::now();
-    let mut c = cli_client(&socket)?;
+    let mut c = cli_client(&socket, timeout)?;
     c.ping(None).map_err(|e| e.to_string())?;
     println!(
         "pong from {} in {} us",
@@ -539,8 +566,12 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Serve(a) => serve(a),
         Command::LmcacheServer(a) => lmcache_server(a),
-        Command::Status { socket, json } => status(socket, json),
-        Command::Ping { socket } => ping(socket),
+        Command::Status {
+            socket,
+            json,
+            timeout,
+        } => status(socket, json, timeout),
+        Command::Ping { socket, timeout } => ping(socket, timeout),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -548,5 +579,42 @@ fn main() -> ExitCode {
             eprintln!("kvnode: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    #[test]
+    fn bind_hosts_are_addresses_interfaces_or_resolved_names() {
+        let port = free_port();
+        assert_eq!(lmcache_bind_host("127.0.0.1", port).unwrap(), "127.0.0.1");
+        assert_eq!(lmcache_bind_host("localhost", port).unwrap(), "127.0.0.1");
+        assert_eq!(lmcache_bind_host("*", port).unwrap(), "*");
+        // An interface name (it used to be refused: it is no host name).
+        assert_eq!(lmcache_bind_host("lo", port).unwrap(), "127.0.0.1");
+        // None of these: refused naming it, before anything is built.
+        let e = lmcache_bind_host("kvnode-no-such-interface.invalid", port).unwrap_err();
+        assert!(
+            e.contains("\"kvnode-no-such-interface.invalid\" is neither"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_taken_port_on_an_address_is_refused_naming_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let e = lmcache_bind_host("127.0.0.1", port).unwrap_err();
+        assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
     }
 }

@@ -502,7 +502,13 @@ fn status_gives_up_on_a_node_that_never_answers() {
     let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let held = std::thread::spawn(move || listener.accept().map(|c| c.0));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
-        .args(["status", "--socket", sock.to_str().unwrap()])
+        .args([
+            "status",
+            "--socket",
+            sock.to_str().unwrap(),
+            "--timeout",
+            "2",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -517,4 +523,107 @@ fn status_gives_up_on_a_node_that_never_answers() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("did not answer"), "{err}");
     drop(held.join());
+}
+
+/// `kvnode ping` and `status` against a listener whose accept queue is full (a hung node) give
+/// up naming the socket, instead of blocking in `connect` forever.
+#[test]
+fn ping_and_status_give_up_on_a_node_whose_accept_queue_is_full() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let dir = TestDir::new("cli-backlog");
+    let sock = dir.join("hung.sock");
+    let addr = SocketAddrUnix::new(&sock).unwrap();
+    let unix = || {
+        rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap()
+    };
+    let listener = unix();
+    rustix::net::bind(&listener, &addr).unwrap();
+    rustix::net::listen(&listener, 0).unwrap();
+    // Fill the accept queue: connect without blocking until the kernel says it is full.
+    let mut queued = Vec::new();
+    loop {
+        let c = unix();
+        match rustix::net::connect(&c, &addr) {
+            Ok(()) => queued.push(c),
+            Err(rustix::io::Errno::AGAIN) => break,
+            Err(e) => panic!("filling the accept queue: {e}"),
+        }
+        assert!(queued.len() < 10_000, "the accept queue never filled");
+    }
+    for cmd in ["ping", "status"] {
+        let out = kvnode_until_exit(
+            &dir,
+            &[cmd, "--socket", sock.to_str().unwrap(), "--timeout", "1"],
+        );
+        assert!(
+            out.status.is_some(),
+            "kvnode {cmd} was still waiting after 20 s"
+        );
+        assert!(out.failed(), "{cmd}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(sock.to_str().unwrap())
+                && out
+                    .stderr
+                    .contains("did not accept the connection within 1 s"),
+            "{cmd}: {}",
+            out.stderr
+        );
+    }
+    drop(queued);
+}
+
+#[test]
+fn timeouts_must_be_positive() {
+    for bad in ["0", "-1", "x", "100000"] {
+        let out = kvnode(&["ping", &format!("--timeout={bad}")]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("timeout"), "{bad}: {err}");
+    }
+}
+
+/// `lmcache-server --host lo` serves on the interface's address (kvnode used to refuse the
+/// name as a host name that does not resolve, and the libzmq it links binds no interface names).
+#[test]
+fn lmcache_server_binds_an_interface_name() {
+    use std::time::{Duration, Instant};
+    let dir = TestDir::new("cli-iface");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let shm = format!("cliiface{}", std::process::id());
+    let log = std::fs::File::create(dir.join("node.log")).unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args([
+            "lmcache-server",
+            "--host",
+            "lo",
+            "--port",
+            &port.to_string(),
+        ])
+        .args(["--l1-size-gb", "0.01", "--shm-name", &shm])
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            server.try_wait().unwrap().is_none(),
+            "lmcache-server exited: {}",
+            std::fs::read_to_string(dir.join("node.log")).unwrap_or_default()
+        );
+        assert!(Instant::now() < deadline, "the LMCache port never opened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sigterm(&server);
+    let st = wait_exit(&mut server, Duration::from_secs(20)).expect("stops on SIGTERM");
+    assert!(st.success());
 }

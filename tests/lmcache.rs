@@ -33,6 +33,7 @@ impl Drop for LmNode {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
+        let _ = std::fs::remove_file(format!("/dev/shm/{}.lock", self.shm));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -643,6 +644,10 @@ fn unregister_releases_pending_and_sigterm_unlinks_the_segment() {
     assert!(
         !std::path::Path::new(&shm).exists(),
         "segment unlinked on SIGTERM"
+    );
+    assert!(
+        !std::path::Path::new(&format!("{shm}.lock")).exists(),
+        "the lock file the node created is removed on SIGTERM"
     );
 }
 

@@ -150,6 +150,51 @@ fn shutdown_never_removes_a_file_put_at_the_socket_path() {
     assert_eq!(std::fs::read(&node.socket).unwrap(), b"not a socket");
 }
 
+/// Holds an exclusive `flock` on `dir` through its own open file description, as
+/// `flock DIR sleep inf` would, until dropped.
+fn lock_dir(dir: &Path) -> std::fs::File {
+    let f = std::fs::File::open(dir).unwrap();
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    f
+}
+
+/// Another process holding a lock on the socket's directory makes start-up fail naming the
+/// directory (it used to wait for the lock forever) and touches nothing there.
+#[test]
+fn a_lock_held_on_the_socket_directory_fails_start_up_naming_it() {
+    let dir = TestDir::new("dirlock-start");
+    let socket = dir.join("kvnode.sock");
+    let _held = lock_dir(dir.path());
+    let out = serve_at(&dir, &socket, &[]);
+    assert_refused(
+        &out,
+        &[&format!(
+            "another process holds a lock on {}",
+            dir.path().display()
+        )],
+    );
+    assert!(std::fs::symlink_metadata(&socket).is_err(), "nothing bound");
+}
+
+/// SIGTERM stops a node while another process holds a lock on its socket's directory (it used
+/// to wait for the lock forever): the socket file is left in place, with a warning.
+#[test]
+fn sigterm_stops_a_node_whose_socket_directory_is_locked() {
+    let mut node = NodeProc::start("dirlock-stop", &[]);
+    let _held = lock_dir(&node.dir);
+    let st = node.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", node.log());
+    assert!(
+        node.log().contains("leaving the socket file in place"),
+        "{}",
+        node.log()
+    );
+    assert!(
+        std::fs::symlink_metadata(&node.socket).is_ok(),
+        "left alone"
+    );
+}
+
 #[test]
 fn sigterm_removes_the_nodes_own_socket() {
     let mut node = NodeProc::start("sigterm-own", &[]);
@@ -275,4 +320,31 @@ fn sigterm_during_start_up_stops_the_pre_fault() {
         std::fs::symlink_metadata(&sock).is_err(),
         "its socket is removed"
     );
+}
+
+/// A node killed while a native client still holds the pool descriptor it received over
+/// SCM_RIGHTS restarts on the same POSIX shm name (the segment used to carry the node's lock,
+/// which lived on in the client, so the restart was refused as "in use by a running node").
+#[test]
+fn a_node_killed_while_a_client_holds_its_pool_restarts_on_the_same_shm_name() {
+    let shm = format!("kvnode-it-restart-{}", std::process::id());
+    let segment = format!("/dev/shm/{shm}");
+    let toml = format!("shm_name = \"{shm}\"\n");
+    let mut first = NodeProc::start_with_config("shm-restart-a", &toml, &[]);
+    let mut client = first.client();
+    client.register(&reg(1)).expect("register maps the pool");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    assert!(
+        Path::new(&segment).exists(),
+        "a killed node leaves its segment"
+    );
+    let mut second = NodeProc::start_with_config("shm-restart-b", &toml, &[]);
+    second.client().noop().expect("the restarted node serves");
+    drop(client);
+    let st = second.sigterm_and_wait();
+    assert!(st.success(), "exit status {st}; log:\n{}", second.log());
+    assert!(!Path::new(&segment).exists(), "removed on SIGTERM");
+    // The killed node's lock file is not the second node's to remove.
+    let _ = std::fs::remove_file(format!("{segment}.lock"));
 }

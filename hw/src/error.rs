@@ -2,8 +2,9 @@
 
 /// Everything that can go wrong in `kvnode-hw`.
 ///
-/// Invariant: `Os` always carries the name of the failing system call (or
-/// step) and the `std::io::Error` it produced; `Invalid` is only produced for
+/// Invariant: `Os` and `OsPath` always carry the name of the failing system
+/// call (or step) and the `std::io::Error` it produced, `OsPath` also the path
+/// of the file it was about; `Invalid` is only produced for
 /// caller mistakes that were detected before any OS resource was touched
 /// (or after it was released again); `OutOfBounds` is only produced by
 /// bounds checks on a pool region and never leaves memory modified.
@@ -14,6 +15,17 @@ pub enum HwError {
     Os {
         /// Name of the failing operation, e.g. `"mmap"`.
         op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A system call on a named file failed.
+    #[error("{op} of {path} failed: {source}")]
+    OsPath {
+        /// Name of the failing operation, e.g. `"shm_open"`.
+        op: &'static str,
+        /// The file it was about.
+        path: String,
         /// The OS error.
         #[source]
         source: std::io::Error,
@@ -55,10 +67,19 @@ impl HwError {
         HwError::Os { op, source }
     }
 
-    /// The raw OS error number, if this is an `Os` error carrying one.
+    /// Builds `HwError::OsPath` from an existing `io::Error` about the file `path`.
+    pub(crate) fn os_path(op: &'static str, path: &str, source: std::io::Error) -> HwError {
+        HwError::OsPath {
+            op,
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    /// The raw OS error number, if this is an `Os` or `OsPath` error carrying one.
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
-            HwError::Os { source, .. } => source.raw_os_error(),
+            HwError::Os { source, .. } | HwError::OsPath { source, .. } => source.raw_os_error(),
             _ => None,
         }
     }

@@ -11,6 +11,7 @@
 //! * [`PoolMapping`] maps a pool on the client side from a received fd.
 //! * [`send_with_fd`] / [`recv_with_fd`] move the pool fd over `SCM_RIGHTS`.
 //! * [`MemoryAvailable`] tells whether a pool of a given size can fit before it is created.
+//! * [`interface_addresses`] lists a network interface's addresses (for binding it by name).
 
 #![cfg_attr(not(target_os = "linux"), allow(unused))]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -28,6 +29,7 @@ mod data_file;
 mod error;
 mod fdpass;
 mod meminfo;
+mod netif;
 mod pool;
 mod pread_engine;
 mod region;
@@ -48,6 +50,7 @@ pub use data_file::{
 pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};
 pub use meminfo::{human_bytes, MemoryAvailable};
+pub use netif::interface_addresses;
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};

@@ -53,6 +53,28 @@ impl MemoryAvailable {
         }
     }
 
+    /// This snapshot with the memory a stale POSIX shm segment named `shm_name` occupies counted
+    /// as free: creating the pool under that name removes it first (see
+    /// [`crate::SharedPool::create`]), and until then its pages (all of them, when the node that
+    /// left it had pre-faulted its pool) fill `/dev/shm` and are missing from `MemAvailable` and
+    /// from the cgroup headroom. A segment a running node holds, or one the pool's creation
+    /// would refuse to remove, counts as nothing.
+    pub fn counting_stale_shm_segment(self, shm_name: &str) -> MemoryAvailable {
+        self.counting_freed(crate::shm::stale_segment_bytes(shm_name))
+    }
+
+    /// This snapshot with `bytes` more free memory in `/dev/shm`, `MemAvailable` and the
+    /// cgroup headroom (each where known).
+    fn counting_freed(self, bytes: u64) -> MemoryAvailable {
+        let add = |v: Option<u64>| v.map(|v| v.saturating_add(bytes));
+        MemoryAvailable {
+            mem_available: add(self.mem_available),
+            cgroup_headroom: add(self.cgroup_headroom),
+            dev_shm_free: add(self.dev_shm_free),
+            ..self
+        }
+    }
+
     /// Ordinary memory (THP or 4 KiB pages) a pool could get: `MemAvailable`, bounded by the
     /// cgroup headroom. `None` when `MemAvailable` is unknown.
     pub fn ordinary_bytes(&self) -> Option<u64> {
@@ -270,6 +292,52 @@ mod tests {
             Some(4096)
         );
         assert_eq!(stat_value("inactive_file_x 1\n", "inactive_file"), None);
+    }
+
+    /// A node that died leaves its pre-faulted segment in /dev/shm; the restart on the same
+    /// name removes it before building its pool, so the check must count it as free (it used
+    /// to refuse every pool larger than what the dead node's segment left free).
+    #[test]
+    fn a_stale_segment_of_the_pools_name_counts_as_free() {
+        use std::io::Write;
+        let name = format!("kvnode-meminfo-stale-{}", std::process::id());
+        let (seg, fd) = crate::shm::ShmSegment::create(&name).unwrap();
+        let mut f = std::fs::File::from(fd);
+        f.write_all(&vec![1u8; 8 << 20]).unwrap();
+        drop(f);
+        seg.abandon(); // the node dies: segment and pages stay
+                       // What the machine shows now: 6 MiB free in /dev/shm, 6 MiB available.
+        let m = MemoryAvailable {
+            mem_available: Some(6 << 20),
+            cgroup_headroom: Some(6 << 20),
+            dev_shm_free: Some(6 << 20),
+            ..MemoryAvailable::default()
+        };
+        assert!(m
+            .check_pool(8 << 20, PagePreference::Pages4K, true)
+            .is_err());
+        let counted = m.counting_stale_shm_segment(&name);
+        assert!(
+            counted
+                .check_pool(8 << 20, PagePreference::Pages4K, true)
+                .is_ok(),
+            "{counted:?}"
+        );
+        let other = format!("{name}-other");
+        assert_eq!(
+            m.counting_stale_shm_segment(&other),
+            m,
+            "another name frees nothing"
+        );
+        // The restart itself: the stale segment is replaced.
+        let (seg2, _fd) = crate::shm::ShmSegment::create(&name).unwrap();
+        assert_eq!(
+            m.counting_stale_shm_segment(&name),
+            m,
+            "a live segment frees nothing"
+        );
+        drop(seg2);
+        let _ = std::fs::remove_file(format!("/dev/shm/{name}.lock"));
     }
 
     #[test]

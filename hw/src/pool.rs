@@ -95,7 +95,8 @@ pub struct PoolOptions {
     /// memfd name (debug only, shows in `/proc/<pid>/maps`).
     pub name: String,
     /// If set, back the pool with the named POSIX shm segment
-    /// `/dev/shm/<name>` (created exclusively, mode 0600, a stale one is
+    /// `/dev/shm/<name>` (created exclusively, mode 0600, under the lock file
+    /// `/dev/shm/<name>.lock` held while the pool lives; a stale one is
     /// unlinked first) instead of a memfd; unlinked when the pool drops.
     /// Hugetlb is impossible there.
     pub posix_shm_name: Option<String>,

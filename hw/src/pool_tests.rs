@@ -341,10 +341,16 @@ fn posix_shm_pool() {
         !std::path::Path::new(&path).exists(),
         "segment unlinked on drop"
     );
-    assert!(matches!(
-        PoolMapping::open_posix_shm(&name, MIB),
-        Err(HwError::Os { .. })
-    ));
+    match PoolMapping::open_posix_shm(&name, MIB) {
+        Err(e @ HwError::OsPath { .. }) => {
+            assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+            assert!(
+                e.to_string().contains(&path),
+                "the error names the path: {e}"
+            );
+        }
+        other => panic!("opening a removed segment: {other:?}"),
+    }
     assert!(matches!(
         PoolMapping::open_posix_shm("no/slash", MIB),
         Err(HwError::Invalid(_))

@@ -21,6 +21,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use kvnode_hw::{PoolMapping, PoolRegion};
 use rkyv::util::AlignedVec;
@@ -169,19 +170,89 @@ fn connect_error(path: &Path, e: &io::Error) -> Error {
     Error::new(ErrorKind::Io, msg)
 }
 
+/// Connects to the Unix socket at `path`, waiting at most `timeout` for the listener to take
+/// the connection (a blocking `connect` waits for room in its accept queue without limit: a
+/// hung node). The socket is non-blocking while connecting and blocking afterwards.
+fn connect_bounded(path: &Path, timeout: Duration) -> Result<UnixStream> {
+    use rustix::io::Errno;
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fail = |e: Errno| connect_error(path, &io::Error::from(e));
+    let addr = SocketAddrUnix::new(path).map_err(fail)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(fail)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) | Err(Errno::ISCONN) => break,
+            // The listener's accept queue is full (Linux Unix sockets do not connect in the
+            // background: the call is simply tried again).
+            Err(Errno::AGAIN | Errno::INPROGRESS | Errno::ALREADY) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::Io,
+                        format!(
+                            "the kvnode at {} did not accept the connection within {} (its \
+                             accept queue stayed full: the node is hung or overloaded)",
+                            path.display(),
+                            seconds(timeout)
+                        ),
+                    ));
+                }
+                std::thread::sleep(left.min(CONNECT_RETRY));
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
+/// Pause between two connection attempts while a node's accept queue is full.
+const CONNECT_RETRY: Duration = Duration::from_millis(5);
+
+/// `d` in words for messages: "10 s", "0.2 s".
+fn seconds(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} s", d.as_secs_f64())
+    }
+}
+
 impl Client {
     /// Connects to the node's Unix socket. Errors name the path and say why no node answered.
+    /// Waits for a node whose accept queue is full as long as it takes; see
+    /// [`Client::connect_timeout`] for a bounded wait.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let p = path.as_ref();
         let stream = UnixStream::connect(p).map_err(|e| connect_error(p, &e))?;
-        Ok(Client {
+        Ok(Client::over(stream))
+    }
+
+    /// [`Client::connect`] that gives up after `timeout` when the node does not take the
+    /// connection (its accept queue is full: a hung or overloaded node), with an error naming
+    /// the path. Replies are not bounded by it (see [`Client::set_timeout`]).
+    pub fn connect_timeout(path: impl AsRef<Path>, timeout: Duration) -> Result<Client> {
+        Ok(Client::over(connect_bounded(path.as_ref(), timeout)?))
+    }
+
+    fn over(stream: UnixStream) -> Client {
+        Client {
             stream,
             next_id: 1,
             payload: AlignedVec::new(),
             reader: FrameReader::default(),
             pool: None,
             registration: None,
-        })
+        }
     }
 
     /// Bounds how long a reply may take (`None`: wait forever, the default). A call that runs

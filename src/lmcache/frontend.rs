@@ -464,7 +464,15 @@ impl LmFrontend {
                 // a restarted worker reusing its id. So COMMITs are never paired with transfers
                 // prepared before it: those stay reserved (a live process may still be copying)
                 // until the node's write TTL or the instance's release, and are never published.
-                self.state.pending.lock().new_epoch(p.instance_id);
+                let current = self.ctx.instances.get(p.instance_id);
+                let mut pending = self.state.pending.lock();
+                // Checked under the lock (as in `queue`): a release after this point runs the
+                // hook, which waits for the lock and then drops this epoch. An instance released
+                // already needs none (its hook drops what was kept for it).
+                if let Some(inst) = current.filter(|i| !i.is_released()) {
+                    pending.new_epoch(p.instance_id, inst.generation);
+                }
+                drop(pending);
                 self.state.pickle_instances.lock().remove(&p.instance_id);
                 LmReply::Register {
                     shm_name: r.shm_name,

@@ -69,12 +69,24 @@ const ID_BYTES: usize = 16;
 /// (`instance`, `generation`) that no COMMIT has been paired with yet.
 pub struct PendingTable {
     by_instance: HashMap<u64, Queues>,
-    /// Pairing epoch per registered instance: a REGISTER of a registered id starts a new one
-    /// (see [`PendingTable::new_epoch`]). Absent = 0; dropped when the instance is released.
-    epochs: HashMap<u64, u64>,
+    /// Pairing epoch per registered instance, with the registration generation it was started
+    /// for: every REGISTER starts a new one (see [`PendingTable::new_epoch`]). Absent = 0;
+    /// dropped when that very registration is released (a release of an older generation leaves
+    /// a newer registration's epoch alone).
+    epochs: HashMap<u64, Epoch>,
+    /// The last epoch handed out, node-wide. Invariant: only grows, so an epoch is never handed
+    /// out twice (not even to another registration of the same id after a release) and never 0.
+    last_epoch: u64,
     bytes: usize,
     budget: usize,
     per_registration: usize,
+}
+
+/// A pairing epoch and the registration generation it belongs to.
+#[derive(Debug, Clone, Copy)]
+struct Epoch {
+    generation: u64,
+    epoch: u64,
 }
 
 /// Why [`PendingTable::push`] refused a transfer.
@@ -94,23 +106,32 @@ impl PendingTable {
         PendingTable {
             by_instance: HashMap::new(),
             epochs: HashMap::new(),
+            last_epoch: 0,
             bytes: 0,
             budget,
             per_registration,
         }
     }
 
-    /// The current pairing epoch of `instance`.
+    /// The current pairing epoch of `instance` (0 when it has none).
     pub fn epoch(&self, instance: u64) -> u64 {
-        self.epochs.get(&instance).copied().unwrap_or(0)
+        self.epochs.get(&instance).map_or(0, |e| e.epoch)
     }
 
-    /// Starts a new pairing epoch for `instance` (a REGISTER of a registered id: maybe a new
-    /// process): everything queued is dropped, and transfers prepared under the old epoch are
-    /// refused by [`PendingTable::push`] even if their PREPARE completes later.
-    pub fn new_epoch(&mut self, instance: u64) {
+    /// Starts a new pairing epoch for `instance`, registered as `generation` (a REGISTER of the
+    /// id: maybe a new process): everything queued is dropped, and transfers prepared under an
+    /// earlier epoch are refused by [`PendingTable::push`] even if their PREPARE completes
+    /// later. The epoch comes from a node-wide counter, so it differs from every epoch before.
+    pub fn new_epoch(&mut self, instance: u64, generation: u64) {
         self.forget(instance, None);
-        *self.epochs.entry(instance).or_default() += 1;
+        self.last_epoch += 1;
+        self.epochs.insert(
+            instance,
+            Epoch {
+                generation,
+                epoch: self.last_epoch,
+            },
+        );
     }
 
     /// Queues transfer `id` of registration (`instance`, `generation`) under `key`, prepared
@@ -171,11 +192,18 @@ impl PendingTable {
         Some(id)
     }
 
-    /// Drops everything of `instance` (of `generation` only, when given): it was released and
-    /// the node already handed its transfers back.
+    /// Drops everything of `instance` (of `generation` only, when given: the queued transfers
+    /// and the pairing epoch of that registration, never those of a newer one): it was
+    /// released and the node already handed its transfers back.
     pub fn forget(&mut self, instance: u64, generation: Option<u64>) {
-        if generation.is_some() {
-            self.epochs.remove(&instance);
+        if let Some(g) = generation {
+            if self
+                .epochs
+                .get(&instance)
+                .is_some_and(|e| e.generation == g)
+            {
+                self.epochs.remove(&instance);
+            }
         }
         let Some(q) = self.by_instance.get(&instance) else {
             return;
@@ -295,7 +323,7 @@ mod tests {
         let mut t = PendingTable::new(1 << 20, 1 << 20);
         let seen = t.epoch(1);
         t.push(1, 1, seen, Kind::Store, key(0), 10).unwrap();
-        t.new_epoch(1); // a REGISTER while a PREPARE of the old epoch is in flight
+        t.new_epoch(1, 1); // a REGISTER while a PREPARE of the old epoch is in flight
         assert!(t.is_empty());
         assert_eq!(
             t.push(1, 1, seen, Kind::Store, key(0), 11),
@@ -304,6 +332,42 @@ mod tests {
         assert!(t.push(1, 1, t.epoch(1), Kind::Store, key(0), 12).is_ok());
         t.forget(1, Some(1)); // released: its epoch goes too
         assert_eq!(t.epoch(1), 0);
+    }
+
+    /// The reaper marks generation 1 released, a REGISTER builds generation 2 and starts its
+    /// epoch, a PREPARE of generation 2 reads that epoch, and only then does the release of
+    /// generation 1 run its hook: the hook must leave generation 2's epoch alone (it used to
+    /// reset it to 0, so the PREPARE was refused as stale), and no epoch is ever handed out
+    /// twice (a reset to 0 and counting up again could accept a PREPARE of an old epoch).
+    #[test]
+    fn the_release_of_an_older_generation_keeps_the_new_registrations_epoch() {
+        let mut t = PendingTable::new(1 << 20, 1 << 20);
+        t.new_epoch(1, 1);
+        let first = t.epoch(1);
+        // Reaper: generation 1 marked released. REGISTER: generation 2, new epoch.
+        t.new_epoch(1, 2);
+        let second = t.epoch(1);
+        assert_ne!(first, second);
+        // The release hook of generation 1 runs late.
+        t.forget(1, Some(1));
+        assert_eq!(t.epoch(1), second, "generation 2's epoch survives");
+        assert!(
+            t.push(1, 2, second, Kind::Store, key(0), 10).is_ok(),
+            "generation 2's PREPARE is queued"
+        );
+        // Generation 2 released, generation 3 registered: a fresh epoch, never an old one.
+        t.forget(1, Some(2));
+        assert!(t.is_empty());
+        t.new_epoch(1, 3);
+        let third = t.epoch(1);
+        assert!(third != first && third != second && third != 0);
+        assert_eq!(
+            t.push(1, 3, first, Kind::Store, key(0), 11),
+            Err(PendingFull::StaleEpoch)
+        );
+        // Epochs are node-wide: another instance never reuses one either.
+        t.new_epoch(2, 1);
+        assert!(![0, first, second, third].contains(&t.epoch(2)));
     }
 
     #[test]

@@ -14,11 +14,68 @@ const TICK: Duration = Duration::from_millis(100);
 const EVICTION_EVERY: Duration = Duration::from_secs(1);
 const EVENTS_PER_TICK: usize = 4096;
 /// Namespace reclaims (a scan of every index, O(objects)) run at most this often when wanted
-/// (an intern was refused at the limit, or 90 % of the limit is held, so the first new
+/// (an intern was refused at the limit, or [`near_limit`] namespaces are held, so the first new
 /// namespace is not refused)...
 const RECLAIM_MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// ...and at least this often regardless.
 const RECLAIM_EVERY: Duration = Duration::from_secs(600);
+/// After a reclaim that freed nothing, the near-the-limit rule asks again only once more
+/// namespaces are held than after it, or when this much time has passed: namespaces that are
+/// really in use would otherwise be scanned for every second.
+const RECLAIM_BACKOFF: Duration = Duration::from_secs(60);
+
+/// The held count from which the maintenance thread reclaims before any intern is refused:
+/// 90 % of `limit`, and at least one below it (so the first new namespace finds room), but at
+/// least 1 (a limit of 1 reclaims once its one namespace is held).
+fn near_limit(limit: usize) -> usize {
+    limit.saturating_sub((limit / 10).max(1)).max(1)
+}
+
+/// When the maintenance thread reclaims namespaces. Invariant: `backoff` is `Some(held)` exactly
+/// when the last reclaim freed nothing, `held` being the count it left.
+#[derive(Debug)]
+struct ReclaimSchedule {
+    last: Instant,
+    backoff: Option<usize>,
+}
+
+impl ReclaimSchedule {
+    fn new(now: Instant) -> ReclaimSchedule {
+        ReclaimSchedule {
+            last: now,
+            backoff: None,
+        }
+    }
+
+    /// Whether to reclaim at `now`, with `held` of `limit` namespaces held. `refused` (whether an
+    /// intern was refused at the limit since it was last asked) is asked only once
+    /// [`RECLAIM_MIN_INTERVAL`] has passed, so a refusal is never lost.
+    fn due(&self, now: Instant, refused: impl FnOnce() -> bool, held: usize, limit: usize) -> bool {
+        let since = now.saturating_duration_since(self.last);
+        if since >= RECLAIM_EVERY {
+            return true;
+        }
+        if since < RECLAIM_MIN_INTERVAL {
+            return false;
+        }
+        if refused() {
+            return true;
+        }
+        if held < near_limit(limit) {
+            return false;
+        }
+        match self.backoff {
+            Some(held_then) => held > held_then || since >= RECLAIM_BACKOFF,
+            None => true,
+        }
+    }
+
+    /// Records a reclaim at `now` that freed `freed` namespaces and left `held`.
+    fn ran(&mut self, now: Instant, freed: usize, held: usize) {
+        self.last = now;
+        self.backoff = (freed == 0).then_some(held);
+    }
+}
 
 /// Starts the thread; it exits when the node shuts down.
 pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<JoinHandle<()>> {
@@ -40,7 +97,7 @@ fn ttl_sweep_interval(ctx: &NodeContext) -> Duration {
 fn run(ctx: &NodeContext) {
     let mut last_evict = Instant::now();
     let mut last_ttl = Instant::now();
-    let mut last_reclaim = Instant::now();
+    let mut reclaims = ReclaimSchedule::new(Instant::now());
     let ttl_every = ttl_sweep_interval(ctx);
     while !ctx.shutting_down.load(Ordering::Acquire) {
         thread::sleep(TICK);
@@ -74,13 +131,15 @@ fn run(ctx: &NodeContext) {
             last_ttl = Instant::now();
             ttl_sweep(ctx);
         }
-        let since = last_reclaim.elapsed();
         let ns = &ctx.namespaces;
-        let wanted = since >= RECLAIM_MIN_INTERVAL
-            && (ns.take_reclaim_wanted() || ns.len() >= ns.limit() / 10 * 9);
-        if wanted || since >= RECLAIM_EVERY {
-            last_reclaim = Instant::now();
-            ctx.reclaim_namespaces();
+        if reclaims.due(
+            Instant::now(),
+            || ns.take_reclaim_wanted(),
+            ns.len(),
+            ns.limit(),
+        ) {
+            let freed = ctx.reclaim_namespaces();
+            reclaims.ran(Instant::now(), freed, ns.len());
         }
     }
 }
@@ -114,5 +173,78 @@ pub fn ttl_sweep(ctx: &NodeContext) {
     }
     if !expired.is_empty() {
         tracing::debug!(sessions = expired.len(), "idle lookup sessions dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn near_limit_leaves_room_for_one_more_namespace_even_for_small_limits() {
+        assert_eq!(near_limit(1000), 900);
+        assert_eq!(near_limit(100), 90);
+        assert_eq!(near_limit(10), 9);
+        // `limit / 10 * 9` was 0 here: every tick wanted a reclaim.
+        assert_eq!(near_limit(9), 8);
+        assert_eq!(near_limit(5), 4);
+        assert_eq!(near_limit(2), 1);
+        assert_eq!(near_limit(1), 1);
+        for limit in 1..100 {
+            assert!(near_limit(limit) >= 1 && near_limit(limit) <= limit);
+        }
+    }
+
+    /// Near the limit with every namespace really in use: one reclaim, then none until more
+    /// are held or the back-off has passed (it used to run every second); a refused intern
+    /// still gets one at once.
+    #[test]
+    fn a_reclaim_that_freed_nothing_backs_off() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut r = ReclaimSchedule::new(t0);
+        let no = || false;
+        assert!(
+            !r.due(at(0), no, 95, 100),
+            "not before the minimum interval"
+        );
+        assert!(!r.due(at(2), no, 50, 100), "far from the limit");
+        assert!(r.due(at(2), no, 95, 100), "near the limit");
+        r.ran(at(2), 0, 95);
+        for s in 4..60 {
+            assert!(!r.due(at(s), no, 95, 100), "backed off at {s} s");
+        }
+        assert!(r.due(at(10), no, 96, 100), "one more namespace held");
+        assert!(r.due(at(10), || true, 95, 100), "an intern was refused");
+        assert!(r.due(at(62), no, 95, 100), "the back-off passed");
+        r.ran(at(62), 3, 92);
+        assert!(r.due(at(64), no, 92, 100), "it freed some: no back-off");
+        r.ran(at(64), 0, 92);
+        assert!(!r.due(at(70), no, 92, 100));
+        assert!(r.due(at(64 + 600), no, 0, 100), "the periodic reclaim");
+        // A small limit: below it nothing is wanted (the old threshold, 0, wanted it always).
+        let r = ReclaimSchedule::new(t0);
+        assert!(!r.due(at(5), no, 0, 5));
+        assert!(!r.due(at(5), no, 3, 5));
+        assert!(r.due(at(5), no, 4, 5));
+    }
+
+    /// `refused` is asked only once the minimum interval passed: a refusal seen early is not
+    /// consumed and lost.
+    #[test]
+    fn a_refusal_is_not_consumed_before_the_minimum_interval() {
+        let t0 = Instant::now();
+        let r = ReclaimSchedule::new(t0);
+        let asked = std::cell::Cell::new(false);
+        assert!(!r.due(
+            t0,
+            || {
+                asked.set(true);
+                true
+            },
+            0,
+            100
+        ));
+        assert!(!asked.get());
     }
 }

@@ -94,7 +94,13 @@ impl Node {
         cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
     ) -> Result<Started> {
         let prefer = config.page_preference()?;
-        kvnode_hw::MemoryAvailable::read()
+        let mut available = kvnode_hw::MemoryAvailable::read();
+        if !config.shm_name.is_empty() {
+            // A segment of this name left by a node that died is removed before the pool is
+            // built: the memory it holds is free for the pool.
+            available = available.counting_stale_shm_segment(&config.shm_name);
+        }
+        available
             .check_pool(config.pool_bytes, prefer, !config.shm_name.is_empty())
             .map_err(Error::invalid)?;
         let pool = SharedPool::create(&PoolOptions {

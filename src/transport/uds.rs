@@ -14,6 +14,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -99,8 +100,27 @@ impl BoundSocket {
     /// else found there (nothing, another node's socket, a file someone put there) is left
     /// alone. Returns whether the file was removed. Idempotent; never blocks on the socket.
     pub fn unlink_if_ours(&self) -> bool {
-        // Serialised with other kvnodes binding or removing a socket in the same directory.
-        let _dir = DirLock::take(&self.path);
+        // Serialised with other kvnodes binding or removing a socket in the same directory. A
+        // lock someone else holds for long never holds up the node's shutdown: the file stays.
+        let _dir = match DirLock::take(&self.path, DIR_LOCK_WAIT) {
+            Ok(l) => l,
+            Err(busy) => {
+                tracing::warn!(
+                    path = %self.path.display(),
+                    directory = %busy.dir.display(),
+                    "another process holds a lock on the socket's directory; leaving the socket \
+                     file in place (remove it yourself if no node uses it)"
+                );
+                return false;
+            }
+        };
+        self.unlink_if_ours_locked()
+    }
+
+    /// [`BoundSocket::unlink_if_ours`] for a caller that already holds the [`DirLock`] of the
+    /// socket's directory (taking it again, through another open file description, would wait
+    /// for the caller itself forever).
+    fn unlink_if_ours_locked(&self) -> bool {
         let accepting = !matches!(
             probe(&self.path),
             Err(ref e) if e.kind() == io::ErrorKind::ConnectionRefused
@@ -124,25 +144,59 @@ impl BoundSocket {
     }
 }
 
+/// How long kvnode tries to take the lock on a socket's directory before giving up.
+const DIR_LOCK_WAIT: Duration = Duration::from_secs(3);
+
 /// An exclusive `flock` on the directory of a socket path, held while kvnode checks, removes
 /// or binds a socket there (advisory: it orders kvnode processes, creates no file, and is
-/// released when dropped). Taking it is best effort: without it the operations still run.
+/// released when dropped). Where the directory cannot be opened or locked at all the lock is
+/// skipped (the operations still run); where another process holds it for longer than the
+/// wait, [`DirLock::take`] says so instead of waiting for it.
 struct DirLock {
     _held: Option<std::fs::File>,
 }
 
+/// The lock on `dir` was held by another process for the whole wait.
+#[derive(Debug)]
+struct DirBusy {
+    dir: PathBuf,
+}
+
 impl DirLock {
-    fn take(path: &Path) -> DirLock {
+    /// Takes the lock on the directory of `path`, trying without blocking until `wait` has
+    /// passed: any process that can open the directory can lock it, so a blocking `flock` could
+    /// hold up the node's start-up or shutdown forever.
+    fn take(path: &Path, wait: Duration) -> std::result::Result<DirLock, DirBusy> {
+        use rustix::fs::FlockOperation;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        let file = std::fs::File::open(dir)
-            .ok()
-            .filter(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::LockExclusive).is_ok());
-        DirLock { _held: file }
+        let Ok(file) = std::fs::File::open(dir) else {
+            return Ok(DirLock { _held: None });
+        };
+        let deadline = Instant::now() + wait;
+        loop {
+            match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(DirLock { _held: Some(file) }),
+                Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                    if Instant::now() >= deadline {
+                        return Err(DirBusy {
+                            dir: dir.to_path_buf(),
+                        });
+                    }
+                    std::thread::sleep(DIR_LOCK_RETRY);
+                }
+                Err(e) if e == rustix::io::Errno::INTR => {}
+                // Locks not supported here (some network file systems): go on without.
+                Err(_) => return Ok(DirLock { _held: None }),
+            }
+        }
     }
 }
+
+/// Pause between two tries of [`DirLock::take`].
+const DIR_LOCK_RETRY: Duration = Duration::from_millis(10);
 
 /// Binds the node's socket at `path` with permission bits `mode`.
 ///
@@ -153,6 +207,15 @@ impl DirLock {
 /// file gets exactly `mode` (chmod through a descriptor of the file just created, never through
 /// a path that could meanwhile name something else). On error nothing this call created remains.
 pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
+    bind_with(path, mode, |p, perms| std::fs::set_permissions(p, perms))
+}
+
+/// [`bind`], setting the permission bits with `set_mode` (tests inject a failing one).
+fn bind_with(
+    path: &Path,
+    mode: u32,
+    set_mode: impl Fn(&Path, std::fs::Permissions) -> io::Result<()>,
+) -> Result<(UnixListener, BoundSocket)> {
     if mode > 0o777 {
         return Err(Error::invalid(format!(
             "socket mode {mode:#o} has bits beyond 0777 (permission bits only)"
@@ -162,7 +225,19 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
     // The check, the removal of a stale socket and the bind happen as one step for every other
     // kvnode using this directory: two nodes starting at once on a stale socket can no longer
     // both remove it and bind.
-    let _dir = DirLock::take(path);
+    let _dir = DirLock::take(path, DIR_LOCK_WAIT).map_err(|busy| {
+        Error::new(
+            ErrorKind::Io,
+            format!(
+                "another process holds a lock on {} (kvnode locks the socket's directory for a \
+                 moment to bind {}) and did not release it within {} s; `lslocks` shows which \
+                 process holds it; stop it or choose another --socket",
+                busy.dir.display(),
+                path.display(),
+                DIR_LOCK_WAIT.as_secs(),
+            ),
+        )
+    })?;
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => replace_stale_socket(path)?,
         Ok(m) => {
@@ -239,18 +314,18 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, BoundSocket)> {
     // chmod the inode the descriptor pins (an O_PATH descriptor cannot be fchmod'ed; its
     // /proc/self/fd link resolves to exactly that inode).
     let by_fd = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-    let chmod =
-        std::fs::set_permissions(&by_fd, std::fs::Permissions::from_mode(mode)).or_else(|e| {
-            // Without /proc: chmod by path, still only while the path holds our file.
-            if e.kind() == io::ErrorKind::NotFound && bound.is_ours() {
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            } else {
-                Err(e)
-            }
-        });
+    let chmod = set_mode(&by_fd, std::fs::Permissions::from_mode(mode)).or_else(|e| {
+        // Without /proc: chmod by path, still only while the path holds our file.
+        if e.kind() == io::ErrorKind::NotFound && bound.is_ours() {
+            set_mode(path, std::fs::Permissions::from_mode(mode))
+        } else {
+            Err(e)
+        }
+    });
     if let Err(e) = chmod {
         drop(listener);
-        bound.unlink_if_ours();
+        // `_dir` is held: remove the file under it (taking it again would wait for ourselves).
+        bound.unlink_if_ours_locked();
         return Err(Error::from(e).context(format!(
             "cannot set mode {mode:04o} on the socket {}",
             path.display()
@@ -403,7 +478,6 @@ impl ReplySink for UdsReplySink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     fn dir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("kvnode-uds-{}-{tag}", std::process::id()));
@@ -478,6 +552,71 @@ mod tests {
         assert_eq!(describe_file_type(&dir_ft), "a directory");
         let null = std::fs::metadata("/dev/null").unwrap().file_type();
         assert_eq!(describe_file_type(&null), "a character device");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A chmod that fails right after the bind: the socket just created is removed again and
+    /// `bind` returns the error (it used to take the directory lock a second time, through
+    /// another open file description, and wait for itself forever).
+    #[test]
+    fn a_failed_chmod_removes_the_new_socket_and_returns() {
+        let d = dir("chmod");
+        let path = d.join("s.sock");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let r = bind_with(&p, 0o600, |_, _| {
+                Err(io::Error::from_raw_os_error(libc::EPERM))
+            });
+            tx.send(r.map(drop).map_err(|e| e.to_string())).unwrap();
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("bind returns within 30 s when its chmod fails");
+        let e = r.expect_err("the chmod failure is an error");
+        assert!(e.contains("cannot set mode 0600"), "{e}");
+        assert!(e.contains(path.to_str().unwrap()), "{e}");
+        assert!(
+            std::fs::symlink_metadata(&path).is_err(),
+            "the socket bind created is removed again"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Another process holding a lock on the socket's directory (here: another open file
+    /// description of it, as `flock DIR sleep inf` would) neither hangs `bind` nor the removal
+    /// at shutdown: `bind` fails naming the directory, `unlink_if_ours` leaves the file.
+    #[test]
+    fn a_lock_held_on_the_directory_never_hangs_bind_or_unlink() {
+        use rustix::fs::FlockOperation;
+        let d = dir("dirlock");
+        let path = d.join("s.sock");
+        let (l, bound) = bind(&path, 0o600).unwrap();
+        wake_acceptor(&l).unwrap();
+        let other = d.join("t.sock");
+        let holder = std::fs::File::open(&d).unwrap();
+        rustix::fs::flock(&holder, FlockOperation::LockExclusive).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let o = other.clone();
+        std::thread::spawn(move || {
+            let r = bind(&o, 0o600).map(drop).map_err(|e| e.to_string());
+            let removed = bound.unlink_if_ours();
+            tx.send((r, removed, bound)).unwrap();
+        });
+        let (r, removed, bound) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("bind and unlink_if_ours return within 30 s");
+        let e = r.expect_err("bind fails while the directory is locked");
+        assert!(
+            e.contains(&format!("another process holds a lock on {}", d.display())),
+            "{e}"
+        );
+        assert!(!other.exists(), "nothing was bound");
+        assert!(!removed, "the socket file is left while the lock is held");
+        assert!(path.exists());
+        drop(holder);
+        assert!(bound.unlink_if_ours(), "removed once the lock is free");
+        drop(l);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
