@@ -672,3 +672,60 @@ fn an_unreadable_extent_header_never_brings_back_stale_objects() {
     r3.check_clean();
     drop(owner);
 }
+
+/// Issue 10, defect 6: the write-behind reads an L1 slot with O_DIRECT; the hold it keeps on the
+/// object must outlive the read TTL (a slow device), or the slot is freed and reused while the
+/// device still reads it.
+#[test]
+fn a_write_behind_holds_its_slot_past_the_read_ttl() {
+    let r = rig("iohold", "pread");
+    let keys = r.keys(3);
+    r.store(&keys);
+    let batch = r
+        .tier
+        .prepare_write(&r.storage, &r.namespaces, &keys)
+        .expect("three objects to write");
+    let held: Vec<u64> = keys
+        .iter()
+        .map(|k| r.storage.ready_object(k).map(|_| 0).unwrap_or(1))
+        .collect();
+    assert_eq!(held, vec![0, 0, 0]);
+    // Much later (every timed lock has expired), CLEAR: the objects must stay allocated.
+    r.storage.expire_locks(u64::MAX / 2);
+    r.storage.clear();
+    let fresh: Vec<StorageKey> = (100..103u8)
+        .map(|i| StorageKey {
+            chunk_hash: [i; 32],
+            ..keys[0]
+        })
+        .collect();
+    let grants = r.storage.reserve_write(&fresh, OBJ, false);
+    let in_flight: Vec<u64> = keys
+        .iter()
+        .filter_map(|k| {
+            r.storage
+                .snapshot()
+                .into_iter()
+                .find(|(x, _)| x == k)
+                .map(|(_, e)| e.slot.offset)
+        })
+        .collect();
+    assert_eq!(in_flight.len(), 3, "the objects being written were freed");
+    for g in grants.iter().flatten() {
+        assert!(
+            !in_flight.contains(&g.slot.offset),
+            "a slot being written to disk was handed out again"
+        );
+    }
+    let items: Vec<_> = fresh
+        .iter()
+        .copied()
+        .zip(grants)
+        .filter_map(|(k, g)| g.ok().map(|g| (k, g)))
+        .collect();
+    r.storage.abort_write(&items);
+    assert_eq!(r.tier.complete_write(&r.storage, batch), 3);
+    // Written, and freed now that the device is done with them (they were cleared).
+    assert_eq!(r.storage.counts().doomed, 0);
+    r.check_clean();
+}

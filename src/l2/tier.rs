@@ -318,7 +318,7 @@ impl Drop for LoadGuard<'_> {
     }
 }
 
-/// A planned write-behind batch: the L1 read locks it holds, the objects, their I/Os (header
+/// A planned write-behind batch: the L1 I/O holds it keeps on its objects, the objects, their I/Os (header
 /// then payload, per object) and the staging blocks of the headers. Invariant: every lock and
 /// block is released by `complete_write`, exactly once; the batch stays inside the CLEAR gate
 /// until then, on whichever thread completes it.
@@ -349,9 +349,7 @@ impl Drop for WriteBatch<'_> {
                 .fetch_add(self.plans.len() as u64, Ordering::Relaxed);
         }
         self.tier.staging.give(std::mem::take(&mut self.blocks));
-        let leases: Vec<(StorageKey, u64)> =
-            self.locked.iter().map(|(k, g)| (*k, g.lease)).collect();
-        self.storage.finish_read(&leases, 0);
+        self.storage.release_io_holds(&self.locked);
     }
 }
 
@@ -801,7 +799,7 @@ impl L2Tier {
         self.batch_objects
     }
 
-    /// Writes committed L1 objects to L2 (those not already there): each is read-locked in L1
+    /// Writes committed L1 objects to L2 (those not already there): each is held in L1 (an I/O hold)
     /// for the duration of its write, so its slot is neither freed nor reused under the I/O.
     /// Batches are pipelined: while one batch is on the disk (an I/O thread), the next one is
     /// checksummed and staged. Returns the number written.
@@ -889,10 +887,9 @@ impl L2Tier {
         if todo.is_empty() {
             return None;
         }
-        // An ordinary (timed) read lock: a batch takes seconds at most, far below the read TTL;
-        // were it ever to expire, the payload written could differ from its checksum, which
-        // a load detects (corrupt, never served).
-        let grants = storage.reserve_read(&todo, 0);
+        // An I/O hold, not a timed read lock: the slot is neither freed nor reused until the
+        // device has finished reading it, however slow the device is.
+        let grants = storage.hold_for_io(&todo);
         let locked: Vec<(StorageKey, Grant)> = todo
             .iter()
             .zip(grants)
@@ -988,7 +985,7 @@ impl L2Tier {
                 cache_salt,
                 object_len: len,
                 payload_checksum: checksum,
-                // Read under the batch's L1 read lock: the layout of exactly these bytes.
+                // Read under the batch's L1 I/O hold: the layout of exactly these bytes.
                 layout: storage.ready_object(key).map_or(0, |(_, layout)| layout),
             };
             let mut b = vec![0u8; BLOCK];
@@ -1086,7 +1083,7 @@ impl L2Tier {
     }
 
     /// Runs a planned batch's I/O, commits what was written, aborts what was not, and releases
-    /// the staging blocks and the L1 read locks. Returns the number written.
+    /// the staging blocks and the L1 I/O holds. Returns the number written.
     pub(super) fn complete_write(&self, storage: &StorageCore, mut batch: WriteBatch<'_>) -> u64 {
         debug_assert!(std::ptr::eq(batch.tier, self) && std::ptr::eq(batch.storage, storage));
         // Taken out of the batch: its Drop (the panic path) then has nothing left to release.
@@ -1127,8 +1124,7 @@ impl L2Tier {
                 }
             }
         }
-        let leases: Vec<(StorageKey, u64)> = locked.iter().map(|(k, g)| (*k, g.lease)).collect();
-        storage.finish_read(&leases, 0);
+        storage.release_io_holds(&locked);
         // Counted only now: STATUS never shows a write as done while L1 still holds its lock.
         self.counters.writes.fetch_add(written, Ordering::Relaxed);
         self.counters

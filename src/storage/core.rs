@@ -291,7 +291,7 @@ impl StorageCore {
                         results.push(Err(KeyError::OutOfMemory)); // placeholder until allocated
                     }
                 }
-                Some(e) if e.readers > 0 || e.state == ObjectState::WriteReserved => {
+                Some(e) if !e.unheld() || e.state == ObjectState::WriteReserved => {
                     results.push(Err(KeyError::KeyIsLocked))
                 }
                 Some(_) => results.push(Err(KeyError::KeyNotWritable)),
@@ -334,6 +334,7 @@ impl StorageCore {
                     slot,
                     state: ObjectState::WriteReserved,
                     readers: 0,
+                    io_holds: 0,
                     temporary,
                     doomed: false,
                     layout: 0,
@@ -651,6 +652,57 @@ impl StorageCore {
             .collect()
     }
 
+    /// Holds each key's bytes for the node's own I/O (an L2 write-behind reading the slot):
+    /// requires `Ready` and not doomed. A hold never expires; the object is neither evicted nor
+    /// freed (CLEAR dooms it) until [`StorageCore::release_io_holds`]. The grant's slot names it.
+    pub fn hold_for_io(&self, keys: &[StorageKey]) -> Vec<Result<Grant, KeyError>> {
+        let _g = self.gate.read();
+        keys.iter()
+            .map(|k| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
+                if e.doomed {
+                    return Err(KeyError::KeyNotExist);
+                }
+                if e.state != ObjectState::Ready {
+                    return Err(KeyError::KeyNotReadable);
+                }
+                e.io_holds = e.io_holds.checked_add(1).ok_or(KeyError::KeyIsLocked)?;
+                let grant = Grant {
+                    slot: e.slot,
+                    lease: e.lease,
+                };
+                shard.sync_recency(k);
+                Ok(grant)
+            })
+            .collect()
+    }
+
+    /// Releases one I/O hold per item, taken by [`StorageCore::hold_for_io`] with that grant
+    /// (matched by slot: the object cannot have been freed or moved while held). A doomed or
+    /// temporary object nothing holds any more is freed.
+    pub fn release_io_holds(&self, items: &[(StorageKey, Grant)]) -> Vec<Result<(), KeyError>> {
+        let _g = self.gate.read();
+        items
+            .iter()
+            .map(|(k, grant)| {
+                let mut shard = self.shard(k).lock();
+                let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
+                if e.state != ObjectState::Ready || e.slot != grant.slot || e.io_holds == 0 {
+                    return Err(KeyError::KeyInWrongState);
+                }
+                e.io_holds -= 1;
+                if e.unheld() && (e.temporary || e.doomed) {
+                    let e = shard.remove(k).expect("present");
+                    self.release_slot(e.slot);
+                } else {
+                    shard.sync_recency(k);
+                }
+                Ok(())
+            })
+            .collect()
+    }
+
     /// Takes over one read lock that a lookup session holds on `key` under `lease`, for a
     /// retrieve that relies on the lookup: the lock must still be live (same lease, not past its
     /// deadline, object `Ready` and not doomed), and its deadline is extended to cover the
@@ -734,7 +786,7 @@ impl StorageCore {
                     return Err(KeyError::KeyNotReadable);
                 }
                 e.readers = e.readers.saturating_sub(1 + extra);
-                if e.readers == 0 && (e.temporary || e.doomed) {
+                if e.unheld() && (e.temporary || e.doomed) {
                     let e = shard.remove(k).expect("present");
                     self.release_slot(e.slot);
                 } else {
@@ -809,7 +861,7 @@ impl StorageCore {
             let keys: Vec<StorageKey> = shard.map.keys().copied().collect();
             for k in keys {
                 let e = shard.map.get_mut(&k).expect("listed");
-                if e.state == ObjectState::Ready && e.readers == 0 {
+                if e.state == ObjectState::Ready && e.unheld() {
                     let e = shard.remove(&k).expect("present");
                     self.release_slot(e.slot);
                     deleted += 1;
@@ -849,7 +901,7 @@ impl StorageCore {
                 } else {
                     self.drop_expired_reads(e, now_ms);
                     r += 1;
-                    if e.temporary || e.doomed {
+                    if e.unheld() && (e.temporary || e.doomed) {
                         let e = shard.remove(&k).expect("present");
                         self.release_slot(e.slot);
                     } else {
@@ -926,10 +978,10 @@ impl StorageCore {
         let mut c = ObjectCounts::default();
         for shard in self.shards.iter() {
             for e in shard.lock().map.values() {
-                match (e.state, e.readers) {
+                match (e.state, e.unheld()) {
                     (ObjectState::WriteReserved, _) => c.write_reserved += 1,
-                    (ObjectState::Ready, 0) => c.ready += 1,
-                    (ObjectState::Ready, _) => c.read_locked += 1,
+                    (ObjectState::Ready, true) => c.ready += 1,
+                    (ObjectState::Ready, false) => c.read_locked += 1,
                 }
                 c.temporary += u64::from(e.temporary);
                 c.doomed += u64::from(e.doomed);
@@ -966,7 +1018,7 @@ impl StorageCore {
             for (k, e) in shard.map.iter() {
                 slots.push(e.slot);
                 index_bytes += e.slot.class_bytes;
-                if e.state == ObjectState::WriteReserved && e.readers != 0 {
+                if e.state == ObjectState::WriteReserved && !e.unheld() {
                     problems.push(format!(
                         "shard {si}: write-reserved object holds {} read locks",
                         e.readers

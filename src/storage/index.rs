@@ -43,9 +43,10 @@ pub enum ObjectState {
     Ready,
 }
 
-/// One object in the index. Invariants: `readers == 0` while `WriteReserved`; the entry is in
-/// exactly one of the shard's recency lists under `stamp` (`recency`, or `recency_unwritten` when
-/// `unwritten`) exactly when it is evictable (`Ready`, no readers, not doomed).
+/// One object in the index. Invariants: `readers == 0` and `io_holds == 0` while
+/// `WriteReserved`; the entry is in exactly one of the shard's recency lists under `stamp`
+/// (`recency`, or `recency_unwritten` when `unwritten`) exactly when it is evictable (`Ready`, no
+/// readers, no I/O holds, not doomed); an entry with I/O holds is never freed.
 #[derive(Debug, Clone)]
 pub struct Entry {
     /// Where the bytes live.
@@ -54,6 +55,10 @@ pub struct Entry {
     pub state: ObjectState,
     /// Read-lock count (integer; MLA readers take `1 + extra_count`).
     pub readers: u32,
+    /// Holds of the node's own I/O on the bytes (an L2 write-behind reading the slot with
+    /// `O_DIRECT`): unlike read locks they never expire, because the slot must not be freed or
+    /// reused before the device has finished reading it.
+    pub io_holds: u32,
     /// Loaded on behalf of a reader only (L2 prefetch): deleted when `readers` drops to 0.
     pub temporary: bool,
     /// Deletion requested (CLEAR) while a transfer was in flight: freed when it ends; invisible meanwhile.
@@ -78,7 +83,12 @@ pub struct Entry {
 impl Entry {
     /// Whether eviction may take this object now.
     pub fn evictable(&self) -> bool {
-        self.state == ObjectState::Ready && self.readers == 0 && !self.doomed
+        self.state == ObjectState::Ready && self.readers == 0 && self.io_holds == 0 && !self.doomed
+    }
+
+    /// Whether nothing holds the bytes (no read lock, no I/O hold).
+    pub fn unheld(&self) -> bool {
+        self.readers == 0 && self.io_holds == 0
     }
 }
 
