@@ -140,6 +140,15 @@ pub struct L2Tier {
     policy: WritePolicy,
     /// Write-behind queue (drained by the writer thread).
     pub queue: WriteQueue,
+    /// Objects committed since the last successful `fdatasync` (in commit order), each with the
+    /// slot it was written to: dropped from the index if the next sync fails. Bounded by what
+    /// one sync period writes; syncs are serialised by `sync_lock`.
+    unsynced: Mutex<Vec<(StorageKey, super::space::SlotRef)>>,
+    sync_lock: Mutex<()>,
+    /// Keys whose write found an older entry of the same key still busy (being loaded or
+    /// written, and doomed): written when the writer next finds its queue empty. At most
+    /// [`DEFERRED_MAX`]; beyond, counted as skipped.
+    deferred: Mutex<Vec<StorageKey>>,
     /// Held shared by every write-behind batch and load, exclusively by CLEAR: an object locked
     /// or pinned before a CLEAR can never be written or published after it.
     clear_gate: ClearGate,
@@ -227,6 +236,9 @@ fn layout_matches(layout: &Layout, l: &super::space::Located) -> bool {
 /// of the work (64 objects of 32 MiB would be one 2 GiB batch, checksummed before any of it is
 /// written).
 pub const WRITE_BATCH_BYTES: u64 = 128 << 20;
+
+/// Most keys waiting for an older, busy entry of the same key to go (see `L2Tier::deferred`).
+pub const DEFERRED_MAX: usize = 4096;
 
 /// Splits `keys` into consecutive parts of at most `max_objects` keys whose lengths (`len_of`)
 /// reach at most [`WRITE_BATCH_BYTES`] (a part ends with the key that reaches it; every part
@@ -473,6 +485,9 @@ impl L2Tier {
             path: dev.path.clone(),
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
+            unsynced: Mutex::new(Vec::new()),
+            sync_lock: Mutex::new(()),
+            deferred: Mutex::new(Vec::new()),
             clear_gate: ClearGate::default(),
             _lock: dev.file.try_clone().map_err(|e| {
                 Error::from(HwError::Os {
@@ -950,9 +965,22 @@ impl L2Tier {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let reservation = match self.index.lock().reserve(*key, len, seq) {
+            let reserved = self.index.lock().reserve(*key, len, seq);
+            let reservation = match reserved {
                 Ok(r) => r,
-                Err(ReserveError::Exists) => continue,
+                Err(ReserveError::Exists) => {
+                    // An older entry of this key is still being loaded or written (doomed, or
+                    // racing another writer): write this one once that is over.
+                    if !self.index.lock().contains(key) {
+                        let mut d = self.deferred.lock();
+                        if d.len() < DEFERRED_MAX {
+                            d.push(*key);
+                        } else {
+                            self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    continue;
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "object not written to L2");
                     self.counters.skipped.fetch_add(1, Ordering::Relaxed);
@@ -1091,11 +1119,7 @@ impl L2Tier {
         let plans = std::mem::take(&mut batch.plans);
         let ios = std::mem::take(&mut batch.ios);
         let blocks = std::mem::take(&mut batch.blocks);
-        let results = if ios.is_empty() {
-            Vec::new()
-        } else {
-            self.write_engine.write_batch(&ios)
-        };
+        let results = self.write_payloads_then_headers(&ios);
         self.staging.give(blocks);
         let (mut written, mut bytes_written) = (0u64, 0u64);
         for (i, p) in plans.iter().enumerate() {
@@ -1110,6 +1134,7 @@ impl L2Tier {
                     if index.commit(p.key, p.slot, p.checksum, p.layout).is_ok() {
                         written += 1;
                         bytes_written += p.len;
+                        self.unsynced.lock().push((p.key, p.slot));
                     }
                 }
                 other => {
@@ -1131,6 +1156,47 @@ impl L2Tier {
             .bytes_written
             .fetch_add(bytes_written, Ordering::Relaxed);
         written
+    }
+
+    /// Runs a batch's I/Os (`[header, payload]` per object): every payload first, then the
+    /// headers of the objects whose payload was written, so a header on the device always
+    /// describes a payload that was completely written before it (a crash between the two
+    /// leaves an object without a header, never a header without its payload). Results in the
+    /// order of `ios`; a header not attempted reports its payload's error.
+    fn write_payloads_then_headers(&self, ios: &[BlockIo]) -> Vec<kvnode_hw::HwResult<u64>> {
+        if ios.is_empty() {
+            return Vec::new();
+        }
+        let payloads: Vec<BlockIo> = ios.iter().skip(1).step_by(2).copied().collect();
+        let written = self.write_engine.write_batch(&payloads);
+        let headers: Vec<BlockIo> = ios
+            .iter()
+            .step_by(2)
+            .zip(&written)
+            .filter(|(_, w)| w.is_ok())
+            .map(|(h, _)| *h)
+            .collect();
+        let mut header_results = self.write_engine.write_batch(&headers).into_iter();
+        let mut out = Vec::with_capacity(ios.len());
+        for w in written {
+            match w {
+                Ok(n) => {
+                    out.push(
+                        header_results.next().unwrap_or_else(|| {
+                            Err(HwError::Invalid("header write not run".into()))
+                        }),
+                    );
+                    out.push(Ok(n));
+                }
+                Err(e) => {
+                    out.push(Err(HwError::Invalid(format!(
+                        "not written: payload failed ({e})"
+                    ))));
+                    out.push(Err(e));
+                }
+            }
+        }
+        out
     }
 
     /// Loads objects that are on L2 but not in L1 into fresh L1 slots and publishes them with
@@ -1379,9 +1445,50 @@ impl L2Tier {
         self.read_engine.release();
     }
 
-    /// `fdatasync` of the data file (completed writes become durable across power loss).
-    pub fn sync(&self) -> Result<()> {
-        self.write_engine.sync().map_err(hw("syncing the L2 file"))
+    /// `fdatasync` of the data file: completed writes become durable across power loss. When it
+    /// fails, nothing written since the last good sync can be trusted to be durable (a later
+    /// sync may report success without having written it): those objects are dropped from the
+    /// index (counted as errors) and returned, so the caller can write them again.
+    pub fn sync(&self) -> std::result::Result<(), (Error, Vec<StorageKey>)> {
+        let _one = self.sync_lock.lock();
+        let covered = self.unsynced.lock().len();
+        match self.write_engine.sync() {
+            Ok(()) => {
+                self.unsynced.lock().drain(..covered);
+                Ok(())
+            }
+            Err(e) => {
+                // Everything committed before the sync returned, not only before it began:
+                // those writes completed before the failure too.
+                let lost = std::mem::take(&mut *self.unsynced.lock());
+                let mut dropped = Vec::new();
+                {
+                    let mut index = self.index.lock();
+                    for (k, slot) in &lost {
+                        if index.slot_of(k) == Some(*slot) && index.remove(k) {
+                            dropped.push(*k);
+                        }
+                    }
+                }
+                self.counters
+                    .errors
+                    .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+                Err((hw("syncing the L2 file")(e), dropped))
+            }
+        }
+    }
+
+    /// Queues the deferred keys (see `deferred`) for write-behind again; returns how many.
+    pub fn requeue_deferred(&self) -> usize {
+        let keys = std::mem::take(&mut *self.deferred.lock());
+        let n = keys.len();
+        if n > 0 {
+            let refused = self.queue.push(keys);
+            self.counters
+                .skipped
+                .fetch_add(refused.len() as u64, Ordering::Relaxed);
+        }
+        n
     }
 
     /// Adds the namespace of every key this device holds (any state) to `out`.
@@ -1425,6 +1532,18 @@ impl L2Tier {
             queued: self.queue.len(),
             extent_bytes: self.extent_bytes,
         }
+    }
+
+    /// Pins `key`'s L2 entry as a load does (tests).
+    #[cfg(test)]
+    pub(super) fn pin_for_tests(&self, key: &StorageKey) -> Option<super::space::SlotRef> {
+        self.index.lock().pin(key).map(|l| l.slot)
+    }
+
+    /// Drops a pin taken by [`L2Tier::pin_for_tests`].
+    #[cfg(test)]
+    pub(super) fn unpin_for_tests(&self, key: &StorageKey, slot: super::space::SlotRef) {
+        self.index.lock().unpin(key, slot).unwrap();
     }
 
     /// Staging blocks not in use (all of them whenever no I/O is running).

@@ -193,6 +193,8 @@ fn run(ctx: &NodeContext, device: usize) {
                     break;
                 }
                 l2.queue.wait();
+                // Keys that waited for an older busy entry of theirs: tried again when idle.
+                l2.requeue_deferred();
                 continue;
             }
             let keys = items;
@@ -204,7 +206,7 @@ fn run(ctx: &NodeContext, device: usize) {
                 if let Err(back) = tx.send(batch) {
                     // No I/O thread: finish here so nothing stays locked, and make it durable.
                     if l2.complete_write(&ctx.storage, back.0) > 0 {
-                        sync(l2);
+                        sync(ctx, l2);
                     }
                 }
             }
@@ -229,13 +231,13 @@ fn complete_batches(
             Ok(batch) => {
                 unsynced |= l2.complete_write(&ctx.storage, batch) > 0;
                 if unsynced && last_sync.elapsed() >= SYNC_EVERY {
-                    unsynced = !sync(l2);
+                    unsynced = !sync(ctx, l2);
                     last_sync = Instant::now();
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
                 if unsynced {
-                    unsynced = !sync(l2);
+                    unsynced = !sync(ctx, l2);
                     last_sync = Instant::now();
                 }
             }
@@ -243,7 +245,7 @@ fn complete_batches(
         }
     }
     if unsynced {
-        let _ = sync(l2);
+        let _ = sync(ctx, l2);
     }
 }
 
@@ -270,7 +272,13 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
         n += l2.persist(&ctx.storage, &ctx.namespaces, &items);
         ctx.storage.clear_unwritten(&items);
     }
-    let _ = sync(l2);
+    if !sync(ctx, l2) {
+        tracing::error!(
+            path = %l2.status().path,
+            "the final L2 fdatasync failed at shutdown: objects written since the last good sync \
+             may be missing after the restart (none is served unless its checksum holds)"
+        );
+    }
     if n > 0 {
         tracing::info!(written = n, "L2 write-behind drained at shutdown");
     }
@@ -322,19 +330,33 @@ fn demote(ctx: &NodeContext, l2: &super::L2Set) -> Option<u64> {
     }
     if written > 0 {
         for t in l2.tiers() {
-            let _ = sync(t);
+            let _ = sync(ctx, t);
         }
     }
     tracing::debug!(evicted, candidates = victims.len(), "L2 demotion");
     Some(evicted)
 }
 
-/// `fdatasync`; false (logged) if it failed, so the caller tries again later.
-fn sync(l2: &super::L2Tier) -> bool {
+/// `fdatasync`; false (logged) if it failed, so the caller tries again later. The objects
+/// written since the last good sync were then dropped from L2 (see [`super::L2Tier::sync`]):
+/// those still in L1 are queued to be written again.
+fn sync(ctx: &NodeContext, l2: &super::L2Tier) -> bool {
     match l2.sync() {
         Ok(()) => true,
-        Err(e) => {
-            tracing::warn!(error = %e, "L2 fdatasync failed");
+        Err((e, dropped)) => {
+            let again: Vec<StorageKey> = dropped
+                .iter()
+                .filter(|k| ctx.storage.ready_object(k).is_some())
+                .copied()
+                .collect();
+            let requeued = again.len() - l2.queue.push(again).len();
+            tracing::warn!(
+                error = %e,
+                dropped = dropped.len(),
+                requeued,
+                "L2 fdatasync failed: the objects written since the last good sync are no longer \
+                 counted as on disk"
+            );
             false
         }
     }

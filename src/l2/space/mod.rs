@@ -637,6 +637,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         Ok(())
     }
 
+    /// The slot of `key`'s entry, in any state.
+    pub fn slot_of(&self, key: &K) -> Option<SlotRef> {
+        self.entries.get(key).map(|e| e.slot)
+    }
+
     /// The entry of `key` if it is Ready and not doomed. Does not touch.
     pub fn get(&self, key: &K) -> Option<Located> {
         self.entries
