@@ -142,8 +142,8 @@ fn one_or_many_paths<'de, D: serde::Deserializer<'de>>(
 pub const MAX_L2_DEVICES: usize = 16;
 
 /// The L2 disk tier. Invariant after [`NodeConfig::validate`]: disabled (`paths` empty) or
-/// `bytes`, `queue_depth`, `max_prefetch_objects`, `write_queue` and `batch_objects` are > 0 and
-/// `engine` names an engine.
+/// `bytes`, `queue_depth`, `max_prefetch_objects`, `write_queue`, `batch_objects` and
+/// `max_index_bytes` are > 0 and `engine` names an engine.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct L2Config {
@@ -181,6 +181,16 @@ pub struct L2Config {
     pub lock_wait_ms: u64,
     /// Which devices the node may format (`if-empty` or `overwrite`).
     pub format: L2Format,
+    /// Memory of each device's in-memory index, in bytes. Its geometry is charged up front:
+    /// one bit per 8 KiB of device and about 1.6 KiB per extent (16 MiB and 6.4 MiB per TiB
+    /// with 256 MiB extents); a device needing more than the limit for that plus one object is
+    /// refused at start-up. Each object is charged
+    /// [`crate::l2::space::INDEX_BYTES_PER_OBJECT`] (991 bytes, a worst case; typical use is
+    /// about half), and the rest of the limit divided by that is the most objects the device
+    /// indexes: beyond it, storing an object evicts the least recently used, and recovery
+    /// indexes the most recently written. The default, 1 GiB, indexes about a million objects
+    /// per device (all of a default 8 GiB device; 64 GiB of 64 KiB objects).
+    pub max_index_bytes: u64,
 }
 
 impl Default for L2Config {
@@ -199,6 +209,7 @@ impl Default for L2Config {
             batch_objects: 64,
             lock_wait_ms: 5_000,
             format: L2Format::IfEmpty,
+            max_index_bytes: 1 << 30,
         }
     }
 }
@@ -250,6 +261,7 @@ impl L2Config {
             ("l2.max_prefetch_objects", self.max_prefetch_objects as u64),
             ("l2.write_queue", self.write_queue as u64),
             ("l2.batch_objects", self.batch_objects as u64),
+            ("l2.max_index_bytes", self.max_index_bytes),
         ] {
             if v == 0 {
                 return Err(Error::invalid(format!("{name} must be > 0")));
@@ -597,6 +609,18 @@ mod tests {
         std::fs::write(&p, "[l2]\npath = \"/a\"\n").unwrap();
         let c = NodeConfig::from_toml_file(&p).unwrap();
         assert_eq!(c.l2.paths, [PathBuf::from("/a")]);
+        // The index limit: 1 GiB by default, set in bytes, never 0.
+        assert_eq!(c.l2.max_index_bytes, 1 << 30);
+        std::fs::write(&p, "[l2]\npath = \"/a\"\nmax_index_bytes = 4194304\n").unwrap();
+        let c = NodeConfig::from_toml_file(&p).unwrap();
+        assert_eq!(c.l2.max_index_bytes, 4 << 20);
+        assert!(c.validate().is_ok());
+        std::fs::write(&p, "[l2]\npath = \"/a\"\nmax_index_bytes = 0\n").unwrap();
+        let e = NodeConfig::from_toml_file(&p)
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(e.context.contains("l2.max_index_bytes"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -590,6 +590,20 @@ fn two_devices_spread_objects_and_recover(engine: &'static str) {
     );
     assert_eq!(per.iter().sum::<u64>(), 40);
     assert_eq!(l2(&s, "bytes"), 64 << 20, "capacity adds up");
+    // The index's memory, per device and in total (l2.max_index_bytes, 1 GiB, per device).
+    let index: Vec<(u64, u64)> = devices
+        .iter()
+        .map(|d| {
+            let n = |f: &str| d[f].as_u64().unwrap();
+            (n("index_bytes"), n("index_limit_bytes"))
+        })
+        .collect();
+    assert!(index
+        .iter()
+        .all(|&(b, limit)| 0 < b && b <= limit && limit == 1 << 30));
+    assert_eq!(l2(&s, "index_limit_bytes"), 2 << 30);
+    assert_eq!(l2(&s, "index_bytes"), index[0].0 + index[1].0);
+    assert_eq!(l2(&s, "unindexed"), 0);
     drop(c);
     sigterm_and_wait(&mut node);
     let node = NodeProc::start(&format!("l2two2-{engine}"), &args);

@@ -54,7 +54,7 @@ pub use netif::interface_addresses;
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};
-pub use sys::{hugepages_free_2m, process_cpu_seconds};
+pub use sys::{heap_in_use, hugepages_free_2m, process_cpu_seconds};
 pub use uring::UringEngine;
 
 /// Serializes tests that create hugetlb-capable pools or change

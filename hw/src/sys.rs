@@ -133,6 +133,22 @@ pub fn process_cpu_seconds() -> Option<f64> {
     Some(secs(ru.ru_utime) + secs(ru.ru_stime))
 }
 
+/// Heap bytes the C allocator holds for this process now, its per-block overhead included
+/// (glibc `mallinfo2`: `uordblks + hblkhd`, summed over every arena), for memory-bound tests.
+///
+/// Invariant: `None` where the allocator is not glibc's; a snapshot of the whole process.
+pub fn heap_in_use() -> Option<u64> {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallinfo2 takes no argument and returns a plain struct by value; it only
+        // reads the allocator's statistics, under the allocator's own locks.
+        let m = unsafe { libc::mallinfo2() };
+        Some(m.uordblks.saturating_add(m.hblkhd) as u64)
+    }
+    #[cfg(not(target_env = "gnu"))]
+    None
+}
+
 /// Bytes available to an unprivileged writer in the file system holding `path` (`statvfs`);
 /// `None` if it cannot be queried.
 pub(crate) fn free_bytes(path: &str) -> Option<u64> {

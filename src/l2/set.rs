@@ -332,6 +332,10 @@ impl L2Set {
             total.bytes_read += d.bytes_read;
             total.recovered += d.recovered;
             total.queued += d.queued;
+            total.index_bytes += d.index_bytes;
+            total.index_limit_bytes += d.index_limit_bytes;
+            total.index_max_objects += d.index_max_objects;
+            total.unindexed += d.unindexed;
         }
         L2SetStatus {
             total,

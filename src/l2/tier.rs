@@ -114,6 +114,17 @@ pub struct L2Status {
     pub queued: usize,
     /// Extent size on disk.
     pub extent_bytes: u64,
+    /// Memory charged to the in-memory index now (an upper bound: the geometry's share plus a
+    /// worst case per object); at most `index_limit_bytes`.
+    pub index_bytes: u64,
+    /// The index's memory limit, `l2.max_index_bytes`.
+    pub index_limit_bytes: u64,
+    /// Most objects the index holds (derived from `index_limit_bytes`); at the cap, storing an
+    /// object evicts the least recently used one.
+    pub index_max_objects: u64,
+    /// Objects found on disk at start-up but not indexed because of the cap (their slots are
+    /// reused).
+    pub unindexed: u64,
 }
 
 /// The L2 tier. Invariants: an object is readable from L2 only after both its header and its
@@ -470,10 +481,19 @@ impl L2Tier {
             read_engine,
             staging: Staging::new(staging_base, STAGING_BYTES),
             pool,
-            index: Mutex::new(L2Index::new(
-                extent_count(file_bytes, extent_bytes),
-                extent_bytes,
-            )),
+            index: Mutex::new(
+                L2Index::with_limit(
+                    extent_count(file_bytes, extent_bytes),
+                    extent_bytes,
+                    cfg.max_index_bytes,
+                )
+                .map_err(|e| {
+                    Error::invalid(format!(
+                        "{}: {e} (raise l2.max_index_bytes, or give the device fewer bytes)",
+                        dev.path.display()
+                    ))
+                })?,
+            ),
             file_bytes,
             extent_bytes,
             identity: Identity::unformatted(),
@@ -533,6 +553,8 @@ impl L2Tier {
             bytes = file_bytes,
             extent_bytes,
             recovered = tier.recovered,
+            max_index_bytes = cfg.max_index_bytes,
+            index_max_objects = tier.index.get_mut().max_entries(),
             write_policy = tier.policy.as_str(),
             "L2 tier ready"
         );
@@ -757,7 +779,10 @@ impl L2Tier {
                     );
                     match outcome {
                         RecoverOutcome::Inserted => inserted += 1,
-                        RecoverOutcome::ReplacedOlder | RecoverOutcome::KeptNewer => {}
+                        // OverCap: counted by the index (`unindexed`).
+                        RecoverOutcome::ReplacedOlder
+                        | RecoverOutcome::KeptNewer
+                        | RecoverOutcome::OverCap => {}
                         RecoverOutcome::Rejected(_) => rejected += 1,
                     }
                     max_seq = max_seq.max(s.seq);
@@ -766,7 +791,18 @@ impl L2Tier {
         });
         let index = self.index.get_mut();
         index.finish_recovery();
-        self.recovered = index.stats().objects;
+        let stats = index.stats();
+        self.recovered = stats.objects;
+        if stats.unindexed > 0 {
+            tracing::warn!(
+                unindexed = stats.unindexed,
+                indexed = stats.entries,
+                max_objects = stats.max_entries,
+                max_index_bytes = stats.index_limit_bytes,
+                "L2 objects found at start-up exceed the index cap (l2.max_index_bytes): the \
+                 least recently written are not indexed and their slots will be reused"
+            );
+        }
         // Never above the lease in a tier this code wrote; kept as a guard all the same.
         self.identity.seq_at_least(max_seq.saturating_add(1));
         if unreadable > 0 {
@@ -1531,6 +1567,10 @@ impl L2Tier {
             recovered: self.recovered,
             queued: self.queue.len(),
             extent_bytes: self.extent_bytes,
+            index_bytes: s.index_bytes,
+            index_limit_bytes: s.index_limit_bytes,
+            index_max_objects: s.max_entries,
+            unindexed: s.unindexed,
         }
     }
 

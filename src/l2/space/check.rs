@@ -1,5 +1,6 @@
 //! Invariant checker of the index: recomputes every aggregate and compares.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::hash::Hash;
 
@@ -21,7 +22,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             if x.stride == 0 || x.stride != s.stride || x.epoch != s.epoch {
                 return Err(format!("{k:?}: slot {s:?} does not match its extent"));
             }
-            if x.occupants.get(s.index as usize) != Some(&Some(*k)) {
+            if !x.is_used(s.index) || self.by_slot.get(&(s.extent, s.index)) != Some(k) {
                 return Err(format!("{k:?}: slot {s:?} not occupied by it"));
             }
             if s != self.slot_ref(s.extent, s.index) {
@@ -66,7 +67,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 if !self.free_extents.contains(&i) || x.live != 0 || x.draining {
                     return Err(format!("free extent {i} inconsistent"));
                 }
-                if !x.occupants.is_empty() || !x.free.is_empty() {
+                if x.slots != 0 || !x.used.is_empty() {
                     return Err(format!("free extent {i} has slots"));
                 }
                 continue;
@@ -74,43 +75,72 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             if self.free_extents.contains(&i) || x.epoch == 0 {
                 return Err(format!("assigned extent {i}: in free set or epoch 0"));
             }
-            if x.occupants.len() != self.slots_per(x.stride) as usize {
+            if x.slots != self.slots_per(x.stride) || x.used.len() != x.slots.div_ceil(64) as usize
+            {
                 return Err(format!("extent {i}: wrong slot count"));
             }
-            let live = x.occupants.iter().flatten().count();
-            occupied += live;
-            if live != x.live as usize {
-                return Err(format!("extent {i}: live {live} != counter {}", x.live));
+            // Bits at and above `slots` are set; below, one per entry.
+            let pad = x.used.len() as u64 * 64 - u64::from(x.slots);
+            let ones: u64 = x.used.iter().map(|w| u64::from(w.count_ones())).sum();
+            if !x.slots.is_multiple_of(64)
+                && x.used[x.used.len() - 1] >> (x.slots % 64) != u64::MAX >> (x.slots % 64)
+            {
+                return Err(format!("extent {i}: padding bits clear"));
             }
-            if self.recovering {
-                continue; // free lists and partial sets are rebuilt by finish_recovery
-            }
-            if live + x.free.len() != x.occupants.len() {
+            let live = ones - pad;
+            let keyed = self.by_slot.range((i, 0)..=(i, u32::MAX)).count() as u64;
+            occupied += live as usize;
+            if live != u64::from(x.live) || keyed != live {
                 return Err(format!(
-                    "extent {i}: live {live}/{} free {}",
-                    x.live,
-                    x.free.len()
+                    "extent {i}: {live} bits, {keyed} keys, live counter {}",
+                    x.live
                 ));
             }
-            let mut seen = vec![false; x.occupants.len()];
-            for &j in &x.free {
-                let j = j as usize;
-                if x.occupants.get(j) != Some(&None) || std::mem::replace(&mut seen[j], true) {
-                    return Err(format!("extent {i}: bad free slot {j}"));
-                }
+            if x.used[..x.first_free_word as usize]
+                .iter()
+                .any(|w| *w != u64::MAX)
+            {
+                return Err(format!("extent {i}: a free slot below the search hint"));
             }
             if x.draining && x.live == 0 {
                 return Err(format!("draining extent {i} is empty"));
             }
-            if in_partial(x.stride) != (!x.draining && !x.free.is_empty()) {
+            if in_partial(x.stride) != (!x.draining && x.live < x.slots) {
                 return Err(format!("extent {i}: partial membership wrong"));
             }
         }
-        if occupied != self.entries.len() {
+        if occupied != self.entries.len() || self.by_slot.len() != self.entries.len() {
             return Err(format!(
-                "{occupied} occupied slots, {} entries",
+                "{occupied} occupied slots, {} keyed, {} entries",
+                self.by_slot.len(),
                 self.entries.len()
             ));
+        }
+        if self.entries.len() as u64 > self.max_entries {
+            return Err(format!(
+                "{} entries above the cap of {}",
+                self.entries.len(),
+                self.max_entries
+            ));
+        }
+        if self.index_bytes() > self.limit_bytes {
+            return Err(format!(
+                "index charged {} bytes, above its limit of {}",
+                self.index_bytes(),
+                self.limit_bytes
+            ));
+        }
+        let mut heads = BTreeSet::new();
+        for (&stride, set) in &self.strides {
+            if set.lru.is_empty() && set.partial.is_empty() {
+                return Err(format!("empty sets of stride {stride} kept"));
+            }
+            if let Some((stamp, _)) = set.lru.first_key_value() {
+                heads.insert((*stamp, stride));
+            }
+        }
+        if heads != self.heads {
+            return Err(format!("heads {:?} != LRU heads {heads:?}", self.heads));
         }
         for (&stride, set) in &self.strides {
             for &i in &set.partial {

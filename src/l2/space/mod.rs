@@ -7,6 +7,7 @@
 //! payload). Every assignment of an extent bumps its epoch.
 //!
 //! * `mod.rs`: the types, reservation, state transitions, eviction.
+//! * `budget.rs`: the memory bound (bytes per object and per slot, the entry cap).
 //! * `reclaim.rs`: per-extent summaries, the reclaim candidates.
 //! * `recover.rs`: rebuilding the index from headers read at start-up.
 //! * `check.rs`: the invariant checker ([`L2Index::check`]).
@@ -15,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::hash::Hash;
 
+pub use budget::{IndexLimitError, INDEX_BITS_PER_SLOT, INDEX_BYTES_PER_OBJECT};
 use reclaim::{ReclaimKey, Summary, Victim};
 
 /// File offset of extent 0; extent `i` starts at `EXTENT_BASE + i * extent_bytes`.
@@ -89,7 +91,7 @@ pub struct Reservation<K> {
 }
 
 /// Space usage snapshot. Invariant: `used_bytes <= capacity_bytes`,
-/// `free_extents <= extents`.
+/// `free_extents <= extents`, `entries <= max_entries`, `index_bytes <= index_limit_bytes`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SpaceStats {
     /// `extent_count * extent_bytes`.
@@ -106,6 +108,16 @@ pub struct SpaceStats {
     pub free_extents: u32,
     /// Total extents.
     pub extents: u32,
+    /// Every entry, in any state (what the entry cap counts).
+    pub entries: u64,
+    /// Most entries the index holds ([`L2Index::max_entries`]).
+    pub max_entries: u64,
+    /// Index memory charged now ([`L2Index::index_bytes`]); `<= index_limit_bytes`.
+    pub index_bytes: u64,
+    /// The index's memory limit (`u64::MAX` for an index made by [`L2Index::new`]).
+    pub index_limit_bytes: u64,
+    /// Records recovery left out because of the entry cap ([`L2Index::unindexed`]).
+    pub unindexed: u64,
 }
 
 /// Why [`L2Index::reserve`] failed. Invariant: a failed reserve changes nothing.
@@ -120,7 +132,8 @@ pub enum ReserveError {
         /// [`L2Index::max_object_len`].
         max: u64,
     },
-    /// Every slot that could hold the object is pinned, Writing or doomed.
+    /// Every slot that could hold the object is pinned, Writing or doomed, or the index is
+    /// at its entry cap and no entry is evictable.
     NoSpace,
 }
 
@@ -155,6 +168,9 @@ pub enum RecoverOutcome {
     KeptNewer,
     /// The record does not fit the index; the slot stays free.
     Rejected(String),
+    /// The index is at its entry cap and the record is older (by seq) than every entry: not
+    /// indexed, counted in [`L2Index::unindexed`]; the slot stays free.
+    OverCap,
 }
 
 impl fmt::Display for ReserveError {
@@ -264,15 +280,20 @@ impl Counts {
     }
 }
 
+/// One extent. Per slot it keeps a single bit (issue 10, defect 5: a key per slot cost 56
+/// bytes of every slot of the device, used or not); the keys are in `L2Index::by_slot`.
 #[derive(Debug, Clone)]
-struct Extent<K> {
+struct Extent {
     /// 0 = free.
     stride: u64,
     epoch: u64,
-    /// One per slot when assigned; empty when free.
-    occupants: Vec<Option<K>>,
-    /// Free slot numbers (stack; lowest on top after assignment).
-    free: Vec<u32>,
+    /// Slots of the assignment; 0 when free.
+    slots: u32,
+    /// Occupancy bitmap when assigned: bit `j % 64` of word `j / 64` is set when slot `j` is
+    /// held by an entry; the bits at and above `slots` are set too (never free). Empty when free.
+    used: Vec<u64>,
+    /// Search hint: every word of `used` below it is full.
+    first_free_word: u32,
     live: u32,
     /// Set by `clear` on extents with in-flight entries: takes no new entries,
     /// becomes free when its last entry goes.
@@ -285,6 +306,39 @@ struct Extent<K> {
     summary: Summary,
 }
 
+impl Extent {
+    fn is_used(&self, index: u32) -> bool {
+        self.used
+            .get(index as usize / 64)
+            .is_some_and(|w| w & (1 << (index % 64)) != 0)
+    }
+
+    fn set_used(&mut self, index: u32, used: bool) {
+        let (w, bit) = (index as usize / 64, 1u64 << (index % 64));
+        if used {
+            self.used[w] |= bit;
+        } else {
+            self.used[w] &= !bit;
+            self.first_free_word = self.first_free_word.min(w as u32);
+        }
+    }
+
+    /// The lowest free slot, if any; advances the hint over full words.
+    fn lowest_free(&mut self) -> Option<u32> {
+        let start = self.first_free_word as usize;
+        let (w, word) = self
+            .used
+            .iter()
+            .enumerate()
+            .skip(start)
+            .find(|(_, w)| **w != u64::MAX)?;
+        self.first_free_word = w as u32;
+        Some(w as u32 * 64 + (!word).trailing_zeros())
+    }
+}
+
+/// Per-stride sets; a stride whose sets are both empty has no `StrideSet` (so there are at
+/// most as many as assigned extents).
 #[derive(Debug, Clone)]
 struct StrideSet<K> {
     /// Evictable entries of this stride, oldest first.
@@ -304,32 +358,42 @@ impl<K> Default for StrideSet<K> {
 
 /// Index and space manager of the L2 tier. Invariants (verified by
 /// [`L2Index::check`]): every slot of every assigned extent is either free or
-/// held by exactly one entry; pinned, Writing and doomed entries are never
-/// evicted and their slots never reused; per-stride LRU maps hold exactly the
-/// evictable (Ready, unpinned, not doomed) entries; every extent's reclaim
-/// summary (count of non-evictable entries, bound of the newest stamp) matches
-/// its entries, and the set of reclaimable extents holds exactly the assigned,
-/// non-draining extents without a non-evictable entry; epochs of assigned
-/// extents are `>= 1` and only grow.
+/// held by exactly one entry (its bit is set and `by_slot` names the entry's key);
+/// pinned, Writing and doomed entries are never evicted and their slots never
+/// reused; per-stride LRU maps hold exactly the evictable (Ready, unpinned, not
+/// doomed) entries, and `heads` the oldest of each; no stride set is empty; every
+/// extent's reclaim summary (count of non-evictable entries, bound of the newest
+/// stamp) matches its entries, and the set of reclaimable extents holds exactly the
+/// assigned, non-draining extents without a non-evictable entry; epochs of assigned
+/// extents are `>= 1` and only grow; the index holds at most `max_entries` entries,
+/// so its memory stays within its limit (see `budget.rs`).
 #[derive(Debug, Clone)]
 pub struct L2Index<K> {
     extent_bytes: u64,
-    extents: Vec<Extent<K>>,
+    extents: Vec<Extent>,
     free_extents: BTreeSet<u32>,
     strides: HashMap<u64, StrideSet<K>>,
     entries: HashMap<K, Entry>,
+    /// The key of every entry by `(extent, slot)`: what reclaiming an extent evicts.
+    by_slot: BTreeMap<(u32, u32), K>,
+    /// `(oldest stamp, stride)` of every stride with an evictable entry: the least recently
+    /// used evictable entry of the whole index is the LRU head of the first stride here.
+    heads: BTreeSet<(Stamp, u64)>,
     counts: Counts,
     clock: u64,
     tick: u64,
     /// The epoch the next assignment gets: above every epoch assigned, recovered or noted,
     /// so an epoch is never reused for a different assignment (of any extent).
     next_epoch: u64,
-    /// Between the first `recover_entry` and `finish_recovery`: free lists are rebuilt at the
-    /// end instead of being searched per entry.
-    recovering: bool,
     /// `(newest-stamp bound, extent)` of every assigned, non-draining extent whose entries
     /// are all evictable (see [`Summary`]): the reclaim candidates, oldest first.
     reclaimable: BTreeSet<ReclaimKey>,
+    /// Most entries held at once (any state); `reserve` evicts and recovery stops at it.
+    max_entries: u64,
+    /// The memory limit `max_entries` was derived from (`u64::MAX`: none).
+    limit_bytes: u64,
+    /// Records `recover_entry` left out or displaced because of `max_entries`.
+    unindexed: u64,
 }
 
 fn stride_of(object_len: u64) -> u64 {
@@ -337,14 +401,17 @@ fn stride_of(object_len: u64) -> u64 {
 }
 
 impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
-    /// An index with all `extent_count` extents free and epoch 0. Any geometry
-    /// is accepted; if `extent_bytes < 3 * BLOCK` nothing fits (`max_object_len() == 0`).
+    /// An index with all `extent_count` extents free and epoch 0, and no memory limit: it
+    /// holds as many entries as the device has slots (tests and tools; the tier uses
+    /// [`L2Index::with_limit`]). Any geometry is accepted; if `extent_bytes < 3 * BLOCK`
+    /// nothing fits (`max_object_len() == 0`).
     pub fn new(extent_count: u32, extent_bytes: u64) -> Self {
         let blank = Extent {
             stride: 0,
             epoch: 0,
-            occupants: Vec::new(),
-            free: Vec::new(),
+            slots: 0,
+            used: Vec::new(),
+            first_free_word: 0,
             live: 0,
             draining: false,
             needs_header: false,
@@ -356,12 +423,16 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             free_extents: (0..extent_count).collect(),
             strides: HashMap::new(),
             entries: HashMap::new(),
+            by_slot: BTreeMap::new(),
+            heads: BTreeSet::new(),
             counts: Counts::default(),
             clock: 1,
             tick: 1,
             next_epoch: 1,
-            recovering: false,
             reclaimable: BTreeSet::new(),
+            max_entries: u64::MAX,
+            limit_bytes: u64::MAX,
+            unindexed: 0,
         }
     }
 
@@ -387,8 +458,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     }
 
     fn slots_per(&self, stride: u64) -> u32 {
-        let n = self.extent_bytes.saturating_sub(BLOCK) / stride.max(1);
-        u32::try_from(n).unwrap_or(u32::MAX)
+        slots_in(self.extent_bytes, stride)
     }
 
     fn slot_ref(&self, extent: u32, index: u32) -> SlotRef {
@@ -413,42 +483,99 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         s
     }
 
-    /// Adds an entry's contribution to counters, LRU and its extent's summary.
+    /// Adds an entry's contribution to counters, LRU (and `heads`) and its extent's summary.
     fn link(&mut self, key: K, e: &Entry) {
         self.counts.add(Counts::of(e), true);
         if e.evictable() {
-            let set = self.strides.entry(e.slot.stride).or_default();
+            let stride = e.slot.stride;
+            let set = self.strides.entry(stride).or_default();
+            let head = set.lru.first_key_value().map(|(s, _)| *s);
             set.lru.insert(e.stamp, key);
+            if head.is_none_or(|h| e.stamp < h) {
+                if let Some(h) = head {
+                    self.heads.remove(&(h, stride));
+                }
+                self.heads.insert((e.stamp, stride));
+            }
         }
         self.summary_add(e);
     }
 
-    /// Removes an entry's contribution from counters, LRU and its extent's summary.
+    /// Removes an entry's contribution from counters, LRU (and `heads`) and its extent's
+    /// summary.
     fn unlink(&mut self, e: &Entry) {
         self.counts.add(Counts::of(e), false);
         if e.evictable() {
-            if let Some(set) = self.strides.get_mut(&e.slot.stride) {
+            let stride = e.slot.stride;
+            if let Some(set) = self.strides.get_mut(&stride) {
+                let was_head = set
+                    .lru
+                    .first_key_value()
+                    .is_some_and(|(s, _)| *s == e.stamp);
                 set.lru.remove(&e.stamp);
+                if was_head {
+                    self.heads.remove(&(e.stamp, stride));
+                    if let Some((s, _)) = set.lru.first_key_value() {
+                        self.heads.insert((*s, stride));
+                    }
+                }
             }
+            self.prune(stride);
         }
         self.summary_remove(e);
     }
 
-    /// Applies `f` to an entry, keeping counters, LRU and summaries in step.
+    /// Drops the stride's sets if both are empty (keeps their number within the extents').
+    fn prune(&mut self, stride: u64) {
+        if self
+            .strides
+            .get(&stride)
+            .is_some_and(|s| s.lru.is_empty() && s.partial.is_empty())
+        {
+            self.strides.remove(&stride);
+        }
+    }
+
+    /// Removes `ext` from its stride's partial set.
+    fn unlist_partial(&mut self, ext: u32) {
+        let stride = self.extents[ext as usize].stride;
+        if let Some(set) = self.strides.get_mut(&stride) {
+            set.partial.remove(&ext);
+        }
+        self.prune(stride);
+    }
+
+    /// The least recently used evictable entry of the whole index, any stride.
+    fn oldest_evictable(&self) -> Option<(Stamp, K)> {
+        let &(stamp, stride) = self.heads.first()?;
+        let key = self.strides.get(&stride)?.lru.get(&stamp)?;
+        Some((stamp, *key))
+    }
+
+    /// Applies `f` to an entry, keeping counters, LRU and summaries in step. In place: an
+    /// insert into the table, even of a key it holds, may grow it (the memory bound counts
+    /// on growth only for new keys).
     fn modify(&mut self, key: &K, f: impl FnOnce(&mut Entry)) -> Option<Entry> {
         let old = *self.entries.get(key)?;
         let mut new = old;
         f(&mut new);
         self.unlink(&old);
         self.link(*key, &new);
-        self.entries.insert(*key, new);
+        *self.entries.get_mut(key)? = new;
         Some(new)
     }
 
+    /// Puts an entry into its (free) slot; the extent leaves its partial set when full.
     fn insert(&mut self, key: K, e: Entry) {
-        let x = &mut self.extents[e.slot.extent as usize];
-        x.occupants[e.slot.index as usize] = Some(key);
+        let (ext, index) = (e.slot.extent, e.slot.index);
+        let x = &mut self.extents[ext as usize];
+        debug_assert!(!x.is_used(index), "slot {ext}/{index} taken");
+        x.set_used(index, true);
         x.live += 1;
+        if x.live == x.slots {
+            self.unlist_partial(ext);
+        }
+        self.by_slot.insert((ext, index), key);
         self.link(key, &e);
         self.entries.insert(key, e);
     }
@@ -458,10 +585,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         let e = self.entries.remove(key)?;
         self.unlink(&e);
         let ext = e.slot.extent;
+        self.by_slot.remove(&(ext, e.slot.index));
         let x = &mut self.extents[ext as usize];
-        x.occupants[e.slot.index as usize] = None;
+        x.set_used(e.slot.index, false);
         x.live -= 1;
-        x.free.push(e.slot.index);
         let (stride, draining, empty) = (x.stride, x.draining, x.live == 0);
         if !draining {
             self.strides.entry(stride).or_default().partial.insert(ext);
@@ -474,18 +601,6 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         Some(e)
     }
 
-    /// Pops a free slot of `ext` (lowest first after assignment).
-    fn take_slot(&mut self, ext: u32) -> Option<u32> {
-        let x = &mut self.extents[ext as usize];
-        let index = x.free.pop()?;
-        if x.free.is_empty() {
-            if let Some(set) = self.strides.get_mut(&x.stride) {
-                set.partial.remove(&ext);
-            }
-        }
-        Some(index)
-    }
-
     /// Assigns a free extent to `stride`, bumping its epoch.
     fn assign(&mut self, ext: u32, stride: u64) -> (u32, u64, u64) {
         debug_assert!(self.free_extents.contains(&ext));
@@ -495,8 +610,13 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         x.stride = stride;
         x.epoch = self.next_epoch.max(x.epoch.saturating_add(1));
         self.next_epoch = x.epoch.saturating_add(1);
-        x.occupants = vec![None; slots as usize];
-        x.free = (0..slots).rev().collect();
+        x.slots = slots;
+        x.used = vec![0; slots.div_ceil(64) as usize];
+        if !slots.is_multiple_of(64) {
+            // The bits above the last slot are never free.
+            x.used[slots as usize / 64] = u64::MAX << (slots % 64);
+        }
+        x.first_free_word = 0;
         x.live = 0;
         x.draining = false;
         x.needs_header = false;
@@ -510,14 +630,13 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
 
     /// Returns an assigned extent with no entries to the free pool.
     fn release_extent(&mut self, ext: u32) {
+        debug_assert_eq!(self.extents[ext as usize].live, 0);
+        self.unlist_partial(ext);
         let x = &mut self.extents[ext as usize];
-        debug_assert_eq!(x.live, 0);
-        if let Some(set) = self.strides.get_mut(&x.stride) {
-            set.partial.remove(&ext);
-        }
         x.stride = 0;
-        x.occupants = Vec::new();
-        x.free = Vec::new();
+        x.slots = 0;
+        x.used = Vec::new();
+        x.first_free_word = 0;
         x.draining = false;
         self.free_extents.insert(ext);
         self.relist(ext);
@@ -528,8 +647,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     /// then the older of the stride's LRU evictable entry and the whole extent
     /// of another stride whose newest entry is the oldest (the policy in
     /// `reclaim.rs`): space goes to recently used objects whatever their
-    /// stride. Pinned, Writing and doomed entries are never evicted nor their
-    /// slots reused. On error nothing changed.
+    /// stride. If the index was at its entry cap (`max_entries`) and that found
+    /// space without evicting, the least recently used evictable entry of any
+    /// stride is evicted too, so the entries never exceed the cap; at the cap with
+    /// no evictable entry it fails with `NoSpace`. Pinned, Writing and doomed
+    /// entries are never evicted nor their slots reused. On error nothing changed.
     pub fn reserve(
         &mut self,
         key: K,
@@ -544,6 +666,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             return Err(ReserveError::TooLarge { object_len, max });
         }
         let stride = stride_of(object_len);
+        // At the cap, one entry must go: fail now, before anything changes, if none can.
+        let at_cap = self.entries.len() as u64 >= self.max_entries;
+        if at_cap && self.heads.is_empty() {
+            return Err(ReserveError::NoSpace);
+        }
         let partial = self
             .strides
             .get(&stride)
@@ -575,10 +702,20 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 None => return Err(ReserveError::NoSpace),
             }
         };
-        let Some(index) = self.take_slot(ext) else {
+        let Some(index) = self.extents[ext as usize].lowest_free() else {
             debug_assert!(false, "chosen extent {ext} has no free slot");
             return Err(ReserveError::NoSpace);
         };
+        if at_cap && evicted.is_empty() {
+            // The paths above that evict nothing leave every evictable entry in place: the
+            // one found above is still there. Evicted before the insert, so the entries never
+            // exceed the cap, not even for a moment (the tables would grow for it). The slot
+            // chosen stays free: the evicted entry holds another one.
+            if let Some((_, old)) = self.oldest_evictable() {
+                self.drop_entry(&old);
+                evicted.push(old);
+            }
+        }
         let slot = self.slot_ref(ext, index);
         let stamp = self.next_stamp();
         let entry = Entry {
@@ -744,9 +881,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
                 self.release_extent(ext);
             } else {
                 x.draining = true;
-                if let Some(set) = self.strides.get_mut(&x.stride) {
-                    set.partial.remove(&ext);
-                }
+                self.unlist_partial(ext);
                 self.relist(ext); // (already unlisted: its entries are all doomed)
             }
         }
@@ -763,10 +898,22 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             pinned: self.counts.pinned,
             free_extents: self.free_extents.len() as u32,
             extents: self.extents.len() as u32,
+            entries: self.entries.len() as u64,
+            max_entries: self.max_entries,
+            index_bytes: self.index_bytes(),
+            index_limit_bytes: self.limit_bytes,
+            unindexed: self.unindexed,
         }
     }
 }
 
+/// Slots of one stride in an extent of `extent_bytes` (after its header block).
+fn slots_in(extent_bytes: u64, stride: u64) -> u32 {
+    let n = extent_bytes.saturating_sub(BLOCK) / stride.max(1);
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+mod budget;
 mod check;
 mod reclaim;
 mod recover;

@@ -106,11 +106,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         stride: u64,
         evicted: &mut Vec<K>,
     ) -> (u32, u64, u64) {
-        let keys: Vec<K> = self.extents[ext as usize]
-            .occupants
-            .iter()
-            .flatten()
-            .copied()
+        let keys: Vec<K> = self
+            .by_slot
+            .range((ext, 0)..=(ext, u32::MAX))
+            .map(|(_, k)| *k)
             .collect();
         for k in keys {
             debug_assert!(self.entries.get(&k).is_some_and(Entry::evictable));
@@ -128,8 +127,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     /// O(log n): an extent of `stride` itself in `reclaimable` is full (one with a free slot
     /// is in the stride's `partial` set, which `reserve` tries first) and holds only evictable
     /// entries, so it holds the stride's LRU head or newer entries: its bound is at least
-    /// `older_than` and the walk stops there. (During recovery, when `partial` sets are not
-    /// maintained, the walk may skip more, never wrongly.)
+    /// `older_than` and the walk stops there.
     pub(super) fn reclaim_candidate(&self, stride: u64, older_than: Option<Stamp>) -> Option<u32> {
         for &(newest, ext) in &self.reclaimable {
             if older_than.is_some_and(|head| newest >= Some(head)) {

@@ -56,6 +56,14 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     /// recovered extent. The slot must exist and be free and `object_len` must
     /// fit the stride. For a key seen twice the higher seq wins (ties keep the
     /// existing entry). Recency follows seq; later stamps are newer than all.
+    ///
+    /// At the entry cap (`max_entries`) a new key displaces the least recently used entry
+    /// if that one is older (lower seq), else it is left out (`OverCap`); either way one
+    /// record is counted in [`L2Index::unindexed`] and its slot is free. So whatever the
+    /// order records arrive in, the index keeps the most recently written ones. A record left
+    /// out is treated as if evicted: its slot header stays on disk until the slot is written
+    /// again; a reassigned extent has a new epoch, so the header no longer matches it, and a
+    /// newer copy of its key written later has a higher seq, which wins at the next start.
     pub fn recover_entry(
         &mut self,
         key: K,
@@ -76,10 +84,11 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         if x.stride == 0 || x.draining {
             return reject(format!("extent {extent} not assigned"));
         }
-        match x.occupants.get(slot_index as usize) {
-            None => return reject(format!("slot {slot_index} outside extent {extent}")),
-            Some(Some(_)) => return reject(format!("slot {slot_index} of extent {extent} taken")),
-            Some(None) => {}
+        if slot_index >= x.slots {
+            return reject(format!("slot {slot_index} outside extent {extent}"));
+        }
+        if x.is_used(slot_index) {
+            return reject(format!("slot {slot_index} of extent {extent} taken"));
         }
         if object_len == 0 || object_len > x.stride - BLOCK {
             return reject(format!(
@@ -97,9 +106,15 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             }
             self.drop_entry(&key);
             outcome = RecoverOutcome::ReplacedOlder;
+        } else if self.entries.len() as u64 >= self.max_entries {
+            self.unindexed = self.unindexed.saturating_add(1);
+            match self.oldest_evictable() {
+                Some((oldest, old)) if oldest < (seq, self.tick) => {
+                    self.drop_entry(&old);
+                }
+                _ => return RecoverOutcome::OverCap,
+            }
         }
-        // Free lists are rebuilt by `finish_recovery` (searching them here is quadratic).
-        self.recovering = true;
         let stamp = (seq, self.tick);
         self.tick = self.tick.saturating_add(1);
         self.clock = self.clock.max(seq.saturating_add(1));
@@ -121,29 +136,16 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     /// Recovery: frees every assigned extent that holds no entry.
     pub fn finish_recovery(&mut self) {
         for ext in 0..self.extents.len() as u32 {
-            let x = &mut self.extents[ext as usize];
-            if x.stride == 0 {
-                continue;
-            }
-            if x.live == 0 {
+            let x = &self.extents[ext as usize];
+            if x.stride != 0 && x.live == 0 {
                 self.release_extent(ext);
-                continue;
-            }
-            if self.recovering {
-                x.free = (0..x.occupants.len() as u32)
-                    .rev()
-                    .filter(|&i| x.occupants[i as usize].is_none())
-                    .collect();
-                let stride = x.stride;
-                let partial = !x.free.is_empty() && !x.draining;
-                let set = self.strides.entry(stride).or_default();
-                if partial {
-                    set.partial.insert(ext);
-                } else {
-                    set.partial.remove(&ext);
-                }
             }
         }
-        self.recovering = false;
+    }
+
+    /// Records [`L2Index::recover_entry`] left out, or indexed and later displaced, because
+    /// of the entry cap (`RecoverOutcome::OverCap` counts here too).
+    pub fn unindexed(&self) -> u64 {
+        self.unindexed
     }
 }
