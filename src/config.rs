@@ -181,6 +181,10 @@ pub struct L2Config {
     pub lock_wait_ms: u64,
     /// Which devices the node may format (`if-empty` or `overwrite`).
     pub format: L2Format,
+    /// How long a device may take to answer one I/O before the tier counts it as stuck: loads
+    /// then miss at once, writes wait, a CLEAR stops waiting for its superblock, and the
+    /// shutdown stops waiting for the write-behind (1 ms ..= 1 h).
+    pub io_timeout_ms: u64,
     /// Memory of each device's in-memory index, in bytes. Its geometry is charged up front:
     /// one bit per 8 KiB of device and about 1.6 KiB per extent (16 MiB and 6.4 MiB per TiB
     /// with 256 MiB extents); a device needing more than the limit for that plus one object is
@@ -209,6 +213,7 @@ impl Default for L2Config {
             batch_objects: 64,
             lock_wait_ms: 5_000,
             format: L2Format::IfEmpty,
+            io_timeout_ms: 10_000,
             max_index_bytes: 1 << 30,
         }
     }
@@ -276,6 +281,12 @@ impl L2Config {
             return Err(Error::invalid(
                 "l2.extent_bytes must be a multiple of 2 MiB",
             ));
+        }
+        if !(1..=3_600_000).contains(&self.io_timeout_ms) {
+            return Err(Error::invalid(format!(
+                "l2.io_timeout_ms must be between 1 and 3600000 (got {})",
+                self.io_timeout_ms
+            )));
         }
         Ok(())
     }

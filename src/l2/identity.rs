@@ -162,7 +162,6 @@ impl Identity {
             .checked_add(1)
             .ok_or_else(|| exhausted("updates"))?;
         write_copy(&next, write)?;
-        self.format_id.store(next.format_id, Ordering::Release);
         self.seq_limit.store(next.seq_limit, Ordering::Release);
         self.epoch_limit.store(next.epoch_limit, Ordering::Release);
         *cur = next;
@@ -179,13 +178,31 @@ impl Identity {
         self.current.lock().clone()
     }
 
-    /// Changes the format id (CLEAR): every header written before is stale from now on. The
-    /// new id is in force only once its superblock copy is durable.
-    pub fn reformat(&self, write: WriteDurable<'_>) -> Result<()> {
+    /// Starts a new format (CLEAR), in memory: headers staged from now on carry a fresh format
+    /// id, so every header written before is stale once [`Identity::persist_format`] has made
+    /// the id durable. Until then a restart still finds the old id (the CLEAR is not durable).
+    pub fn begin_reformat(&self) {
+        self.format_id.store(random_format_id(), Ordering::Release);
+    }
+
+    /// Whether the format id in force is not yet durable (a CLEAR waits for its superblock).
+    pub fn format_pending(&self) -> bool {
+        self.current.lock().format_id != self.format_id()
+    }
+
+    /// Writes the format id in force durably, if it is not already.
+    pub fn persist_format(&self, write: WriteDurable<'_>) -> Result<()> {
+        let id = self.format_id();
         self.update(write, |sb| {
-            sb.format_id = random_format_id();
+            sb.format_id = id;
             Ok(())
         })
+    }
+
+    /// [`Identity::begin_reformat`] and [`Identity::persist_format`] in one.
+    pub fn reformat(&self, write: WriteDurable<'_>) -> Result<()> {
+        self.begin_reformat();
+        self.persist_format(write)
     }
 
     /// Makes the next sequence number at least `floor` (recovery found a header numbered
@@ -333,10 +350,20 @@ mod tests {
         assert_eq!(after.seq_limit, before.seq_limit);
         assert_eq!(after.update, before.update + 1);
         assert_ne!(after.offset(), before.offset());
-        // A failed write leaves the old id in force.
+        // A failed write leaves the new id in force for new headers, but not durable yet.
         disk.fail.store(true, Ordering::Relaxed);
         assert!(id.reformat(&w).is_err());
-        assert_eq!(id.format_id(), after.format_id);
+        assert_ne!(id.format_id(), after.format_id);
+        assert!(id.format_pending());
+        assert_eq!(disk.current().format_id, after.format_id);
+        // A lease written meanwhile keeps the durable id; the pending one lands later.
+        disk.fail.store(false, Ordering::Relaxed);
+        id.ensure_epochs(u64::MAX / 4, &w).unwrap();
+        assert_eq!(disk.current().format_id, after.format_id);
+        id.persist_format(&w).unwrap();
+        assert!(!id.format_pending());
+        assert_eq!(disk.current().format_id, id.format_id());
+        let after = disk.current();
         // A format over an old tier continues its numbers.
         disk.fail.store(false, Ordering::Relaxed);
         let again = Identity::format(Some(&after), 128 << 20, 4 << 20, &w).unwrap();

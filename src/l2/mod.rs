@@ -5,6 +5,9 @@
 //! * [`device`]: opening a device and judging it ours, empty or foreign before any write.
 //! * [`format`]: the on-disk layout (superblock, extent headers, slot headers, checksums).
 //! * [`identity`]: the superblock in force and the sequence numbers and epochs leased under it.
+//! * [`iowatch`]: device calls in progress (a device that stops answering makes the tier stuck).
+//! * [`loader`]: the threads that run loads for requests, which wait for them at most
+//!   `l2.io_timeout_ms` (a stuck device costs misses, never a request thread).
 //! * [`gate`]: the CLEAR gate (many operations at once, or one CLEAR alone).
 //! * [`space`]: the in-memory index and space manager (extents, fixed-stride slots, LRU).
 //! * [`tier`]: [`L2Tier`], the I/O around both: open/recover, write-behind batches, loads.
@@ -15,6 +18,8 @@ pub mod device;
 pub mod format;
 pub mod gate;
 pub mod identity;
+pub mod iowatch;
+pub mod loader;
 pub mod set;
 pub mod space;
 pub mod tier;

@@ -64,6 +64,8 @@ pub struct L2SetStatus {
 pub struct L2Set {
     tiers: Vec<L2Tier>,
     weights: Vec<u64>,
+    /// The I/O workers that run loads and CLEAR's superblock writes for request threads.
+    workers: super::loader::Workers,
 }
 
 impl L2Set {
@@ -106,7 +108,36 @@ impl L2Set {
             t.share_prefetch_budget(&budget);
         }
         let weights = tiers.iter().map(L2Tier::bytes).collect();
-        Ok(L2Set { tiers, weights })
+        Ok(L2Set {
+            tiers,
+            weights,
+            workers: super::loader::Workers::default(),
+        })
+    }
+
+    /// A set of already opened devices (tests).
+    #[cfg(test)]
+    pub(crate) fn from_tiers(tiers: Vec<L2Tier>) -> L2Set {
+        let weights = tiers.iter().map(L2Tier::bytes).collect();
+        L2Set {
+            tiers,
+            weights,
+            workers: super::loader::Workers::default(),
+        }
+    }
+
+    /// The I/O workers' queue (see [`super::loader`]).
+    pub fn workers(&self) -> &super::loader::Workers {
+        &self.workers
+    }
+
+    /// The longest `l2.io_timeout_ms` of the devices (they share one configuration).
+    fn io_timeout(&self) -> std::time::Duration {
+        self.tiers
+            .iter()
+            .map(L2Tier::io_timeout)
+            .max()
+            .unwrap_or_default()
     }
 
     /// The devices, in configuration order.
@@ -195,9 +226,66 @@ impl L2Set {
             .sum()
     }
 
-    /// [`L2Tier::load`] over the devices, side by side when the keys span several; results in
-    /// the order of `keys`.
+    /// [`L2Set::load_now`] run by an I/O worker when the workers run, waited for at most
+    /// `l2.io_timeout_ms`: a device that does not answer costs this request misses (counted as
+    /// `stalled`), never its thread; the worker releases what the load took when the device
+    /// answers. Keys on a device already stuck miss at once.
     pub fn load(
+        &self,
+        storage: &StorageCore,
+        keys: &[StorageKey],
+        extra: u32,
+        expected: Option<&Layout>,
+    ) -> Vec<Option<u64>> {
+        let usable = if self.tiers.iter().any(L2Tier::stuck) {
+            keys.iter()
+                .position(|k| {
+                    let d = self.holder_of(k).unwrap_or_else(|| self.device_of(k));
+                    self.tiers[d].stuck()
+                })
+                .unwrap_or(keys.len())
+        } else {
+            keys.len()
+        };
+        if usable < keys.len() {
+            self.tiers[0].count_stalled((keys.len() - usable) as u64);
+        }
+        let mut out = vec![None; keys.len()];
+        if usable == 0 {
+            return out;
+        }
+        let keys_now = &keys[..usable];
+        let reply = match self.workers.load(keys_now, extra, expected) {
+            Ok(r) => r,
+            Err(super::loader::NotQueued::NoWorkers) => {
+                return self.load_now(storage, keys, extra, expected);
+            }
+            Err(super::loader::NotQueued::Full) => {
+                self.tiers[0].count_stalled(usable as u64);
+                return out;
+            }
+        };
+        match reply.wait_until(std::time::Instant::now() + self.io_timeout()) {
+            Some(leases) => {
+                for (o, l) in out.iter_mut().zip(leases) {
+                    *o = l;
+                }
+            }
+            None => {
+                tracing::warn!(
+                    keys = usable,
+                    timeout_ms = self.io_timeout().as_millis() as u64,
+                    "L2 load not answered in time: served as misses"
+                );
+                self.tiers[0].count_stalled(usable as u64);
+            }
+        }
+        out
+    }
+
+    /// [`L2Tier::load`] over the devices, side by side when the keys span several, on this
+    /// thread; results in the order of `keys`.
+    pub fn load_now(
         &self,
         storage: &StorageCore,
         keys: &[StorageKey],
@@ -272,21 +360,52 @@ impl L2Set {
         per
     }
 
-    /// CLEAR of L1 (`clear_l1`) and every device, with all devices' gates held at once (each
-    /// device's exclusive section runs the next device's, the innermost runs `clear_l1`).
+    /// CLEAR of L1 (`clear_l1`) and every device: in memory with all devices' gates held at
+    /// once (each device's exclusive section runs the next device's, the innermost runs
+    /// `clear_l1`), none of which waits for a device; then each device's new format id is
+    /// written, by the I/O workers when they run, waited for at most `l2.io_timeout_ms`. An
+    /// error means the CLEAR took effect in memory but is not durable yet on some device (its
+    /// STATUS shows `format_pending`; the writer retries).
     pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
-        type Cleared<T> = Result<(T, (u64, u64))>;
-        fn nested<T>(tiers: &[L2Tier], clear_l1: Box<dyn FnOnce() -> T + '_>) -> Cleared<T> {
+        fn nested<T>(tiers: &[L2Tier], clear_l1: Box<dyn FnOnce() -> T + '_>) -> (T, (u64, u64)) {
             match tiers {
-                [] => Ok((clear_l1(), (0, 0))),
+                [] => (clear_l1(), (0, 0)),
                 [first, rest @ ..] => {
-                    let (inner, (r0, d0)) = first.clear_with(|| nested(rest, clear_l1))?;
-                    let (l1, (r, d)) = inner?;
-                    Ok((l1, (r0 + r, d0 + d)))
+                    let (inner, (r0, d0)) = first.clear_in_memory(|| nested(rest, clear_l1));
+                    let (l1, (r, d)) = inner;
+                    (l1, (r0 + r, d0 + d))
                 }
             }
         }
-        nested(&self.tiers, Box::new(clear_l1))
+        let (l1, counts) = nested(&self.tiers, Box::new(clear_l1));
+        let deadline = std::time::Instant::now() + self.io_timeout();
+        let mut replies = Vec::new();
+        for (d, t) in self.tiers.iter().enumerate() {
+            match self.workers.persist_format(d) {
+                Ok(r) => replies.push((d, r)),
+                Err(_) if !t.stuck() => t.persist_format()?,
+                Err(_) => replies.push((d, super::loader::Reply::abandoned())),
+            }
+        }
+        for (d, r) in replies {
+            match r.wait_until(deadline) {
+                Some(done) => done?,
+                None => {
+                    return Err(crate::error::Error::new(
+                        crate::error::ErrorKind::Io,
+                        format!(
+                            "L2 device {} did not answer within {} ms: emptied in memory, but \
+                             the CLEAR is not durable there yet (written when the device \
+                             answers; a restart before that would bring the cleared objects \
+                             back)",
+                            self.tiers[d].status().path,
+                            self.io_timeout().as_millis()
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok((l1, counts))
     }
 
     /// Adds the namespace of every key any device holds to `out` (the namespace reclaimer
@@ -336,6 +455,10 @@ impl L2Set {
             total.index_limit_bytes += d.index_limit_bytes;
             total.index_max_objects += d.index_max_objects;
             total.unindexed += d.unindexed;
+            total.stalled += d.stalled;
+            total.stuck_ms = total.stuck_ms.max(d.stuck_ms);
+            total.stuck |= d.stuck;
+            total.format_pending |= d.format_pending;
         }
         L2SetStatus {
             total,

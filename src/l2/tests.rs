@@ -34,6 +34,22 @@ enum Fault {
     SyncEio = 6,
     /// Reads of extent headers (4 KiB at a multiple of 2 MiB) fail with EIO.
     ExtentHeaderReadEio = 7,
+    /// Payload writes do not return while this fault is in force (a device that stopped
+    /// answering); they run once it is lifted.
+    StuckPayloadWrites = 8,
+    /// Payload reads do not return while this fault is in force.
+    StuckPayloadReads = 9,
+}
+
+impl FaultyEngine {
+    /// Blocks while `stuck` is the fault in force, if `ios` hold a payload-sized I/O.
+    fn hang_while(&self, stuck: Fault, ios: &[BlockIo]) {
+        if ios.iter().any(|io| io.len > HEADER) {
+            while self.fault.load(Ordering::Relaxed) == stuck as u32 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
 }
 
 struct FaultyEngine {
@@ -53,6 +69,7 @@ impl BlockEngine for FaultyEngine {
 
     fn write_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
         self.writes.lock().unwrap().push(ios.to_vec());
+        self.hang_while(Fault::StuckPayloadWrites, ios);
         let fault = self.fault.load(Ordering::Relaxed);
         let mut out = self.inner.write_batch(ios);
         let mut n = 0;
@@ -77,6 +94,7 @@ impl BlockEngine for FaultyEngine {
     }
 
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
+        self.hang_while(Fault::StuckPayloadReads, ios);
         let fault = self.fault.load(Ordering::Relaxed);
         let mut out = self.inner.read_batch(ios);
         for (io, r) in ios.iter().zip(out.iter_mut()) {
@@ -960,4 +978,133 @@ fn recovery_beyond_the_index_cap_keeps_the_newest_and_reuses_the_rest() {
     r3.unlock(&keys3[4..], &l, 0);
     r3.check_clean();
     drop(owner);
+}
+
+/// Runs `f` on a thread and waits at most 20 s for it; if it has not returned by then, lifts
+/// `fault` (so the stuck I/O ends and every thread can finish) and fails with `what`.
+fn within<T: Send>(fault: &AtomicU32, what: &str, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+            Ok(v) => v,
+            Err(_) => {
+                fault.store(Fault::None as u32, Ordering::Relaxed);
+                panic!("{what}");
+            }
+        }
+    })
+}
+
+/// Waits (at most 20 s) until `cond` holds.
+fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Issue 10, defect 3: a write-behind batch stuck in the device must not hold a CLEAR, and a
+/// CLEAR must not bar loads: both return while the write is still stuck; the stuck batch,
+/// begun before the CLEAR, is never committed after it.
+#[test]
+fn a_clear_and_loads_never_wait_for_a_stuck_write() {
+    both(|engine| {
+        let r = rig(&format!("stuckw-{engine}"), engine);
+        let keys = r.keys(6);
+        r.store(&keys[..3]);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys[..3]), 3);
+        r.drop_l1();
+        r.store(&keys[3..]);
+        r.fault
+            .store(Fault::StuckPayloadWrites as u32, Ordering::Relaxed);
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| r.tier.persist(&r.storage, &r.namespaces, &keys[3..]));
+            eventually("the write reaches the device", || {
+                !r.tier.stuck_for().is_zero()
+            });
+            let l = within(&r.fault, "a load waited for a stuck write", || {
+                r.tier.load(&r.storage, &keys[..3], 0, None)
+            });
+            assert_eq!(
+                r.unlock(&keys[..3], &l, 0),
+                3,
+                "loads from the healthy reads"
+            );
+            within(&r.fault, "CLEAR waited for a stuck write", || {
+                r.tier.clear_with(|| r.storage.clear()).unwrap()
+            });
+            let l = within(&r.fault, "a load after CLEAR waited", || {
+                r.tier.load(&r.storage, &keys[..3], 0, None)
+            });
+            assert!(l.iter().all(Option::is_none), "cleared");
+            // The device answers: the batch ends, and commits nothing (it began before CLEAR).
+            r.fault.store(Fault::None as u32, Ordering::Relaxed);
+            assert_eq!(writer.join().unwrap(), 0);
+        });
+        assert_eq!(r.tier.status().objects, 0);
+        r.check_clean();
+    });
+}
+
+/// Issue 10, defect 3: a load whose device does not answer costs its request misses after
+/// `l2.io_timeout_ms`, not its thread; the worker stuck in the device releases the locks the
+/// load took once the device answers; meanwhile later loads miss at once.
+#[test]
+fn a_load_on_a_stuck_device_misses_in_time_and_releases_its_locks_later() {
+    let dir = std::env::temp_dir().join(format!("kvnode-l2unit-{}-stuckr", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _owner = tempdir::Dir(dir.clone());
+    let r = try_open_rig(dir, Fault::None, |c| {
+        c.engine = "pread".into();
+        c.io_timeout_ms = 200;
+    })
+    .unwrap();
+    let keys = r.keys(3);
+    r.store(&keys);
+    assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 3);
+    r.drop_l1();
+    let Rig {
+        tier,
+        storage,
+        fault,
+        ..
+    } = r;
+    let set = super::L2Set::from_tiers(vec![tier]);
+    set.workers().start();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    fault.store(Fault::StuckPayloadReads as u32, Ordering::Relaxed);
+    std::thread::scope(|s| {
+        s.spawn(|| super::loader::serve(&set, &storage, &stop));
+        let l = within(&fault, "a load waited for a stuck device", || {
+            set.load(&storage, &keys, 0, None)
+        });
+        assert!(l.iter().all(Option::is_none));
+        assert_eq!(set.status().total.stalled, 3);
+        eventually("the tier is marked stuck", || set.tiers()[0].stuck());
+        assert!(set.status().total.stuck);
+        let l = within(&fault, "a load on a stuck device waited", || {
+            set.load(&storage, &keys, 0, None)
+        });
+        assert!(l.iter().all(Option::is_none));
+        assert_eq!(set.status().total.stalled, 6, "missed at once, counted");
+        // The device answers: the abandoned load completes and gives its locks back.
+        fault.store(Fault::None as u32, Ordering::Relaxed);
+        eventually("the abandoned load releases everything", || {
+            !set.tiers()[0].stuck()
+                && storage.counts().read_locked == 0
+                && storage.counts().write_reserved == 0
+        });
+        let l = set.load(&storage, &keys, 0, None);
+        assert!(l.iter().all(Option::is_some), "healthy again");
+        let held: Vec<(StorageKey, u64)> =
+            keys.iter().zip(&l).map(|(k, l)| (*k, l.unwrap())).collect();
+        storage.finish_read(&held, 0);
+        stop.store(true, Ordering::Release);
+    });
+    assert!(storage.memcheck().ok);
+    set.check().unwrap();
 }

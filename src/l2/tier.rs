@@ -20,6 +20,7 @@ use super::format::{
 };
 use super::gate::{ClearGate, GateToken};
 use super::identity::Identity;
+use super::iowatch::IoWatch;
 use super::space::{L2Index, RecoverOutcome, Recovered, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
@@ -75,6 +76,7 @@ struct Counters {
     corrupt: AtomicU64,
     evictions: AtomicU64,
     skipped: AtomicU64,
+    stalled: AtomicU64,
 }
 
 /// The `l2` object of STATUS. Field names are a public contract.
@@ -125,6 +127,17 @@ pub struct L2Status {
     /// Objects found on disk at start-up but not indexed because of the cap (their slots are
     /// reused).
     pub unindexed: u64,
+    /// Objects not loaded because the device had not answered within `l2.io_timeout_ms`
+    /// (missed at once, or given up on by the request that asked).
+    pub stalled: u64,
+    /// Milliseconds the oldest device call in progress has been running (0 when none is).
+    pub stuck_ms: u64,
+    /// Whether a device call has run past `l2.io_timeout_ms` (the tier is degraded: loads miss,
+    /// writes wait).
+    pub stuck: bool,
+    /// Whether a CLEAR's new format id is still waiting to be written (until it is, a restart
+    /// would bring the cleared objects back).
+    pub format_pending: bool,
 }
 
 /// The L2 tier. Invariants: an object is readable from L2 only after both its header and its
@@ -163,6 +176,9 @@ pub struct L2Tier {
     /// Held shared by every write-behind batch and load, exclusively by CLEAR: an object locked
     /// or pinned before a CLEAR can never be written or published after it.
     clear_gate: ClearGate,
+    /// Device calls in progress, and how long one may take before the tier counts as stuck.
+    io: IoWatch,
+    io_timeout: std::time::Duration,
     _lock: File,
 }
 
@@ -307,7 +323,8 @@ fn wait_readable(
 }
 
 /// What a load holds while its I/O runs: the prefetch budget, the L2 pins, the L1 reservations
-/// not yet published or aborted, and its place in the CLEAR gate. All of it is given back on
+/// not yet published or aborted, and (until its reservations are made, never across I/O) its
+/// place in the CLEAR gate. All of it is given back on
 /// drop, on the normal path and if a bug panics mid-load, so nothing stays pinned or reserved
 /// (the reservations never expire by themselves).
 struct LoadGuard<'a> {
@@ -317,7 +334,7 @@ struct LoadGuard<'a> {
     budget: usize,
     pinned: Vec<Option<super::space::Located>>,
     grants: Vec<Option<Grant>>,
-    _gate: GateToken<'a>,
+    gate: Option<GateToken<'a>>,
 }
 
 impl Drop for LoadGuard<'_> {
@@ -343,8 +360,9 @@ impl Drop for LoadGuard<'_> {
 
 /// A planned write-behind batch: the L1 I/O holds it keeps on its objects, the objects, their I/Os (header
 /// then payload, per object) and the staging blocks of the headers. Invariant: every lock and
-/// block is released by `complete_write`, exactly once; the batch stays inside the CLEAR gate
-/// until then, on whichever thread completes it.
+/// block is released by `complete_write`, exactly once. The batch was planned inside the CLEAR
+/// gate but holds no place in it during its I/O: a CLEAR meanwhile dooms its index entries
+/// (never committed) and its headers carry the format id the CLEAR replaced.
 pub(super) struct WriteBatch<'a> {
     tier: &'a L2Tier,
     storage: &'a StorageCore,
@@ -352,8 +370,6 @@ pub(super) struct WriteBatch<'a> {
     plans: Vec<PlannedWrite>,
     ios: Vec<BlockIo>,
     blocks: Vec<u64>,
-    /// Inside the CLEAR gate from planning until completion (dropped last).
-    _gate: GateToken<'a>,
 }
 
 impl Drop for WriteBatch<'_> {
@@ -509,6 +525,8 @@ impl L2Tier {
             sync_lock: Mutex::new(()),
             deferred: Mutex::new(Vec::new()),
             clear_gate: ClearGate::default(),
+            io: IoWatch::default(),
+            io_timeout: std::time::Duration::from_millis(cfg.io_timeout_ms),
             _lock: dev.file.try_clone().map_err(|e| {
                 Error::from(HwError::Os {
                     op: "dup",
@@ -566,6 +584,7 @@ impl L2Tier {
         self.write_blocks(&[(file_offset, block.to_vec())])
             .pop()
             .expect("one block")?;
+        let _call = self.io.start();
         self.write_engine
             .sync()
             .map_err(hw("syncing the L2 superblock"))
@@ -610,9 +629,11 @@ impl L2Tier {
                     len: BLOCK_U64,
                 })
                 .collect();
-            self.read_engine
-                .read_batch(&ios)
-                .into_iter()
+            let done = {
+                let _call = self.io.start();
+                self.read_engine.read_batch(&ios)
+            };
+            done.into_iter()
                 .zip(blocks)
                 .map(|(r, &b)| {
                     r.map_err(hw("reading an L2 header"))?;
@@ -639,9 +660,11 @@ impl L2Tier {
                     len: BLOCK_U64,
                 });
             }
-            self.write_engine
-                .write_batch(&ios)
-                .into_iter()
+            let done = {
+                let _call = self.io.start();
+                self.write_engine.write_batch(&ios)
+            };
+            done.into_iter()
                 .map(|r| r.map(|_| ()).map_err(hw("writing an L2 header")))
                 .collect()
         })
@@ -860,6 +883,10 @@ impl L2Tier {
         namespaces: &Namespaces,
         keys: &[StorageKey],
     ) -> u64 {
+        if self.stuck() {
+            // The device has not answered for a while: nothing is locked for it meanwhile.
+            return 0;
+        }
         let parts = byte_bounded_parts(keys, self.batch_objects, &|k| {
             storage.ready_object(k).map_or(0, |(len, _)| len)
         });
@@ -1069,6 +1096,9 @@ impl L2Tier {
                 extent_ok: true,
             });
         }
+        // Reserved and staged under the gate (in memory, but for a rare lease extension); the
+        // extent headers' I/O runs outside it.
+        drop(gate);
         // Extent headers first, so a slot is never written into an extent whose header says
         // otherwise (a crash in between leaves at worst an extent with no readable slots).
         if !extent_headers.is_empty() {
@@ -1091,7 +1121,11 @@ impl L2Tier {
             // headers of a new assignment without the extent header that carries its epoch
             // (recovery would not know the epoch, could hand it out again, and the old slot
             // headers would then look current).
-            if let Err(e) = self.write_engine.sync() {
+            let synced = {
+                let _call = self.io.start();
+                self.write_engine.sync()
+            };
+            if let Err(e) = synced {
                 tracing::warn!(error = %e, "L2 fdatasync after extent headers failed");
                 for (extent, _, _) in &extent_headers {
                     self.index.lock().header_lost(*extent);
@@ -1142,7 +1176,6 @@ impl L2Tier {
             plans,
             ios,
             blocks,
-            _gate: gate,
         }
     }
 
@@ -1204,7 +1237,10 @@ impl L2Tier {
             return Vec::new();
         }
         let payloads: Vec<BlockIo> = ios.iter().skip(1).step_by(2).copied().collect();
-        let written = self.write_engine.write_batch(&payloads);
+        let written = {
+            let _call = self.io.start();
+            self.write_engine.write_batch(&payloads)
+        };
         let headers: Vec<BlockIo> = ios
             .iter()
             .step_by(2)
@@ -1212,7 +1248,10 @@ impl L2Tier {
             .filter(|(_, w)| w.is_ok())
             .map(|(h, _)| *h)
             .collect();
-        let mut header_results = self.write_engine.write_batch(&headers).into_iter();
+        let mut header_results = {
+            let _call = self.io.start();
+            self.write_engine.write_batch(&headers).into_iter()
+        };
         let mut out = Vec::with_capacity(ios.len());
         for w in written {
             match w {
@@ -1250,6 +1289,10 @@ impl L2Tier {
         expected: Option<&Layout>,
     ) -> Vec<Option<u64>> {
         let mut out = vec![None; keys.len()];
+        if self.stuck() {
+            self.count_stalled(keys.len() as u64);
+            return out;
+        }
         let gate = self.clear_gate.enter();
         let budget = self.acquire_prefetch(keys.len());
         if budget == 0 {
@@ -1270,7 +1313,7 @@ impl L2Tier {
             budget,
             grants: vec![None; keys.len()],
             pinned,
-            _gate: gate,
+            gate: Some(gate),
         };
         let contended = self.load_pinned(&mut held, extra, expected, &mut out);
         // Pins, budget, gate and every unpublished reservation go back before any waiting.
@@ -1324,6 +1367,10 @@ impl L2Tier {
                 }
             }
         }
+        // Pinned in L2 and reserved in L1 under the gate: a CLEAR from now on dooms both (the
+        // reservation is then never published). The I/O runs outside the gate, so a CLEAR never
+        // waits for a device.
+        drop(held.gate.take());
         let grants = held.grants.clone();
         let plan: Vec<usize> = (0..keys.len()).filter(|&i| grants[i].is_some()).collect();
         let ios: Vec<BlockIo> = plan
@@ -1352,6 +1399,7 @@ impl L2Tier {
                 .with_bytes(g.slot.offset, l.object_len, payload_checksum);
             checksum_ok[j].store(sum.ok() == Some(l.checksum), Ordering::Relaxed);
         };
+        let _call = self.io.start();
         let results = if plan.len() < 4 || self.read_engine.kind() != EngineKind::Uring {
             self.read_engine.read_batch_then(&ios, &verify)
         } else {
@@ -1375,6 +1423,7 @@ impl L2Tier {
                 // The scope joins the helper (after the sender is dropped) before returning.
             })
         };
+        drop(_call);
         let mut loaded = 0u64;
         for (j, (&i, r)) in plan.iter().zip(results).enumerate() {
             let l = located[i].as_ref().expect("planned");
@@ -1453,25 +1502,66 @@ impl L2Tier {
         }
     }
 
-    /// CLEAR of both tiers: runs `clear_l1` and empties L2 while no write-behind batch or load
-    /// is in flight (they hold the gate shared), so nothing locked or pinned before the CLEAR
-    /// is written or published after it. The drop is durable: a new format id is written, so
-    /// headers written before are ignored at the next start. Returns `clear_l1`'s result and
-    /// (removed, deferred).
-    pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
+    /// CLEAR of both tiers, in memory: runs `clear_l1`, empties the index and puts a new format
+    /// id in force, inside the CLEAR gate. Write-behind batches and loads are in the gate only
+    /// while they lock, pin and reserve (never during their I/O), so this waits for no device:
+    /// nothing locked, pinned or reserved before it is written, committed or published after it
+    /// (its index entries and L1 reservations are doomed, its headers carry the old format id).
+    /// The CLEAR is durable only once [`L2Tier::persist_format`] has written the new id.
+    /// Returns `clear_l1`'s result and (removed, deferred).
+    pub fn clear_in_memory<T>(&self, clear_l1: impl FnOnce() -> T) -> (T, (u64, u64)) {
         self.clear_gate.exclusive(|| {
             let l1 = clear_l1();
             let r = self.index.lock().clear();
-            self.identity
-                .reformat(&|o, b| self.write_durable(o, b))
-                .map_err(|e| {
-                    e.context(
-                        "L2 emptied in memory, but the new format id was not written: \
-                     cleared objects may reappear after a restart",
-                    )
-                })?;
-            Ok((l1, r))
+            self.identity.begin_reformat();
+            (l1, r)
         })
+    }
+
+    /// Writes the format id in force durably (the second half of a CLEAR). Blocks while the
+    /// device does; callers that must not block run it on an I/O thread (see [`super::loader`]).
+    pub fn persist_format(&self) -> Result<()> {
+        self.identity
+            .persist_format(&|o, b| self.write_durable(o, b))
+            .map_err(|e| {
+                e.context(
+                    "L2 emptied in memory, but the new format id was not written: cleared \
+                     objects may reappear after a restart",
+                )
+            })
+    }
+
+    /// Whether a CLEAR's new format id is not durable yet.
+    pub fn format_pending(&self) -> bool {
+        self.identity.format_pending()
+    }
+
+    /// [`L2Tier::clear_in_memory`] then [`L2Tier::persist_format`] on this thread.
+    pub fn clear_with<T>(&self, clear_l1: impl FnOnce() -> T) -> Result<(T, (u64, u64))> {
+        let (l1, r) = self.clear_in_memory(clear_l1);
+        self.persist_format()?;
+        Ok((l1, r))
+    }
+
+    /// How long the oldest device call in progress has been running.
+    pub fn stuck_for(&self) -> std::time::Duration {
+        self.io.oldest()
+    }
+
+    /// Whether a device call has been running longer than `l2.io_timeout_ms`: loads then miss
+    /// at once and persisting writes nothing, until the device answers again.
+    pub fn stuck(&self) -> bool {
+        self.io.oldest() > self.io_timeout
+    }
+
+    /// `l2.io_timeout_ms`.
+    pub fn io_timeout(&self) -> std::time::Duration {
+        self.io_timeout
+    }
+
+    /// Counts `n` loads given up on because the device did not answer in time.
+    pub(super) fn count_stalled(&self, n: u64) {
+        self.counters.stalled.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Releases the engines' pool registrations (shutdown, after the final drain): the pool's
@@ -1488,7 +1578,11 @@ impl L2Tier {
     pub fn sync(&self) -> std::result::Result<(), (Error, Vec<StorageKey>)> {
         let _one = self.sync_lock.lock();
         let covered = self.unsynced.lock().len();
-        match self.write_engine.sync() {
+        let synced = {
+            let _call = self.io.start();
+            self.write_engine.sync()
+        };
+        match synced {
             Ok(()) => {
                 self.unsynced.lock().drain(..covered);
                 Ok(())
@@ -1571,6 +1665,10 @@ impl L2Tier {
             index_limit_bytes: s.index_limit_bytes,
             index_max_objects: s.max_entries,
             unindexed: s.unindexed,
+            stalled: c.stalled.load(Ordering::Relaxed),
+            stuck_ms: self.io.oldest().as_millis() as u64,
+            stuck: self.stuck(),
+            format_pending: self.identity.format_pending(),
         }
     }
 

@@ -195,6 +195,12 @@ fn run(ctx: &NodeContext, device: usize) {
                 l2.queue.wait();
                 // Keys that waited for an older busy entry of theirs: tried again when idle.
                 l2.requeue_deferred();
+                // A CLEAR whose new format id could not be written yet: tried again when idle.
+                if l2.format_pending() && !l2.stuck() {
+                    if let Err(e) = l2.persist_format() {
+                        tracing::warn!(error = %e, "L2 format id still not durable");
+                    }
+                }
                 continue;
             }
             let keys = items;
@@ -272,7 +278,12 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
         n += l2.persist(&ctx.storage, &ctx.namespaces, &items);
         ctx.storage.clear_unwritten(&items);
     }
-    if !sync(ctx, l2) {
+    if l2.stuck() {
+        tracing::error!(
+            path = %l2.status().path,
+            "an L2 device is not answering at shutdown: its final fdatasync is skipped"
+        );
+    } else if !sync(ctx, l2) {
         tracing::error!(
             path = %l2.status().path,
             "the final L2 fdatasync failed at shutdown: objects written since the last good sync \

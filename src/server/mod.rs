@@ -149,6 +149,7 @@ impl Node {
         let ctx = Arc::new(NodeContext::new(config, pool, namespaces, l2));
         let mut threads = ShardPool::spawn(&ctx)?;
         threads.extend(crate::l2::writer::spawn(&ctx)?);
+        threads.extend(crate::l2::loader::spawn(&ctx)?);
         threads.extend(Liveness::spawn(&ctx)?);
         threads.push(maintenance::spawn(&ctx)?);
         if let Some(listener) = listener {
@@ -179,10 +180,18 @@ impl Node {
         &self.ctx.config.socket
     }
 
+    /// How long the shutdown waits for L2 work before it stops without it: one device timeout
+    /// (`l2.io_timeout_ms`) plus 5 s.
+    fn l2_patience(&self) -> std::time::Duration {
+        let io = std::time::Duration::from_millis(self.ctx.config.l2.io_timeout_ms);
+        io.saturating_add(std::time::Duration::from_secs(5))
+    }
+
     /// Stops accepting, stops the workers, reaper and maintenance thread, and removes the socket
     /// file if the path still holds the one this node created (never a file someone else put
     /// there). Always returns: the accept thread is woken through the node's own listening
-    /// descriptor, whatever became of the socket path.
+    /// descriptor, whatever became of the socket path, and threads blocked on an L2 device that
+    /// stopped answering are left behind after a bounded wait.
     pub fn shutdown(self) {
         self.ctx.shutting_down.store(true, Ordering::SeqCst);
         // Wake the accept loop so it sees the flag.
@@ -198,8 +207,26 @@ impl Node {
         }
         // Connection threads may still hold the context (and the pool): remove the shm name now.
         self.ctx.pool.unlink_shm_name();
+        // Threads blocked on a device that stopped answering (L2 I/O) are left behind after a
+        // bounded wait: SIGTERM always stops the node.
+        let patience = self.l2_patience();
+        let join_deadline = std::time::Instant::now() + patience;
+        let mut left = Vec::new();
         for t in self.threads {
-            let _ = t.join();
+            while !t.is_finished() && std::time::Instant::now() < join_deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                left.push(t.thread().name().unwrap_or("?").to_owned());
+            }
+        }
+        if !left.is_empty() {
+            tracing::error!(
+                threads = ?left,
+                "threads still blocked (an L2 device is not answering): stopping without them"
+            );
         }
         // Requests already past the shutdown check (run inline on connection threads) finish
         // before the write-behind drains and the L2 engines let go of the pool.
@@ -214,9 +241,35 @@ impl Node {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        crate::l2::writer::drain(&self.ctx);
-        if let Some(l2) = &self.ctx.l2 {
-            l2.release();
+        // The final write-behind and the release of the engines' registrations run on a thread
+        // of their own, waited for a bounded time: a stuck device must not hold the shutdown.
+        let ctx = self.ctx.clone();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let finisher = thread::Builder::new()
+            .name("kvnode-l2-drain".into())
+            .spawn(move || {
+                crate::l2::writer::drain(&ctx);
+                if let Some(l2) = &ctx.l2 {
+                    if l2.tiers().iter().any(crate::l2::L2Tier::stuck) {
+                        tracing::error!("an L2 device is not answering: its registrations are left to the kernel");
+                    } else {
+                        l2.release();
+                    }
+                }
+                let _ = done_tx.send(());
+            });
+        match finisher {
+            Ok(_) => {
+                if done_rx.recv_timeout(patience).is_err() {
+                    tracing::error!(
+                        "the L2 write-behind did not finish (a device is not answering): \
+                         stopping without it; unwritten objects are lost from L2"
+                    );
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "no thread for the final L2 write-behind: skipped");
+            }
         }
         tracing::info!("kvnode stopped");
     }
