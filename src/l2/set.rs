@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvnode_hw::SharedPool;
 use serde::Serialize;
 
-use super::tier::{L2Status, L2Tier, STAGING_BYTES};
+use super::tier::{L2Status, L2Tier, OpenFailure, STAGING_BYTES};
 use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
 use crate::storage::{Layout, Namespaces, StorageCore, StorageKey};
@@ -56,6 +56,18 @@ pub struct L2SetStatus {
     pub total: L2Status,
     /// Per device, in `--l2-path` order (empty with a single device).
     pub devices: Vec<L2Status>,
+    /// Devices left out at start-up because they failed (an I/O error reading or writing their
+    /// superblocks or headers): path and error. The node runs without them.
+    pub failed_devices: Vec<FailedDevice>,
+}
+
+/// A device left out at start-up. Invariant: it failed with an I/O error, not a refusal.
+#[derive(Debug, Clone, Serialize)]
+pub struct FailedDevice {
+    /// The configured path.
+    pub path: String,
+    /// Why it failed.
+    pub error: String,
 }
 
 /// The devices. Invariant: at least one; device `i` owns staging blocks
@@ -63,6 +75,7 @@ pub struct L2SetStatus {
 /// same device (by [`device_for`] over `weights`, one per tier).
 pub struct L2Set {
     tiers: Vec<L2Tier>,
+    failed: Vec<FailedDevice>,
     weights: Vec<u64>,
     /// The I/O workers that run loads and CLEAR's superblock writes for request threads.
     workers: super::loader::Workers,
@@ -75,44 +88,78 @@ impl L2Set {
     }
 
     /// Opens (recovering) every device of `cfg.paths`; `staging_base` is the pool offset of
-    /// [`L2Set::staging_bytes`] reserved for the set.
+    /// [`L2Set::staging_bytes`] reserved for the set. A device that is refused (another
+    /// program's data, in use, a size that does not fit) stops the start-up with the reason; a
+    /// device that fails (I/O errors on its superblocks or headers) is left out, logged and
+    /// listed in STATUS, and the node runs on the others — or, when every device failed, without
+    /// L2 (`Ok(None)`): a broken disk never takes L1 down with it.
     pub fn open(
         cfg: &L2Config,
         pool: Arc<SharedPool>,
         staging_base: u64,
         namespaces: &Namespaces,
-    ) -> Result<L2Set> {
+    ) -> Result<Option<L2Set>> {
+        Self::open_wrapped(cfg, pool, staging_base, namespaces, &|e| e)
+    }
+
+    /// [`L2Set::open`] with each block engine passed through `wrap` (fault-injection tests).
+    pub fn open_wrapped(
+        cfg: &L2Config,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+        wrap: &dyn Fn(Box<dyn kvnode_hw::BlockEngine>) -> Box<dyn kvnode_hw::BlockEngine>,
+    ) -> Result<Option<L2Set>> {
         if cfg.paths.is_empty() {
             return Err(crate::error::Error::invalid(
                 "an L2 tier needs at least one path",
             ));
         }
-        let tiers = cfg
-            .paths
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                L2Tier::open(
-                    cfg,
-                    p,
-                    pool.clone(),
-                    staging_base + i as u64 * STAGING_BYTES,
-                    namespaces,
-                )
-                .map_err(|e| e.context(format!("L2 device {}", p.display())))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut tiers = Vec::new();
+        let mut failed = Vec::new();
+        for (i, p) in cfg.paths.iter().enumerate() {
+            let opened = L2Tier::open_classified(
+                cfg,
+                p,
+                pool.clone(),
+                staging_base + i as u64 * STAGING_BYTES,
+                namespaces,
+                wrap,
+            );
+            match opened {
+                Ok(t) => tiers.push(t),
+                Err(OpenFailure::Refused(e)) => {
+                    return Err(e.context(format!("L2 device {}", p.display())))
+                }
+                Err(OpenFailure::Failed(e)) => {
+                    tracing::error!(
+                        path = %p.display(),
+                        error = %e,
+                        "L2 device failed at start-up: the node runs without it"
+                    );
+                    failed.push(FailedDevice {
+                        path: p.display().to_string(),
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        if tiers.is_empty() {
+            tracing::error!("every L2 device failed at start-up: the node runs without L2");
+            return Ok(None);
+        }
         // One prefetch budget for the node, however many devices.
         let budget = tiers[0].prefetch_budget();
         for t in &tiers[1..] {
             t.share_prefetch_budget(&budget);
         }
         let weights = tiers.iter().map(L2Tier::bytes).collect();
-        Ok(L2Set {
+        Ok(Some(L2Set {
             tiers,
+            failed,
             weights,
             workers: super::loader::Workers::default(),
-        })
+        }))
     }
 
     /// A set of already opened devices (tests).
@@ -121,6 +168,7 @@ impl L2Set {
         let weights = tiers.iter().map(L2Tier::bytes).collect();
         L2Set {
             tiers,
+            failed: Vec::new(),
             weights,
             workers: super::loader::Workers::default(),
         }
@@ -467,6 +515,7 @@ impl L2Set {
             } else {
                 Vec::new()
             },
+            failed_devices: self.failed.clone(),
         }
     }
 }

@@ -39,6 +39,8 @@ enum Fault {
     StuckPayloadWrites = 8,
     /// Payload reads do not return while this fault is in force.
     StuckPayloadReads = 9,
+    /// Every write fails with EIO, headers and superblocks included (a dead device).
+    EveryWriteEio = 10,
 }
 
 impl FaultyEngine {
@@ -74,6 +76,13 @@ impl BlockEngine for FaultyEngine {
         let mut out = self.inner.write_batch(ios);
         let mut n = 0;
         for (io, r) in ios.iter().zip(out.iter_mut()) {
+            if fault == Fault::EveryWriteEio as u32 {
+                *r = Err(HwError::Os {
+                    op: "write_fixed",
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                });
+                continue;
+            }
             if io.len == HEADER {
                 continue;
             }
@@ -1107,4 +1116,96 @@ fn a_load_on_a_stuck_device_misses_in_time_and_releases_its_locks_later() {
     });
     assert!(storage.memcheck().ok);
     set.check().unwrap();
+}
+
+/// Issue 10, defect 6: a device that fails at start-up (its superblock cannot be written) is
+/// left out and the node runs on the others, or without L2 when it was the only one; a device
+/// holding another program's data still stops the start-up.
+#[test]
+fn a_failing_device_is_left_out_at_start_up_not_fatal() {
+    let base = std::env::temp_dir().join(format!("kvnode-l2unit-{}-failed", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let _owner = tempdir::Dir(base.clone());
+    let (good, bad) = (base.join("good"), base.join("bad"));
+    let pool = Arc::new(
+        SharedPool::create(&PoolOptions {
+            bytes: 8 << 20,
+            prefer: PagePreference::Pages4K,
+            prefault: true,
+            name: "l2-unit".into(),
+            posix_shm_name: None,
+            cancel: None,
+        })
+        .unwrap(),
+    );
+    let staging = pool.len() - 2 * STAGING_BYTES;
+    let namespaces = Namespaces::default();
+    // Engines are made two per device, in device order: the second device's always fail.
+    let made = AtomicU32::new(0);
+    let p = pool.clone();
+    let wrap = move |inner: Box<dyn BlockEngine>| -> Box<dyn BlockEngine> {
+        let n = made.fetch_add(1, Ordering::Relaxed);
+        let fault = if n >= 2 {
+            Fault::EveryWriteEio
+        } else {
+            Fault::None
+        };
+        Box::new(FaultyEngine {
+            inner,
+            pool: p.clone(),
+            fault: Arc::new(AtomicU32::new(fault as u32)),
+            writes: Default::default(),
+        })
+    };
+    let cfg = L2Config {
+        paths: vec![good.clone(), bad.clone()],
+        bytes: 32 << 20,
+        engine: "pread".into(),
+        ..L2Config::default()
+    };
+    let set = super::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, &wrap)
+        .expect("a failed device does not stop the start-up")
+        .expect("one device works");
+    assert_eq!(set.tiers().len(), 1);
+    let s = set.status();
+    assert_eq!(s.failed_devices.len(), 1);
+    assert_eq!(s.failed_devices[0].path, bad.display().to_string());
+    assert!(
+        s.failed_devices[0].error.contains("formatting the L2 tier"),
+        "{:?}",
+        s.failed_devices
+    );
+    drop(set);
+    // Only the failing device: the node runs without L2.
+    let made = AtomicU32::new(0);
+    let p = pool.clone();
+    let all_fail = move |inner: Box<dyn BlockEngine>| -> Box<dyn BlockEngine> {
+        made.fetch_add(1, Ordering::Relaxed);
+        Box::new(FaultyEngine {
+            inner,
+            pool: p.clone(),
+            fault: Arc::new(AtomicU32::new(Fault::EveryWriteEio as u32)),
+            writes: Default::default(),
+        })
+    };
+    let only_bad = L2Config {
+        paths: vec![bad.clone()],
+        ..cfg.clone()
+    };
+    assert!(
+        super::L2Set::open_wrapped(&only_bad, pool.clone(), staging, &namespaces, &all_fail)
+            .unwrap()
+            .is_none()
+    );
+    // Another program's data is a refusal, whatever the other devices do.
+    let foreign = base.join("foreign.img");
+    std::fs::write(&foreign, vec![9u8; 4 << 20]).unwrap();
+    let refused = L2Config {
+        paths: vec![good, foreign],
+        ..cfg
+    };
+    let e = super::L2Set::open(&refused, pool, staging, &namespaces)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("not a kvnode L2 tier"), "{e}");
 }

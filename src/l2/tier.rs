@@ -140,6 +140,32 @@ pub struct L2Status {
     pub format_pending: bool,
 }
 
+/// Why a device could not be opened. Invariant: `Refused` for what the operator must change
+/// (another program's data, a device in use, a size or configuration that does not fit);
+/// `Failed` for a device that did not read or write (the node runs without it).
+#[derive(Debug)]
+pub enum OpenFailure {
+    /// Refused: the node must not start.
+    Refused(Error),
+    /// The device failed: the node can run without it.
+    Failed(Error),
+}
+
+impl OpenFailure {
+    /// The error, whichever kind of failure.
+    pub fn into_error(self) -> Error {
+        match self {
+            OpenFailure::Refused(e) | OpenFailure::Failed(e) => e,
+        }
+    }
+}
+
+impl From<Error> for OpenFailure {
+    fn from(e: Error) -> Self {
+        OpenFailure::Refused(e)
+    }
+}
+
 /// The L2 tier. Invariants: an object is readable from L2 only after both its header and its
 /// payload were written successfully; a payload is published into L1 only after its checksum
 /// matched; a slot being written or loaded is never reused (the index pins it); the data file is
@@ -443,19 +469,33 @@ impl L2Tier {
         namespaces: &Namespaces,
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> Result<L2Tier> {
+        Self::open_classified(cfg, path, pool, staging_base, namespaces, wrap)
+            .map_err(OpenFailure::into_error)
+    }
+
+    /// [`L2Tier::open_wrapped`] telling a refusal (the node must not start) from a device that
+    /// failed (it can run without it).
+    pub fn open_classified(
+        cfg: &L2Config,
+        path: &Path,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+        wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
+    ) -> std::result::Result<L2Tier, OpenFailure> {
         // Nothing is written and nothing is resized before the device was judged ours or empty.
         let mut dev = super::device::open(cfg, path)?;
-        let found = super::device::identify(&dev)?;
+        let found = super::device::identify(&dev).map_err(OpenFailure::Failed)?;
         let previous = super::device::accept(cfg, &dev, found)?;
         let file_bytes = dev.bytes;
         if !dev.block_device && dev.len > file_bytes {
-            return Err(Error::invalid(format!(
+            return Err(OpenFailure::Refused(Error::invalid(format!(
                 "{} is {} bytes, larger than the {file_bytes} configured (l2.bytes / \
                  --l2-size); refusing to truncate it (pass the size the file was created with, \
                  or remove it)",
                 dev.path.display(),
                 dev.len
-            )));
+            ))));
         }
         let write_engine = wrap(make_engine(
             cfg.engine_kind()?,
@@ -486,11 +526,11 @@ impl L2Tier {
             || !extent_bytes.is_multiple_of(2 << 20)
             || extent_count(file_bytes, extent_bytes) == 0
         {
-            return Err(Error::invalid(format!(
+            return Err(OpenFailure::Refused(Error::invalid(format!(
                 "L2 size {file_bytes} bytes is too small for one extent of {extent_bytes} bytes \
                  (need at least {} bytes; extents are multiples of 2 MiB)",
                 super::format::EXTENT_BASE + extent_bytes.max(2 << 20)
-            )));
+            ))));
         }
         let mut tier = L2Tier {
             write_engine,
@@ -539,8 +579,8 @@ impl L2Tier {
                 // A file cut short by a crash during its first sizing is ours: grown again.
                 dev.grow()?;
                 tier.identity = Identity::open(sb, &|o, b| tier.write_durable(o, b))
-                    .map_err(|e| e.context("writing the L2 superblock"))?;
-                tier.recover(namespaces)?;
+                    .map_err(|e| OpenFailure::Failed(e.context("writing the L2 superblock")))?;
+                tier.recover(namespaces).map_err(OpenFailure::Failed)?;
             }
             previous => {
                 if let Some(sb) = &previous {
@@ -558,7 +598,7 @@ impl L2Tier {
                     Identity::format(previous.as_ref(), file_bytes, extent_bytes, &|o, b| {
                         tier.write_durable(o, b)
                     })
-                    .map_err(|e| e.context("formatting the L2 tier"))?;
+                    .map_err(|e| OpenFailure::Failed(e.context("formatting the L2 tier")))?;
                 dev.grow()?;
                 tier.index
                     .get_mut()

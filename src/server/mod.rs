@@ -138,10 +138,8 @@ impl Node {
             }
             let staging = pool.len() - staging_bytes;
             // L2's errors name the device path.
-            Some(
-                L2Set::open(&config.l2, pool.clone(), staging, &namespaces)
-                    .map_err(|e| e.context("cannot open the L2 tier"))?,
-            )
+            L2Set::open(&config.l2, pool.clone(), staging, &namespaces)
+                .map_err(|e| e.context("cannot open the L2 tier"))?
         } else {
             None
         };
