@@ -374,8 +374,8 @@ fn lmcache_bind_host(host: &str, port: u16) -> Result<String, String> {
             .map(|a| a.ip())
             .ok_or_else(|| format!("--host {host:?}: resolves to no address"))?
     };
-    match std::net::TcpListener::bind((ip, port)) {
-        Ok(probe) => drop(probe),
+    match port_free(ip, port) {
+        Ok(()) => {}
         Err(e) => {
             return Err(format!(
                 "cannot serve LMCache clients on {host}:{port} ({ip}): {e}; is another server \
@@ -388,6 +388,22 @@ fn lmcache_bind_host(host: &str, port: u16) -> Result<String, String> {
         (_, IpAddr::V6(v6)) => format!("[{v6}]"),
         (_, IpAddr::V4(v4)) => v4.to_string(),
     })
+}
+
+/// Whether `ip:port` can be bound, checked with a socket that is bound but never listens, so
+/// no client can connect to the probe (and take it for the server).
+fn port_free(ip: std::net::IpAddr, port: u16) -> std::io::Result<()> {
+    use rustix::net::{AddressFamily, SocketType};
+    let family = if ip.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = rustix::net::socket(family, SocketType::STREAM, None)?;
+    // As a listener would: a port left in TIME_WAIT by a previous server is free.
+    rustix::net::sockopt::set_socket_reuseaddr(&fd, true)?;
+    rustix::net::bind(&fd, &std::net::SocketAddr::new(ip, port))?;
+    Ok(())
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -592,6 +608,26 @@ mod tests {
             .local_addr()
             .unwrap()
             .port()
+    }
+
+    #[test]
+    fn the_port_probe_finds_a_busy_port_and_never_accepts() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let busy = std::net::TcpListener::bind((ip, 0)).unwrap();
+        let port = busy.local_addr().unwrap().port();
+        assert!(port_free(ip, port).is_err(), "a listening port is busy");
+        drop(busy);
+        port_free(ip, port).unwrap();
+        // The probe never listened: nothing accepts on the port afterwards.
+        assert!(std::net::TcpStream::connect((ip, port)).is_err());
+        let e = lmcache_bind_host("127.0.0.1", {
+            let l = std::net::TcpListener::bind((ip, 0)).unwrap();
+            let p = l.local_addr().unwrap().port();
+            std::mem::forget(l);
+            p
+        })
+        .unwrap_err();
+        assert!(e.contains("another server"), "{e}");
     }
 
     #[test]
