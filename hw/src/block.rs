@@ -175,8 +175,9 @@ pub fn open_direct(path: &Path, size: u64) -> HwResult<File> {
     size_data_file(open_o_direct(path)?, path, size, true)
 }
 
-/// Opens an existing block device read-write with `O_DIRECT` and returns it
-/// with its size in bytes (rounded down to [`BLOCK_ALIGN`]).
+/// Opens an existing block device read-write with `O_DIRECT` and `O_EXCL` (refused while
+/// the kernel uses it: mounted, a RAID or LVM member) and returns it with its size in bytes
+/// (rounded down to [`BLOCK_ALIGN`]).
 ///
 /// Errors: `Invalid` if `path` is not a block device; `Os` for open/seek.
 pub fn open_block_device(path: &Path) -> HwResult<(File, u64)> {
@@ -192,9 +193,11 @@ pub fn open_block_device(path: &Path) -> HwResult<(File, u64)> {
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        // O_EXCL on a block device: refused (EBUSY) while the kernel uses it (mounted, an md
+        // or LVM member, another exclusive opener).
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC | libc::O_EXCL)
         .open(path)
-        .map_err(|e| HwError::os("open(O_DIRECT)", e))?;
+        .map_err(|e| HwError::os("open(O_DIRECT|O_EXCL)", e))?;
     let size = file
         .seek(std::io::SeekFrom::End(0))
         .map_err(|e| HwError::os("lseek(SEEK_END)", e))?;

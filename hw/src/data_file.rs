@@ -49,6 +49,15 @@ pub fn open_data_file_locked(path: &Path, wait: std::time::Duration) -> HwResult
         }
         o.open(path)
     };
+    let not_regular = || {
+        HwError::Invalid(format!(
+            "{} is not a regular file (give a block device as the L2 path itself)",
+            path.display()
+        ))
+    };
+    if std::fs::metadata(path).is_ok_and(|m| !m.file_type().is_file()) {
+        return Err(not_regular());
+    }
     // An existing file first; create only what is not there (a file created between the two
     // calls by someone else is opened as existing on the next round).
     let mut rounds = 0;
@@ -65,6 +74,12 @@ pub fn open_data_file_locked(path: &Path, wait: std::time::Duration) -> HwResult
             Err(e) => return Err(HwError::os("open(O_DIRECT)", e)),
         }
     };
+    let meta = file.metadata().map_err(|e| HwError::os("fstat", e))?;
+    if !meta.file_type().is_file() {
+        // A device node or anything else behind the name (a symlink to a disk, say, swapped in
+        // after the check above): its length reads as 0, which must not pass for empty.
+        return Err(not_regular());
+    }
     lock_exclusive(&file, wait)?;
     let len = file.metadata().map_err(|e| HwError::os("fstat", e))?.len();
     Ok(OpenedDataFile { file, created, len })

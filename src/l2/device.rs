@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use kvnode_hw::{DataScan, HwError};
 
-use super::format::{FormatError, Superblock, BLOCK, SUPERBLOCK_MAGIC};
+use super::format::{FormatError, Superblock, BLOCK, EXTENT_BASE, SUPERBLOCK_MAGIC};
 use crate::config::{L2Config, L2Format};
 use crate::error::{Error, Result};
 
@@ -133,10 +133,17 @@ pub fn identify(dev: &Device) -> Result<Found> {
             "zero length"
         }));
     }
-    let head = kvnode_hw::read_direct(&dev.file, 0, 2 * BLOCK).map_err(|e| {
+    // The superblock copies and the rest of the reserved area before the first extent, which a
+    // kvnode tier never writes: anything there is another program's.
+    let head = kvnode_hw::read_direct(&dev.file, 0, EXTENT_BASE as usize).map_err(|e| {
         Error::from(e).context(format!("reading the superblocks of {}", dev.path.display()))
     })?;
-    let copies: Vec<&[u8]> = head.chunks(BLOCK).collect();
+    let copies: Vec<&[u8]> = head.chunks(BLOCK).take(2).collect();
+    let reserved_data = head
+        .iter()
+        .skip(2 * BLOCK)
+        .position(|&b| b != 0)
+        .map(|i| i + 2 * BLOCK);
     let decoded: Vec<std::result::Result<Superblock, FormatError>> = copies
         .iter()
         .map(|c| {
@@ -167,9 +174,29 @@ pub fn identify(dev: &Device) -> Result<Found> {
                 )));
             }
         }
+        if let Some(at) = reserved_data {
+            return Ok(Found::Foreign(format!(
+                "a kvnode superblock, but another program's data at byte {at} of the area \
+                 kvnode leaves empty"
+            )));
+        }
         return Ok(Found::Ours(sb));
     }
     if copies.iter().any(|c| ours_magic(c)) {
+        // Damaged copies of ours, next to nothing else: ours to format again. A block that is
+        // not ours next to them, or data in the reserved area, is someone else's.
+        if let Some(i) = copies.iter().position(|c| !ours_magic(c) && !zero(c)) {
+            return Ok(Found::Foreign(format!(
+                "a damaged kvnode superblock, but block {i} (byte {}) holds another program's \
+                 data",
+                i * BLOCK
+            )));
+        }
+        if let Some(at) = reserved_data {
+            return Ok(Found::Foreign(format!(
+                "a damaged kvnode superblock, but another program's data at byte {at}"
+            )));
+        }
         let why = decoded
             .iter()
             .enumerate()
@@ -196,23 +223,40 @@ pub fn identify(dev: &Device) -> Result<Found> {
     }
 }
 
-/// Applies `l2.format` to what [`identify`] found: the superblock to recover from (`Some`), a
-/// device to format (`None`), or the refusal that names the device.
-pub fn accept(cfg: &L2Config, dev: &Device, found: Found) -> Result<Option<Superblock>> {
+/// What to do with a device [`accept`]ed. Invariant: `wipe` only for a device to format.
+#[derive(Debug)]
+pub struct Accepted {
+    /// The superblock to recover from; `None`: format.
+    pub previous: Option<Superblock>,
+    /// The reserved area (everything before the first extent) must be zeroed before the
+    /// superblocks are written: it may hold old data (an overwritten device, damaged copies).
+    pub wipe: bool,
+}
+
+/// Applies `l2.format` to what [`identify`] found: the superblock to recover from, a device to
+/// format, or the refusal that names the device.
+pub fn accept(cfg: &L2Config, dev: &Device, found: Found) -> Result<Accepted> {
+    let format = |wipe| Accepted {
+        previous: None,
+        wipe,
+    };
     match found {
-        Found::Ours(sb) => Ok(Some(sb)),
+        Found::Ours(sb) => Ok(Accepted {
+            previous: Some(sb),
+            wipe: false,
+        }),
         Found::Empty(how) => {
             tracing::info!(path = %dev.path.display(), how, "L2 device empty: formatting it");
-            Ok(None)
+            Ok(format(false))
         }
         Found::OursDamaged(why) => {
             tracing::error!(
                 path = %dev.path.display(),
                 why,
-                "both L2 superblock copies are damaged: formatting the tier again (its cached \
-                 objects are lost)"
+                "no valid L2 superblock copy (damaged, or written by an older kvnode format): \
+                 formatting the tier again (its cached objects are lost)"
             );
-            Ok(None)
+            Ok(format(true))
         }
         Found::Foreign(what) if cfg.format == L2Format::Overwrite => {
             tracing::warn!(
@@ -220,7 +264,7 @@ pub fn accept(cfg: &L2Config, dev: &Device, found: Found) -> Result<Option<Super
                 what,
                 "L2 device holds other data; formatting it because l2.format = overwrite"
             );
-            Ok(None)
+            Ok(format(true))
         }
         Found::Foreign(what) => Err(Error::invalid(format!(
             "{} holds data that is not a kvnode L2 tier ({what}); refusing to use it. Point \
@@ -408,11 +452,23 @@ mod tests {
             format: L2Format::Overwrite,
             ..cfg(64 << 20)
         };
-        assert!(accept(&over, &dev, found).unwrap().is_none());
+        let a = accept(&over, &dev, found).unwrap();
+        assert!(a.previous.is_none() && a.wipe);
         assert_eq!(
             std::fs::read(&p).unwrap(),
             b"someone's notes",
             "judging writes nothing"
         );
+    }
+
+    #[test]
+    fn a_data_file_that_is_not_a_regular_file_is_refused() {
+        let d = dir("devnode");
+        std::os::unix::fs::symlink("/dev/null", d.0.join(DATA_FILE)).unwrap();
+        let e = open(&cfg(64 << 20), &d.0)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 }

@@ -29,7 +29,12 @@ pub type WriteDurable<'a> = &'a dyn Fn(u64, &[u8]) -> Result<()>;
 /// written durably; every sequence number handed out is below `current.seq_limit`, and the
 /// caller keeps every epoch it assigns below `current.epoch_limit` ([`Identity::ensure_epochs`]).
 pub struct Identity {
+    /// The durable copy; locked only to read or replace it, never across I/O.
     current: Mutex<Superblock>,
+    /// Serialises superblock writes (held across their I/O).
+    writing: Mutex<()>,
+    /// Format id of the durable copy.
+    durable_format_id: AtomicU64,
     format_id: AtomicU64,
     next_seq: AtomicU64,
     seq_limit: AtomicU64,
@@ -123,6 +128,8 @@ impl Identity {
 
     fn recovered(sb: Superblock) -> Identity {
         Identity {
+            writing: Mutex::new(()),
+            durable_format_id: AtomicU64::new(sb.format_id),
             format_id: AtomicU64::new(sb.format_id),
             next_seq: AtomicU64::new(sb.seq_limit),
             seq_limit: AtomicU64::new(sb.seq_limit),
@@ -148,14 +155,16 @@ impl Identity {
     }
 
     /// Writes the next superblock copy: `change` applied to the current one, `update` + 1.
-    /// The in-memory state follows only once the copy is durable.
+    /// The in-memory state follows only once the copy is durable. Writers are serialised; the
+    /// durable copy's lock is never held across the I/O, so readers (STATUS, the next-number
+    /// fast paths) never wait for a device.
     fn update(
         &self,
         write: WriteDurable<'_>,
         change: impl FnOnce(&mut Superblock) -> Result<()>,
     ) -> Result<()> {
-        let mut cur = self.current.lock();
-        let mut next = cur.clone();
+        let _one = self.writing.lock();
+        let mut next = self.current.lock().clone();
         change(&mut next)?;
         next.update = next
             .update
@@ -164,7 +173,9 @@ impl Identity {
         write_copy(&next, write)?;
         self.seq_limit.store(next.seq_limit, Ordering::Release);
         self.epoch_limit.store(next.epoch_limit, Ordering::Release);
-        *cur = next;
+        self.durable_format_id
+            .store(next.format_id, Ordering::Release);
+        *self.current.lock() = next;
         Ok(())
     }
 
@@ -187,14 +198,15 @@ impl Identity {
 
     /// Whether the format id in force is not yet durable (a CLEAR waits for its superblock).
     pub fn format_pending(&self) -> bool {
-        self.current.lock().format_id != self.format_id()
+        self.durable_format_id.load(Ordering::Acquire) != self.format_id()
     }
 
     /// Writes the format id in force durably, if it is not already.
     pub fn persist_format(&self, write: WriteDurable<'_>) -> Result<()> {
-        let id = self.format_id();
+        // The id is read under the writers' lock: of two writes racing, the later one writes
+        // the id in force when it runs, never an older one.
         self.update(write, |sb| {
-            sb.format_id = id;
+            sb.format_id = self.format_id();
             Ok(())
         })
     }
@@ -230,6 +242,39 @@ impl Identity {
             Ok(())
         })?;
         Ok(s)
+    }
+
+    /// The next sequence number if the current lease covers it, without any I/O (`None`: call
+    /// [`Identity::prepare`] first; the number is then skipped, never reused).
+    pub fn try_next_seq(&self) -> Option<u64> {
+        let s = self.next_seq.fetch_add(1, Ordering::AcqRel);
+        (s < self.seq_limit.load(Ordering::Acquire)).then_some(s)
+    }
+
+    /// Whether epochs up to `next_epoch` are leased (no I/O).
+    pub fn epochs_leased(&self, next_epoch: u64) -> bool {
+        next_epoch < self.epoch_limit.load(Ordering::Acquire)
+    }
+
+    /// Extends the leases, if needed, so that `objects` more sequence numbers and as many
+    /// epochs above `next_epoch` can be taken without I/O. Call outside any critical section:
+    /// it may write the superblock.
+    pub fn prepare(&self, objects: u64, next_epoch: u64, write: WriteDurable<'_>) -> Result<()> {
+        let want = self
+            .next_seq
+            .load(Ordering::Acquire)
+            .saturating_add(objects);
+        if want >= self.seq_limit.load(Ordering::Acquire) {
+            self.update(write, |sb| {
+                if sb.seq_limit <= want {
+                    sb.seq_limit = want
+                        .checked_add(SEQ_LEASE)
+                        .ok_or_else(|| exhausted("sequence numbers"))?;
+                }
+                Ok(())
+            })?;
+        }
+        self.ensure_epochs(next_epoch.saturating_add(objects), write)
     }
 
     /// Makes sure epochs up to `next_epoch + EPOCH_MARGIN` are leased (a superblock write when
@@ -371,5 +416,40 @@ mod tests {
         assert!(cur.update > after.update && cur.seq_limit > after.seq_limit);
         assert_eq!((cur.file_bytes, cur.extent_bytes), (128 << 20, 4 << 20));
         assert!(again.next_seq(&w).unwrap() >= after.seq_limit);
+    }
+
+    #[test]
+    fn a_superblock_write_stuck_in_the_device_blocks_no_reader() {
+        let disk = Disk::default();
+        let w = |o: u64, b: &[u8]| disk.write(o, b);
+        let id = Identity::format(None, 64 << 20, 2 << 20, &w).unwrap();
+        let release = std::sync::atomic::AtomicBool::new(false);
+        let stuck = |o: u64, b: &[u8]| {
+            while !release.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            disk.write(o, b)
+        };
+        id.begin_reformat();
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| id.persist_format(&stuck));
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            // STATUS and the numbering fast paths answer while the write hangs.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let idr = &id;
+            s.spawn(move || {
+                let id = idr;
+                let pending = id.format_pending();
+                let sb = id.superblock();
+                let seq = id.try_next_seq();
+                let _ = tx.send((pending, sb.update, seq.is_some()));
+            });
+            let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+            release.store(true, Ordering::Relaxed);
+            let (pending, _, numbered) = got.expect("a reader waited for a stuck superblock write");
+            assert!(pending && numbered);
+            writer.join().unwrap().unwrap();
+        });
+        assert!(!id.format_pending());
     }
 }

@@ -10,9 +10,14 @@ use parking_lot::Mutex;
 /// device call, so its size is bounded by the tier's threads.
 #[derive(Default)]
 pub struct IoWatch {
-    calls: Mutex<Vec<(u64, Instant)>>,
+    /// (id, start, time the call's bytes may take at [`SLOWEST_RATE`]).
+    calls: Mutex<Vec<(u64, Instant, Duration)>>,
     next: std::sync::atomic::AtomicU64,
 }
+
+/// The slowest transfer rate (bytes per second) a working device is granted before a call
+/// counts as stuck: a call moving `b` bytes may take the timeout plus `b / SLOWEST_RATE`.
+pub const SLOWEST_RATE: u64 = 64 << 20;
 
 /// A device call in progress; deregisters itself when dropped.
 pub struct IoCall<'a> {
@@ -21,10 +26,11 @@ pub struct IoCall<'a> {
 }
 
 impl IoWatch {
-    /// Registers a device call starting now.
-    pub fn start(&self) -> IoCall<'_> {
+    /// Registers a device call moving `bytes` bytes, starting now.
+    pub fn start(&self, bytes: u64) -> IoCall<'_> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.calls.lock().push((id, Instant::now()));
+        let allowance = Duration::from_secs_f64(bytes as f64 / SLOWEST_RATE as f64);
+        self.calls.lock().push((id, Instant::now(), allowance));
         IoCall { watch: self, id }
     }
 
@@ -33,15 +39,23 @@ impl IoWatch {
         self.calls
             .lock()
             .iter()
-            .map(|(_, t)| t.elapsed())
+            .map(|(_, t, _)| t.elapsed())
             .max()
             .unwrap_or_default()
+    }
+
+    /// Whether a call has run longer than `timeout` plus the time its bytes may take.
+    pub fn overdue(&self, timeout: Duration) -> bool {
+        self.calls
+            .lock()
+            .iter()
+            .any(|(_, t, allowance)| t.elapsed() > timeout.saturating_add(*allowance))
     }
 }
 
 impl Drop for IoCall<'_> {
     fn drop(&mut self) {
-        self.watch.calls.lock().retain(|(id, _)| *id != self.id);
+        self.watch.calls.lock().retain(|(id, _, _)| *id != self.id);
     }
 }
 
@@ -53,11 +67,19 @@ mod tests {
     fn tracks_exactly_the_calls_in_progress() {
         let w = IoWatch::default();
         assert_eq!(w.oldest(), Duration::ZERO);
-        let a = w.start();
+        let a = w.start(0);
         std::thread::sleep(Duration::from_millis(5));
-        let b = w.start();
+        let b = w.start(1 << 40);
         assert!(w.oldest() >= Duration::from_millis(5));
+        assert!(
+            w.overdue(Duration::from_millis(1)),
+            "a's zero bytes allow nothing extra"
+        );
         drop(a);
+        assert!(
+            !w.overdue(Duration::from_millis(1)),
+            "b's terabyte may take hours"
+        );
         assert_eq!(w.calls.lock().len(), 1);
         drop(b);
         assert_eq!(w.oldest(), Duration::ZERO);

@@ -431,7 +431,9 @@ impl L2Set {
         for (d, t) in self.tiers.iter().enumerate() {
             match self.workers.persist_format(d) {
                 Ok(r) => replies.push((d, r)),
-                Err(_) if !t.stuck() => t.persist_format()?,
+                // No workers (tests, shutdown): on this thread.
+                Err(super::loader::NotQueued::NoWorkers) if !t.stuck() => t.persist_format()?,
+                // Workers all busy, or the device stuck: not waited for (the writer retries).
                 Err(_) => replies.push((d, super::loader::Reply::abandoned())),
             }
         }

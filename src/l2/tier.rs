@@ -290,6 +290,10 @@ fn layout_matches(layout: &Layout, l: &super::space::Located) -> bool {
 /// written).
 pub const WRITE_BATCH_BYTES: u64 = 128 << 20;
 
+/// What an fdatasync is granted beyond `l2.io_timeout_ms` before the device counts as stuck:
+/// the time to move this many bytes at [`super::iowatch::SLOWEST_RATE`] (a full write batch).
+const SYNC_ALLOWANCE_BYTES: u64 = WRITE_BATCH_BYTES;
+
 /// Most keys waiting for an older, busy entry of the same key to go (see `L2Tier::deferred`).
 pub const DEFERRED_MAX: usize = 4096;
 
@@ -486,7 +490,7 @@ impl L2Tier {
         // Nothing is written and nothing is resized before the device was judged ours or empty.
         let mut dev = super::device::open(cfg, path)?;
         let found = super::device::identify(&dev).map_err(OpenFailure::Failed)?;
-        let previous = super::device::accept(cfg, &dev, found)?;
+        let super::device::Accepted { previous, wipe } = super::device::accept(cfg, &dev, found)?;
         let file_bytes = dev.bytes;
         if !dev.block_device && dev.len > file_bytes {
             return Err(OpenFailure::Refused(Error::invalid(format!(
@@ -592,6 +596,13 @@ impl L2Tier {
                         "L2 geometry changed: starting with an empty tier"
                     );
                 }
+                if wipe {
+                    // Old data in the area a kvnode tier keeps empty (and its superblock
+                    // blocks) goes first: afterwards the device is judged ours by that rule.
+                    tier.wipe_reserved_area().map_err(|e| {
+                        OpenFailure::Failed(e.context("zeroing the L2 reserved area"))
+                    })?;
+                }
                 // The superblock first, then the size: a crash in between leaves a file that
                 // is recognisably ours, never an unlabelled one.
                 tier.identity =
@@ -619,15 +630,35 @@ impl L2Tier {
         Ok(tier)
     }
 
+    /// Zeroes everything before the first extent (superblock blocks included) and syncs.
+    fn wipe_reserved_area(&self) -> Result<()> {
+        let zero = vec![0u8; BLOCK];
+        let blocks: Vec<(u64, Vec<u8>)> = (0..super::format::EXTENT_BASE / BLOCK_U64)
+            .map(|i| (i * BLOCK_U64, zero.clone()))
+            .collect();
+        for r in self.write_blocks(&blocks) {
+            r?;
+        }
+        let _call = self.io.start(super::format::EXTENT_BASE);
+        self.write_engine
+            .sync()
+            .map_err(hw("syncing the L2 reserved area"))
+    }
+
     /// Writes one block at `file_offset` and syncs (superblock copies).
     fn write_durable(&self, file_offset: u64, block: &[u8]) -> Result<()> {
         self.write_blocks(&[(file_offset, block.to_vec())])
             .pop()
             .expect("one block")?;
-        let _call = self.io.start();
-        self.write_engine
-            .sync()
-            .map_err(hw("syncing the L2 superblock"))
+        let synced = {
+            let _call = self.io.start(SYNC_ALLOWANCE_BYTES);
+            self.write_engine.sync()
+        };
+        synced.map_err(|e| {
+            // The failed sync may have lost any write since the last good one.
+            self.drop_unsynced();
+            hw("syncing the L2 superblock")(e)
+        })
     }
 
     /// Runs `f` on parts of at most `per_call` items, each with as many staging blocks as items, and
@@ -670,7 +701,7 @@ impl L2Tier {
                 })
                 .collect();
             let done = {
-                let _call = self.io.start();
+                let _call = self.io.start(ios.iter().map(|io| io.len).sum());
                 self.read_engine.read_batch(&ios)
             };
             done.into_iter()
@@ -701,7 +732,7 @@ impl L2Tier {
                 });
             }
             let done = {
-                let _call = self.io.start();
+                let _call = self.io.start(ios.iter().map(|io| io.len).sum());
                 self.write_engine.write_batch(&ios)
             };
             done.into_iter()
@@ -983,6 +1014,20 @@ impl L2Tier {
         namespaces: &Namespaces,
         part: &[StorageKey],
     ) -> Option<WriteBatch<'a>> {
+        // Leases for this batch's numbers, extended (a superblock write) outside the gate.
+        let next_epoch = self.index.lock().next_epoch();
+        if let Err(e) = self
+            .identity
+            .prepare(part.len() as u64, next_epoch, &|o, b| {
+                self.write_durable(o, b)
+            })
+        {
+            tracing::warn!(error = %e, "L2 leases not extended: batch not written");
+            self.counters
+                .errors
+                .fetch_add(part.len() as u64, Ordering::Relaxed);
+            return None;
+        }
         let gate = self.clear_gate.enter();
         // Already on L2 as this very object (same length and layout): nothing to write. A copy
         // stored under another layout is dropped and replaced (loads would never serve it).
@@ -1032,7 +1077,6 @@ impl L2Tier {
     ) -> WriteBatch<'a> {
         let items = &locked;
         let format_id = self.identity.format_id();
-        let write_durable = |o: u64, b: &[u8]| self.write_durable(o, b);
         let mut extent_headers: Vec<(u32, u64, Vec<u8>)> = Vec::new();
         let mut plans: Vec<PlannedWrite> = Vec::new();
         let mut slot_headers: Vec<Vec<u8>> = Vec::new();
@@ -1054,20 +1098,16 @@ impl L2Tier {
                         continue;
                     }
                 };
-            let seq = match self.identity.next_seq(&write_durable) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "no L2 sequence number: object not written");
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            // Numbers come from leases prepared before the gate: no I/O in here. Should another
+            // batch have used them up meanwhile, the object waits for the next round.
+            let next_epoch = self.index.lock().next_epoch();
+            let seq = match self.identity.try_next_seq() {
+                Some(s) if self.identity.epochs_leased(next_epoch) => s,
+                _ => {
+                    self.defer(*key);
                     continue;
                 }
             };
-            let next_epoch = self.index.lock().next_epoch();
-            if let Err(e) = self.identity.ensure_epochs(next_epoch, &write_durable) {
-                tracing::warn!(error = %e, "no L2 extent epochs: object not written");
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
             let reserved = self.index.lock().reserve(*key, len, seq);
             let reservation = match reserved {
                 Ok(r) => r,
@@ -1075,12 +1115,7 @@ impl L2Tier {
                     // An older entry of this key is still being loaded or written (doomed, or
                     // racing another writer): write this one once that is over.
                     if !self.index.lock().contains(key) {
-                        let mut d = self.deferred.lock();
-                        if d.len() < DEFERRED_MAX {
-                            d.push(*key);
-                        } else {
-                            self.counters.skipped.fetch_add(1, Ordering::Relaxed);
-                        }
+                        self.defer(*key);
                     }
                     continue;
                 }
@@ -1162,11 +1197,14 @@ impl L2Tier {
             // (recovery would not know the epoch, could hand it out again, and the old slot
             // headers would then look current).
             let synced = {
-                let _call = self.io.start();
+                let _call = self.io.start(SYNC_ALLOWANCE_BYTES);
                 self.write_engine.sync()
             };
             if let Err(e) = synced {
                 tracing::warn!(error = %e, "L2 fdatasync after extent headers failed");
+                // Nothing written since the last good sync is known durable any more (their
+                // keys are written again only if the writer meets them again).
+                self.drop_unsynced();
                 for (extent, _, _) in &extent_headers {
                     self.index.lock().header_lost(*extent);
                 }
@@ -1278,7 +1316,7 @@ impl L2Tier {
         }
         let payloads: Vec<BlockIo> = ios.iter().skip(1).step_by(2).copied().collect();
         let written = {
-            let _call = self.io.start();
+            let _call = self.io.start(payloads.iter().map(|io| io.len).sum());
             self.write_engine.write_batch(&payloads)
         };
         let headers: Vec<BlockIo> = ios
@@ -1289,7 +1327,7 @@ impl L2Tier {
             .map(|(h, _)| *h)
             .collect();
         let mut header_results = {
-            let _call = self.io.start();
+            let _call = self.io.start(headers.iter().map(|io| io.len).sum());
             self.write_engine.write_batch(&headers).into_iter()
         };
         let mut out = Vec::with_capacity(ios.len());
@@ -1439,7 +1477,7 @@ impl L2Tier {
                 .with_bytes(g.slot.offset, l.object_len, payload_checksum);
             checksum_ok[j].store(sum.ok() == Some(l.checksum), Ordering::Relaxed);
         };
-        let _call = self.io.start();
+        let _call = self.io.start(ios.iter().map(|io| io.len).sum());
         let results = if plan.len() < 4 || self.read_engine.kind() != EngineKind::Uring {
             self.read_engine.read_batch_then(&ios, &verify)
         } else {
@@ -1588,10 +1626,11 @@ impl L2Tier {
         self.io.oldest()
     }
 
-    /// Whether a device call has been running longer than `l2.io_timeout_ms`: loads then miss
-    /// at once and persisting writes nothing, until the device answers again.
+    /// Whether a device call has been running longer than `l2.io_timeout_ms` plus the time its
+    /// bytes take at [`super::iowatch::SLOWEST_RATE`]: loads then miss at once and persisting
+    /// writes nothing, until the device answers again.
     pub fn stuck(&self) -> bool {
-        self.io.oldest() > self.io_timeout
+        self.io.overdue(self.io_timeout)
     }
 
     /// `l2.io_timeout_ms`.
@@ -1619,7 +1658,7 @@ impl L2Tier {
         let _one = self.sync_lock.lock();
         let covered = self.unsynced.lock().len();
         let synced = {
-            let _call = self.io.start();
+            let _call = self.io.start(SYNC_ALLOWANCE_BYTES);
             self.write_engine.sync()
         };
         match synced {
@@ -1630,22 +1669,47 @@ impl L2Tier {
             Err(e) => {
                 // Everything committed before the sync returned, not only before it began:
                 // those writes completed before the failure too.
-                let lost = std::mem::take(&mut *self.unsynced.lock());
-                let mut dropped = Vec::new();
-                {
-                    let mut index = self.index.lock();
-                    for (k, slot) in &lost {
-                        if index.slot_of(k) == Some(*slot) && index.remove(k) {
-                            dropped.push(*k);
-                        }
-                    }
-                }
-                self.counters
-                    .errors
-                    .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+                let dropped = self.drop_unsynced();
                 Err((hw("syncing the L2 file")(e), dropped))
             }
         }
+    }
+
+    /// Keeps `key` for a later round (see `deferred`); counted as skipped when that is full.
+    fn defer(&self, key: StorageKey) {
+        let mut d = self.deferred.lock();
+        if d.len() < DEFERRED_MAX {
+            d.push(key);
+        } else {
+            self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// After a failed fdatasync (any of them): nothing written since the last good one is known
+    /// to be durable; those objects leave the index (counted) and are returned.
+    fn drop_unsynced(&self) -> Vec<StorageKey> {
+        let lost = std::mem::take(&mut *self.unsynced.lock());
+        let mut dropped = Vec::new();
+        {
+            let mut index = self.index.lock();
+            for (k, slot) in &lost {
+                if index.slot_of(k) == Some(*slot) && index.remove(k) {
+                    dropped.push(*k);
+                }
+            }
+        }
+        self.counters
+            .errors
+            .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+        dropped
+    }
+
+    /// Counts the keys still deferred as skipped and forgets them (the shutdown's drain, after
+    /// its last round): they stay in L1 only.
+    pub fn discard_deferred(&self) -> usize {
+        let n = std::mem::take(&mut *self.deferred.lock()).len();
+        self.counters.skipped.fetch_add(n as u64, Ordering::Relaxed);
+        n
     }
 
     /// Queues the deferred keys (see `deferred`) for write-behind again; returns how many.

@@ -266,6 +266,8 @@ pub fn drain(ctx: &NodeContext) {
 }
 
 fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
+    // Keys that waited for an older busy entry of theirs get their last chance.
+    l2.requeue_deferred();
     let mut n = 0;
     loop {
         if l2.queue.is_empty() {
@@ -277,6 +279,13 @@ fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {
         }
         n += l2.persist(&ctx.storage, &ctx.namespaces, &items);
         ctx.storage.clear_unwritten(&items);
+    }
+    let deferred = l2.discard_deferred();
+    if deferred > 0 {
+        tracing::warn!(
+            deferred,
+            "objects still waiting for an older busy copy of theirs: not written to L2"
+        );
     }
     if l2.stuck() {
         tracing::error!(
