@@ -193,7 +193,7 @@ pub struct L2Tier {
     /// Objects committed since the last successful `fdatasync` (in commit order), each with the
     /// slot it was written to: dropped from the index if the next sync fails. Bounded by what
     /// one sync period writes; syncs are serialised by `sync_lock`.
-    unsynced: Mutex<Vec<(StorageKey, super::space::SlotRef)>>,
+    unsynced: Mutex<Unsynced>,
     sync_lock: Mutex<()>,
     /// Keys whose write found an older entry of the same key still busy (being loaded or
     /// written, and doomed): written when the writer next finds its queue empty. At most
@@ -293,6 +293,15 @@ pub const WRITE_BATCH_BYTES: u64 = 128 << 20;
 /// What an fdatasync is granted beyond `l2.io_timeout_ms` before the device counts as stuck:
 /// the time to move this many bytes at [`super::iowatch::SLOWEST_RATE`] (a full write batch).
 const SYNC_ALLOWANCE_BYTES: u64 = WRITE_BATCH_BYTES;
+
+/// Objects written since the last good fdatasync, and how many fdatasyncs have failed.
+/// Invariant: `objects` in commit order; `failed_syncs` only grows, and a batch whose I/O
+/// overlapped a failure (the count moved) commits nothing.
+#[derive(Default)]
+struct Unsynced {
+    objects: Vec<(StorageKey, super::space::SlotRef)>,
+    failed_syncs: u64,
+}
 
 /// Most keys waiting for an older, busy entry of the same key to go (see `L2Tier::deferred`).
 pub const DEFERRED_MAX: usize = 4096;
@@ -565,7 +574,7 @@ impl L2Tier {
             path: dev.path.clone(),
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
-            unsynced: Mutex::new(Vec::new()),
+            unsynced: Mutex::new(Unsynced::default()),
             sync_lock: Mutex::new(()),
             deferred: Mutex::new(Vec::new()),
             clear_gate: ClearGate::default(),
@@ -1266,6 +1275,9 @@ impl L2Tier {
         let plans = std::mem::take(&mut batch.plans);
         let ios = std::mem::take(&mut batch.ios);
         let blocks = std::mem::take(&mut batch.blocks);
+        // A failed fdatasync while this batch is on the device may lose its payloads even if its
+        // headers land after it: then nothing of the batch is committed (written again later).
+        let failed_syncs = self.unsynced.lock().failed_syncs;
         let results = self.write_payloads_then_headers(&ios);
         self.staging.give(blocks);
         let (mut written, mut bytes_written) = (0u64, 0u64);
@@ -1275,16 +1287,26 @@ impl L2Tier {
                 (Some(Err(e)), _) | (_, Some(Err(e))) => Err(e.to_string()),
                 _ => Err("not submitted".to_owned()),
             };
+            // Lock order: unsynced, then index (as in `drop_unsynced`).
+            let mut unsynced = self.unsynced.lock();
+            let io_ok = match io_ok {
+                Ok(()) if unsynced.failed_syncs != failed_syncs => {
+                    self.defer(p.key);
+                    Err("an fdatasync failed while the batch was on the device".to_owned())
+                }
+                other => other,
+            };
             let mut index = self.index.lock();
             match io_ok {
                 Ok(()) => {
                     if index.commit(p.key, p.slot, p.checksum, p.layout).is_ok() {
                         written += 1;
                         bytes_written += p.len;
-                        self.unsynced.lock().push((p.key, p.slot));
+                        unsynced.objects.push((p.key, p.slot));
                     }
                 }
                 other => {
+                    drop(unsynced);
                     let _ = index.abort(p.key, p.slot);
                     drop(index);
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -1656,14 +1678,23 @@ impl L2Tier {
     /// index (counted as errors) and returned, so the caller can write them again.
     pub fn sync(&self) -> std::result::Result<(), (Error, Vec<StorageKey>)> {
         let _one = self.sync_lock.lock();
-        let covered = self.unsynced.lock().len();
+        let (covered, failed_before) = {
+            let u = self.unsynced.lock();
+            (u.objects.len(), u.failed_syncs)
+        };
         let synced = {
             let _call = self.io.start(SYNC_ALLOWANCE_BYTES);
             self.write_engine.sync()
         };
         match synced {
             Ok(()) => {
-                self.unsynced.lock().drain(..covered);
+                let mut u = self.unsynced.lock();
+                // Another sync (extent headers, a superblock) failed meanwhile: it already took
+                // the list, and what was added since is not covered by this one.
+                if u.failed_syncs == failed_before {
+                    let n = covered.min(u.objects.len());
+                    u.objects.drain(..n);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -1688,7 +1719,11 @@ impl L2Tier {
     /// After a failed fdatasync (any of them): nothing written since the last good one is known
     /// to be durable; those objects leave the index (counted) and are returned.
     fn drop_unsynced(&self) -> Vec<StorageKey> {
-        let lost = std::mem::take(&mut *self.unsynced.lock());
+        let lost = {
+            let mut u = self.unsynced.lock();
+            u.failed_syncs += 1;
+            std::mem::take(&mut u.objects)
+        };
         let mut dropped = Vec::new();
         {
             let mut index = self.index.lock();
