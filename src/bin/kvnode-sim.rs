@@ -127,6 +127,7 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
     let started = Instant::now();
     let mut failed = Vec::new();
     let mut total = L2SimStats::default();
+    let mut digest = 0u64;
     for &seed in seeds {
         let opts = L2SimOptions {
             steps: args.steps.unwrap_or(2000),
@@ -145,6 +146,7 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
                 total.crashes += s.crashes;
                 total.stalls += s.stalls;
                 total.requeued += s.requeued;
+                digest ^= s.trace_digest;
                 total.faults += s.faults;
             }
             Err(f) => {
@@ -163,7 +165,7 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
     println!(
         "SIMULATE L2: {} seeds, {} failed{}, {} steps, {} objects written, {} loaded, {} durable \
          objects verified after {} power losses and {} crashes, {} stuck I/Os, {} deferred \
-         stores requeued, {} faults injected, {:.1} s",
+         stores requeued, {} faults injected, digest {digest:016x}, {:.1} s",
         seeds.len(),
         failed.len(),
         if failed.is_empty() {

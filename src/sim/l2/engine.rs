@@ -142,6 +142,10 @@ impl BlockEngine for SimEngine {
                 out.push(Err(os("write (stuck, failed)", libc::EIO)));
                 continue;
             }
+            if self.disk.drops(io) {
+                out.push(Ok(io.len));
+                continue;
+            }
             match self.disk.decide_write(io) {
                 WriteFate::Ok => {
                     let r = self.inner.write_batch(std::slice::from_ref(io)).pop();

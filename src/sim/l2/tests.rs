@@ -167,6 +167,32 @@ fn the_l2_checks_catch_another_keys_bytes() {
     assert!(e.contains(&format!("those of key {a}")), "{e}");
 }
 
+/// The CLEAR check can fail: a device that drops the CLEAR's new superblock copy (while
+/// acknowledging it) brings the cleared objects back at the next start, and the simulator
+/// sees the tier hold an object stored before an acknowledged CLEAR.
+#[test]
+fn the_l2_checks_catch_cleared_objects_coming_back() {
+    let mut sim = L2Sim::new(L2SimOptions::new(13)).expect("a new tier opens");
+    assert!(store_and_persist(&mut sim, 0));
+    sim.sync().unwrap();
+    sim.clear().unwrap();
+    assert_eq!(sim.model.cleared_below, sim.model.next_version());
+    // Undamaged, a crash keeps it cleared.
+    sim.restart(ops::Stop::Crash)
+        .expect("a CLEAR holds across a crash");
+    assert!(store_and_persist(&mut sim, 0));
+    sim.sync().unwrap();
+    sim.node.disk.set_sabotage(Sabotage::DropSuperblockWrites);
+    sim.clear().unwrap();
+    let e = sim
+        .restart(ops::Stop::Crash)
+        .expect_err("a cleared object came back unnoticed");
+    assert!(
+        e.contains("stored before a CLEAR that was acknowledged"),
+        "{e}"
+    );
+}
+
 /// The device rules can fail: writes past `l2.bytes`, into an extent that was never given a
 /// header, or off a slot's payload start, are reported by the next step's check.
 #[test]

@@ -55,6 +55,9 @@ pub enum Sabotage {
     /// At the next power loss, the slot header write that became durable last is undone too
     /// (a device that acknowledges a flush it did not do).
     LoseSyncedHeader,
+    /// Superblock writes report success but never reach the device (a device that drops
+    /// writes it acknowledged).
+    DropSuperblockWrites,
     /// Every slot header read with chunk hash `from` comes back naming `to` instead, with a
     /// valid header checksum (a device returning forged metadata).
     ForgeKey {
@@ -277,6 +280,11 @@ impl SimDisk {
     /// Called before the tier is opened: forgets the faulted reads of earlier opens.
     pub fn begin_open(&self) {
         self.state.lock().faulted_reads.clear();
+    }
+
+    /// Whether a sabotage makes the device acknowledge `io` without writing it.
+    pub fn drops(&self, io: &BlockIo) -> bool {
+        io.file_offset < EXTENT_BASE && self.state.lock().sabotage == Sabotage::DropSuperblockWrites
     }
 
     /// Decides what happens to a write (seeded; writes come from one thread at a time).
