@@ -7,6 +7,7 @@
 //! against the node (see [`model::Model::check`] and [`Sim::check`]). A run is a pure function of
 //! its seed: a failure prints the seed, and the seed reproduces it.
 
+pub mod l2;
 mod lm;
 pub mod model;
 mod native;
