@@ -1,7 +1,7 @@
-//! Minimal reproductions of tier bugs the L2 simulator found, each a directed scenario on the
-//! simulated device. They fail until the bug is fixed in `src/l2/`, hence `#[ignore]`; the
-//! random runs steer around them with `L2SimOptions::skip` (see the CI test in `tests.rs`).
-//! Run them with `cargo test --lib sim::l2::repro -- --ignored`.
+//! Minimal reproductions of the tier bugs the L2 simulator found, each a directed scenario on
+//! the simulated device; they failed before the fixes in `src/l2/` (failed fdatasyncs drop every
+//! unsynced object, the CLEAR's format id is in force before its superblock is durable, a batch
+//! whose I/O overlapped a failed fdatasync commits nothing) and guard them now.
 
 use super::disk::{Fate, FaultRates};
 use super::engine::{Release, StallAt};
@@ -34,7 +34,6 @@ const ALL_SYNCS_FAIL: FaultRates = FaultRates {
 /// rule (`L2Tier::sync`: after a failed fdatasync nothing written since the last good one can
 /// be trusted), they may be lost. A power loss then loses an acknowledged object.
 #[test]
-#[ignore = "tier bug: an internal fdatasync failure does not unacknowledge earlier writes"]
 fn a_failed_fdatasync_after_an_extent_header_unacknowledges_earlier_writes() {
     let mut sim = fresh();
     assert!(sim.store_version(0, 0) && sim.persist_ids(&[0]) == 1);
@@ -56,7 +55,6 @@ fn a_failed_fdatasync_after_an_extent_header_unacknowledges_earlier_writes() {
 /// and the new format id. At the next start that copy wins: every object written after the
 /// failed CLEAR (under the old id) is ignored, acknowledged durable or not.
 #[test]
-#[ignore = "tier bug: a failed superblock update leaves a copy that outranks the one in force"]
 fn a_failed_clear_never_hides_the_objects_written_after_it() {
     let mut sim = fresh();
     set_rates(&mut sim, ALL_SYNCS_FAIL);
@@ -78,7 +76,6 @@ fn a_failed_clear_never_hides_the_objects_written_after_it() {
 /// interleaving is the writer thread's fdatasync (extent headers) failing while the I/O thread
 /// is between a batch's payload and header writes.
 #[test]
-#[ignore = "tier bug: a failed fdatasync does not poison a batch whose payloads it covered"]
 fn a_failed_fdatasync_between_payload_and_header_writes_is_not_forgotten() {
     let mut sim = fresh();
     assert!(sim.store_version(0, 0));
@@ -102,8 +99,8 @@ fn a_failed_fdatasync_between_payload_and_header_writes_is_not_forgotten() {
     sim.release_with(Release::Complete).unwrap();
     sim.check_step().unwrap();
     assert!(
-        sim.model.claims.contains_key(&0),
-        "the object was committed"
+        !sim.model.claims.contains_key(&0),
+        "a batch whose I/O overlapped a failed fdatasync committed its object"
     );
     sim.sync().unwrap();
     sim.node.disk.set_fate(Fate::UndoAll);

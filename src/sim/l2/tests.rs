@@ -9,9 +9,9 @@ use kvnode_hw::BlockIo;
 
 /// Seeds the CI test runs; `scripts/simulate.sh --l2` runs many more, longer.
 const SMOKE_SEEDS: u64 = 8;
-/// Known tier bugs the CI run steers around until they are fixed (each has an ignored
-/// reproduction in `repro.rs`; drop its entry here with the fix).
-const KNOWN_BUGS: [&str; 3] = ["internal-sync", "superblock", "in-flight-sync"];
+/// Known tier bugs the CI run steers around until they are fixed (each with a reproduction in
+/// `repro.rs`); none is open.
+const KNOWN_BUGS: [&str; 0] = [];
 /// Steps per CI seed.
 const SMOKE_STEPS: u64 = 300;
 
