@@ -557,7 +557,10 @@ struct Iter {
     recovered: u64,
     served: u64,
     served_committed: u64,
+    /// Committed in this iteration, not served, and not dropped by a CLEAR that returned.
     missing: u64,
+    /// Committed in this iteration and dropped by a CLEAR that returned (never served).
+    cleared: u64,
     wrong: u64,
     resurrected: u64,
     corrupt: u64,
@@ -614,6 +617,7 @@ impl Iter {
             "served": self.served,
             "served_committed": self.served_committed,
             "missing": self.missing,
+            "cleared": self.cleared,
             "wrong": self.wrong,
             "resurrected": self.resurrected,
             "corrupt": self.corrupt,
@@ -644,7 +648,7 @@ impl Iter {
         format!(
             "iteration {n}/{of}: kill at writes={} queued={} unwritten={}{}{clear} | committed {} \
              present {} refused {} | torn on disk {} (slot reused {}) | recovered {} served {} \
-             (committed this iteration {}) missing {} wrong {} resurrected {} | corrupt {} errors {} \
+             (committed this iteration {}) missing {}{} wrong {} resurrected {} | corrupt {} errors {} \
              stalled {} | memcheck {}",
             self.writes_at_kill,
             self.queued_at_kill,
@@ -659,6 +663,11 @@ impl Iter {
             self.served,
             self.served_committed,
             self.missing,
+            if self.clear.is_some() {
+                format!(" cleared {}", self.cleared)
+            } else {
+                String::new()
+            },
             self.wrong,
             self.resurrected,
             self.corrupt,
@@ -890,7 +899,11 @@ impl Loop<'_> {
                 }
             }
         }
-        it.missing = committed.len() as u64 - it.served_committed;
+        it.cleared = committed
+            .iter()
+            .filter(|k| k.epoch < self.forbidden_below)
+            .count() as u64;
+        it.missing = committed.len() as u64 - it.served_committed - it.cleared;
         let s = c
             .status()
             .map_err(|e| format!("STATUS after the retrieves: {e}"))?;
@@ -977,6 +990,7 @@ impl Loop<'_> {
             "served": sum(|i| i.served),
             "served_committed": sum(|i| i.served_committed),
             "missing": sum(|i| i.missing),
+            "cleared": sum(|i| i.cleared),
             "wrong": sum(|i| i.wrong),
             "resurrected": sum(|i| i.resurrected),
             "corrupt": sum(|i| i.corrupt),
@@ -1010,10 +1024,16 @@ impl Loop<'_> {
         } else {
             String::new()
         };
+        let cleared = if self.a.clear {
+            format!(", {} dropped by CLEARs", n("cleared"))
+        } else {
+            String::new()
+        };
         format!(
             "L2-KILLLOOP: {} iterations, {} kills, {} served, {} wrong, {} recovered, {} missing \
-             (of {} committed), {} corrupt ({} torn on disk after the kills, {} of them in reused \
-             slots), {} errors, memcheck {}{clear}; {} kills with the write-behind busy, variant {}, engine {}, seed {}: {}",
+             (of {} committed{cleared}), {} corrupt ({} torn on disk after the kills, {} of them \
+             in reused slots), {} errors, memcheck {}{clear}; {} kills with the write-behind \
+             busy, variant {}, engine {}, seed {}: {}",
             self.iters.len(),
             n("kills"),
             n("served"),
@@ -1025,12 +1045,20 @@ impl Loop<'_> {
             n("torn"),
             n("torn_other_key"),
             n("errors"),
-            if n("memcheck_failures") == 0 { "ok" } else { "FAILED" },
+            if n("memcheck_failures") == 0 {
+                "ok"
+            } else {
+                "FAILED"
+            },
             n("busy_kills"),
             if self.a.clear { "clear" } else { "store" },
             self.engine_used,
             self.seed,
-            if self.failures.is_empty() { "PASS" } else { "FAIL" },
+            if self.failures.is_empty() {
+                "PASS"
+            } else {
+                "FAIL"
+            },
         )
     }
 }

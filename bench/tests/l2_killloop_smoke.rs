@@ -138,6 +138,11 @@ fn the_clear_variant_never_serves_what_a_returned_clear_dropped() {
         .iter()
         .map(|it| {
             assert!(it["clear"]["returned"].is_boolean(), "{it:#}");
+            assert_eq!(
+                n(it, &["served_committed"]) + n(it, &["missing"]) + n(it, &["cleared"]),
+                n(it, &["committed"]),
+                "{it:#}"
+            );
             it["clear"]["kill"].as_str().unwrap()
         })
         .collect();
