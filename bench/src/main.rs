@@ -2,11 +2,14 @@
 //! and reports latency percentiles and goodput next to the machine's limits measured in the same
 //! run (memcpy bandwidth over the same page backing, a bare Unix-socket ping-pong).
 //! `kvnode-bench l2` measures the L2 disk tier against raw `O_DIRECT` I/O on the same disk;
-//! `kvnode-bench soak` is the kill soak (clients SIGKILLed mid-transfer, the node must stay clean).
+//! `kvnode-bench l2-killloop` kills and restarts a node with a disk tier and checks every object
+//! it serves; `kvnode-bench soak` is the kill soak (clients SIGKILLed mid-transfer, the node must
+//! stay clean).
 
 mod baseline;
 mod disk;
 mod l2;
+mod l2kill;
 mod node;
 mod opcount;
 mod payload;
@@ -140,6 +143,11 @@ fn random_nonce() -> u64 {
 enum Mode {
     /// L2 disk tier: raw O_DIRECT baseline, node write-behind and cold read per block engine.
     L2(l2::L2Args),
+    /// Kill loop over the L2 disk tier: the node SIGKILLed while its write-behind is busy (or
+    /// around a CLEAR), restarted, every object served checked byte for byte (see
+    /// bench/README.md).
+    #[command(name = "l2-killloop")]
+    L2Killloop(l2kill::KillLoopArgs),
     /// Kill soak: native and LMCache clients SIGKILLed at random points while survivors store
     /// and verify; then the node must be clean (see bench/README.md).
     Soak(soak::SoakArgs),
@@ -181,6 +189,7 @@ fn main() {
     let args = Args::parse();
     let outcome = match &args.mode {
         Some(Mode::L2(a)) => l2::run(a),
+        Some(Mode::L2Killloop(a)) => l2kill::run(a),
         Some(Mode::Soak(a)) => soak::run(a),
         Some(Mode::SoakWorker(a)) => std::process::exit(soak_worker::run(a)),
         None => run(&args),
