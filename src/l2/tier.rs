@@ -1678,6 +1678,14 @@ impl L2Tier {
     /// index (counted as errors) and returned, so the caller can write them again.
     pub fn sync(&self) -> std::result::Result<(), (Error, Vec<StorageKey>)> {
         let _one = self.sync_lock.lock();
+        // Headers written since a CLEAR carry its new format id: they are durable only once that
+        // id is (a restart with the old one in the superblock ignores them).
+        if self.identity.format_pending() {
+            if let Err(e) = self.persist_format() {
+                let dropped = self.drop_unsynced();
+                return Err((e, dropped));
+            }
+        }
         let (covered, failed_before) = {
             let u = self.unsynced.lock();
             (u.objects.len(), u.failed_syncs)
