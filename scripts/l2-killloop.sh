@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
     --engine=*) engine=${1#*=}; shift ;;
     --l2-dir) l2dir=${2:?--l2-dir needs a value}; shift 2 ;;
     --l2-dir=*) l2dir=${1#*=}; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done
