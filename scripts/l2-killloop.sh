@@ -4,7 +4,8 @@
 # iteration stores objects whose bytes are a function of their key, SIGKILLs the node at a random
 # moment while its write-behind is busy (with --clear: around a CLEAR), restarts it on the same
 # directory and retrieves every key ever stored: any wrong byte, any object served after a CLEAR
-# that returned, any MEMCHECK failure fails the loop. Details: bench/README.md ("L2 kill loop").
+# that returned, any MEMCHECK failure fails the loop. Details: bench/README.md
+# ("kvnode-bench l2-killloop"); figures: RELIABILITY.md.
 #
 # Prints ONE summary line on stdout (`L2-KILLLOOP: <n> iterations, <kills> kills, <served> served,
 # <wrong> wrong, ...: PASS|FAIL`; one line per iteration, build and diagnostics on stderr); the
@@ -12,7 +13,7 @@
 #
 # Usage: scripts/l2-killloop.sh [--iterations N] [--engine uring|pread|auto] [--clear] [--l2-dir DIR]
 #        [more `kvnode-bench l2-killloop` flags: --seed N, --json FILE, --keep-dir, --l2-size SIZE,
-#        --pool-size SIZE, --max-objects N, --keys N]        (default 100 iterations, auto)
+#        --pool-size SIZE, --hidden N, --max-objects N]        (default 100 iterations, auto)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=100
