@@ -228,6 +228,19 @@ impl StorageCore {
         false
     }
 
+    /// After a read lock or an I/O hold on `key` was released: a temporary or doomed object
+    /// that nothing holds any more is deleted and freed, anything else goes back to its recency
+    /// list. Caller holds the key's shard.
+    fn settle_released(&self, shard: &mut Shard, key: &StorageKey) {
+        let Some(e) = shard.map.get(key) else { return };
+        if e.unheld() && (e.temporary || e.doomed) {
+            let e = shard.remove(key).expect("present");
+            self.release_slot(e.slot);
+        } else {
+            shard.sync_recency(key);
+        }
+    }
+
     /// Pool capacity usable for objects.
     pub fn capacity(&self) -> u64 {
         self.alloc.lock().capacity()
@@ -692,12 +705,7 @@ impl StorageCore {
                     return Err(KeyError::KeyInWrongState);
                 }
                 e.io_holds -= 1;
-                if e.unheld() && (e.temporary || e.doomed) {
-                    let e = shard.remove(k).expect("present");
-                    self.release_slot(e.slot);
-                } else {
-                    shard.sync_recency(k);
-                }
+                self.settle_released(&mut shard, k);
                 Ok(())
             })
             .collect()
@@ -786,12 +794,7 @@ impl StorageCore {
                     return Err(KeyError::KeyNotReadable);
                 }
                 e.readers = e.readers.saturating_sub(1 + extra);
-                if e.unheld() && (e.temporary || e.doomed) {
-                    let e = shard.remove(k).expect("present");
-                    self.release_slot(e.slot);
-                } else {
-                    shard.sync_recency(k);
-                }
+                self.settle_released(&mut shard, k);
                 Ok(())
             })
             .collect()
@@ -901,12 +904,7 @@ impl StorageCore {
                 } else {
                     self.drop_expired_reads(e, now_ms);
                     r += 1;
-                    if e.unheld() && (e.temporary || e.doomed) {
-                        let e = shard.remove(&k).expect("present");
-                        self.release_slot(e.slot);
-                    } else {
-                        shard.sync_recency(&k);
-                    }
+                    self.settle_released(&mut shard, &k);
                 }
             }
         }
