@@ -105,24 +105,29 @@ pub struct SimFailure {
     pub message: String,
     /// The last steps before it, oldest first.
     pub trace: Vec<String>,
+    /// A failure of the L2 tier simulator ([`l2`]), not the request-level one.
+    pub l2: bool,
+    /// Steps that reproduce it.
+    pub reproduce_steps: u64,
 }
 
 impl std::fmt::Display for SimFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let l2 = if self.l2 { "L2 " } else { "" };
         writeln!(
             f,
-            "seed {} failed at step {}: {}",
+            "{l2}seed {} failed at step {}: {}",
             self.seed, self.step, self.message
         )?;
         writeln!(f, "last steps:")?;
         for t in &self.trace {
             writeln!(f, "  {t}")?;
         }
+        let flag = if self.l2 { "--l2 " } else { "" };
         write!(
             f,
-            "reproduce: scripts/simulate.sh --seed {} --steps {}",
-            self.seed,
-            self.step + 1
+            "reproduce: scripts/simulate.sh {flag}--seed {} --steps {}",
+            self.seed, self.reproduce_steps
         )
     }
 }
@@ -190,6 +195,8 @@ pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
                 step: sim.step,
                 message,
                 trace: sim.trace.iter().cloned().collect(),
+                l2: false,
+                reproduce_steps: sim.step + 1,
             });
         }
     }

@@ -162,38 +162,8 @@ pub struct L2SimStats {
     pub trace_digest: u64,
 }
 
-/// A failed run: the first broken invariant, where, and the steps leading to it.
-#[derive(Debug, Clone)]
-pub struct L2SimFailure {
-    /// The seed that reproduces it.
-    pub seed: u64,
-    /// The step at which a check failed (0: while opening the tier the first time).
-    pub step: u64,
-    /// What broke.
-    pub message: String,
-    /// The last steps before it, oldest first.
-    pub trace: Vec<String>,
-}
-
-impl std::fmt::Display for L2SimFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "L2 seed {} failed at step {}: {}",
-            self.seed, self.step, self.message
-        )?;
-        writeln!(f, "last steps:")?;
-        for t in &self.trace {
-            writeln!(f, "  {t}")?;
-        }
-        write!(
-            f,
-            "reproduce: scripts/simulate.sh --l2 --seed {} --steps {}",
-            self.seed,
-            self.step.max(1)
-        )
-    }
-}
+/// A failed run of the tier simulator (the request-level simulator's type, flagged `l2`).
+pub type L2SimFailure = super::SimFailure;
 
 /// The result of one check or step.
 pub type Check = Result<(), String>;
@@ -224,6 +194,8 @@ pub fn run(opts: &L2SimOptions) -> Result<L2SimStats, L2SimFailure> {
         step: 0,
         message,
         trace: Vec::new(),
+        l2: true,
+        reproduce_steps: 1,
     })?;
     for _ in 0..opts.steps {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.step()));
@@ -308,6 +280,8 @@ impl L2Sim {
             step: self.step,
             message,
             trace: self.trace.iter().cloned().collect(),
+            l2: true,
+            reproduce_steps: self.step.max(1),
         }
     }
 
