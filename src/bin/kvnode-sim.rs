@@ -89,13 +89,7 @@ fn main() -> ExitCode {
                 sim_ms += s.sim_ms;
             }
             Err(f) => {
-                if args.seed.is_some() {
-                    eprintln!("{f}");
-                } else {
-                    eprintln!("FAIL seed {} step {}: {}", f.seed, f.step, f.message);
-                }
-                failed.push(seed);
-                if args.fail_fast {
+                if report_failure(&args, &f, &mut failed) {
                     break;
                 }
             }
@@ -123,6 +117,19 @@ fn main() -> ExitCode {
 
 /// The L2 simulator over `seeds`: one line per failing seed, a summary line, non-zero exit on
 /// any failure.
+/// Prints a failing seed (its whole trace when one seed was asked for, else one line) and
+/// records it; true when the run should stop there (`--fail-fast`).
+fn report_failure(args: &Args, f: &kvnode::sim::SimFailure, failed: &mut Vec<u64>) -> bool {
+    if args.seed.is_some() {
+        eprintln!("{f}");
+    } else {
+        let l2 = if f.l2 { "L2 " } else { "" };
+        eprintln!("FAIL {l2}seed {} step {}: {}", f.seed, f.step, f.message);
+    }
+    failed.push(f.seed);
+    args.fail_fast
+}
+
 fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
     let started = Instant::now();
     let mut failed = Vec::new();
@@ -150,13 +157,7 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
                 total.faults += s.faults;
             }
             Err(f) => {
-                if args.seed.is_some() {
-                    eprintln!("{f}");
-                } else {
-                    eprintln!("FAIL L2 seed {} step {}: {}", f.seed, f.step, f.message);
-                }
-                failed.push(seed);
-                if args.fail_fast {
+                if report_failure(args, &f, &mut failed) {
                     break;
                 }
             }
