@@ -7,6 +7,8 @@
 //! 3. node cold read: SIGTERM, restart on the same data file (L1 empty, L2 index recovered from
 //!    disk), LOOKUPs that load every object from disk into L1 (the L2 read rate), then every
 //!    object retrieved from L1 and verified byte for byte.
+//! 4. restarts: after that clean stop (the index rebuilt from the extent tables) and after a
+//!    SIGKILL (from every slot header), each on cold caches, every object found both times.
 //!
 //! Steps 2-3 run once per node engine. The JSON schema is documented in `bench/README.md`.
 
@@ -272,6 +274,7 @@ impl NodePlan<'_> {
         };
         node.stop(Duration::from_secs(300))?;
         drop(paired);
+        let restarts = self.restart_phase()?;
         let _ = std::fs::remove_dir_all(&self.dir);
         let s = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
         let written = &write["status"];
@@ -316,8 +319,57 @@ impl NodePlan<'_> {
             "verified_chunks": read["verified_chunks"],
             "corrupt_chunks": read["corrupt_chunks"],
             "misses": read["misses"],
+            "restart_clean": restarts["clean"],
+            "restart_crash": restarts["crash"],
+            "restart_tables_vs_headers": restarts["tables_vs_headers"],
             "status_after_write": write["status"],
             "status_after_read": read["status"],
+        }))
+    }
+
+    /// Phase 4: the node was just stopped with SIGTERM (a clean stop: its extent tables were
+    /// written). It is started on cold caches and its L2 start-up measured, then killed with
+    /// SIGKILL (a crash) and started again on cold caches: that start reads every slot header,
+    /// as every start did before the tables. Both starts must find every object.
+    fn restart_phase(&self) -> Result<Value, String> {
+        let n = self.hashes.len() as u64;
+        let mut starts = Vec::new();
+        for crash in [false, true] {
+            let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+            let (node, spawn_to_answer) = self.start()?;
+            let l2 = Client::connect(&node.socket)
+                .and_then(|mut c| c.status())
+                .map_err(|e| format!("status: {e}"))?["l2"]
+                .clone();
+            let u = |k: &str| l2[k].as_u64().unwrap_or(0);
+            let expect_clean = !crash;
+            if u("recovered") != n || l2["clean_start"].as_bool() != Some(expect_clean) {
+                return Err(format!(
+                    "restart {}: expected {n} objects recovered and clean_start {expect_clean},                      got {l2}
+node log:
+{}",
+                    if crash { "after a crash" } else { "after a clean stop" },
+                    node.log()
+                ));
+            }
+            starts.push(json!({
+                "spawn_to_answer_s": spawn_to_answer.as_secs_f64(),
+                "l2_startup_s": u("startup_ms") as f64 / 1e3,
+                "blocks_read": u("startup_blocks_read"),
+                "recovered": u("recovered"),
+            }));
+            // The first start crashes (its checkpoint is withdrawn at open), the second stops.
+            if crash {
+                node.stop(Duration::from_secs(300))?;
+            } else {
+                node.kill()?;
+            }
+        }
+        let f = |v: &Value| v["l2_startup_s"].as_f64().unwrap_or(0.0);
+        Ok(json!({
+            "clean": starts[0],
+            "crash": starts[1],
+            "tables_vs_headers": ratio(f(&starts[0]), f(&starts[1])),
         }))
     }
 
@@ -830,6 +882,15 @@ pub fn print_table(j: &Value) {
                 n["corrupt_chunks"],
                 n["misses"],
             );
+        let (rc, rk) = (&n["restart_clean"], &n["restart_crash"]);
+        println!(
+            "            L2 start-up after a clean stop {:.3} s ({} blocks read), after a crash {:.3} s ({} blocks): {:.2}x",
+            f(&rc["l2_startup_s"]),
+            rc["blocks_read"],
+            f(&rk["l2_startup_s"]),
+            rk["blocks_read"],
+            f(&n["restart_tables_vs_headers"]),
+        );
     }
     let c = &j["cpu_uring_over_pread"];
     if !c["node_write"].is_null() || !c["raw_write"].is_null() {

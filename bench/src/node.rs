@@ -124,6 +124,19 @@ impl SpawnedNode {
     }
 }
 
+impl SpawnedNode {
+    /// Kills the node with SIGKILL (a crash: no shutdown path runs) and reaps it.
+    pub fn kill(mut self) -> Result<(), String> {
+        self.child
+            .kill()
+            .map_err(|e| format!("killing kvnode: {e}"))?;
+        self.child
+            .wait()
+            .map_err(|e| format!("waiting for kvnode: {e}"))?;
+        Ok(())
+    }
+}
+
 impl Drop for SpawnedNode {
     fn drop(&mut self) {
         // Never signal a pid that was already reaped (`stop`): it may belong to another process.

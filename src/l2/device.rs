@@ -348,6 +348,8 @@ mod tests {
             update,
             seq_limit: 10,
             epoch_limit: 10,
+            checkpoint: 0,
+            torn_below: 0,
         }
         .encode(&mut b);
         b

@@ -7,8 +7,9 @@
 //!   write always leaves the previous copy intact; the valid copy with the higher `update` wins;
 //! - the rest of the first `EXTENT_BASE` bytes is reserved (zero);
 //! - extent `i` covers `[EXTENT_BASE + i * extent_bytes, EXTENT_BASE + (i + 1) * extent_bytes)`;
-//! - each extent starts with one [`ExtentHeader`] block, followed by slots of a fixed
-//!   `stride`: slot `j` starts at `extent_start + BLOCK + j * stride` and is one
+//! - each extent starts with one [`ExtentHeader`] block, then its table
+//!   ([`table_blocks`] blocks of [`TableBlock`]s, written at a clean shutdown), then slots of a
+//!   fixed `stride`: slot `j` starts at `extent_start + BLOCK + table + j * stride` and is one
 //!   [`SlotHeader`] block followed by `stride - BLOCK` payload bytes.
 //!
 //! Every block starts with the same 20-byte prefix, all little-endian:
@@ -23,13 +24,15 @@
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
+pub use super::table::{table_blocks, TableBlock, TableEntry, ENTRIES_PER_TABLE_BLOCK};
+
 /// Size of every header block and the alignment unit of all on-disk offsets.
 pub const BLOCK: usize = 4096;
 const B: u64 = BLOCK as u64;
 /// File offset of extent 0 (2 MiB); extents are multiples of this size, so stay aligned.
 pub const EXTENT_BASE: u64 = 2 << 20;
 /// Format version written into every block; any other value decodes as `BadVersion`.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Magic of the superblock (`b"KVL2SUPR"` little-endian); never 0.
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"KVL2SUPR");
 /// Magic of an extent header (`b"KVL2EXTH"` little-endian); never 0.
@@ -46,7 +49,7 @@ pub const MAX_SALT_BYTES: usize = 1024;
 const CKSUM: usize = 8;
 const VERSION: usize = 16;
 /// Byte offset where kind-specific fields start (after magic, checksum, version, padding).
-const BODY: usize = 24;
+pub(super) const BODY: usize = 24;
 const MIB2: u64 = 2 << 20;
 
 /// Why a block failed to decode or a header failed to encode.
@@ -114,6 +117,14 @@ pub struct Superblock {
     pub seq_limit: u64,
     /// Every extent epoch written so far is below this.
     pub epoch_limit: u64,
+    /// Non-zero: the tier was stopped cleanly and the extent tables stamped with this number
+    /// list every object it held (a restart reads them instead of every slot header). Zero
+    /// after every open (written before the first slot write of a run) and every new format.
+    pub checkpoint: u64,
+    /// Objects whose sequence number is below this were written before an unclean stop (a
+    /// checksum failure of theirs is what the stop left, counted as torn, not as corruption).
+    /// Raised to `seq_limit` by every open that follows an unclean stop.
+    pub torn_below: u64,
 }
 
 impl Superblock {
@@ -128,6 +139,8 @@ impl Superblock {
         put_u64(out, BODY + 24, self.update);
         put_u64(out, BODY + 32, self.seq_limit);
         put_u64(out, BODY + 40, self.epoch_limit);
+        put_u64(out, BODY + 48, self.checkpoint);
+        put_u64(out, BODY + 56, self.torn_below);
         seal(out, SUPERBLOCK_MAGIC);
     }
 
@@ -146,6 +159,8 @@ impl Superblock {
             update: get_u64(buf, BODY + 24),
             seq_limit: get_u64(buf, BODY + 32),
             epoch_limit: get_u64(buf, BODY + 40),
+            checkpoint: get_u64(buf, BODY + 48),
+            torn_below: get_u64(buf, BODY + 56),
         };
         if sb.update == 0 {
             return Err(invalid("superblock update count 0".to_owned()));
@@ -344,21 +359,47 @@ pub fn extent_offset(extent_bytes: u64, index: u32) -> u64 {
     EXTENT_BASE + u64::from(index) * extent_bytes
 }
 
-/// Number of slots of `stride` bytes that fit in an extent after its header block;
-/// 0 if `stride == 0`, capped at `u32::MAX`.
+/// Number of slots of `stride` bytes that fit in an extent after its header block and its
+/// table (one table block per [`ENTRIES_PER_TABLE_BLOCK`] slots); 0 if `stride == 0`, capped
+/// at `u32::MAX`. Invariant: `BLOCK * (1 + table_blocks(n)) + n * stride <= extent_bytes`.
 pub fn slots_per_extent(extent_bytes: u64, stride: u64) -> u32 {
-    let n = extent_bytes
-        .saturating_sub(B)
-        .checked_div(stride)
-        .unwrap_or(0);
+    if stride == 0 {
+        return 0;
+    }
+    let room = u128::from(extent_bytes.saturating_sub(B));
+    let per = ENTRIES_PER_TABLE_BLOCK as u128;
+    // Charging each slot its fractional share of a table block gives an upper bound; the
+    // table's last block is whole, which costs at most one or two slots more.
+    let mut n = room * per / (u128::from(stride) * per + u128::from(B));
+    let fits =
+        |n: u128| u128::from(B) * u128::from(table_blocks_u128(n)) + n * u128::from(stride) <= room;
+    while n > 0 && !fits(n) {
+        n -= 1;
+    }
     u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn table_blocks_u128(slots: u128) -> u64 {
+    u64::try_from(slots.div_ceil(ENTRIES_PER_TABLE_BLOCK as u128)).unwrap_or(u64::MAX)
+}
+
+/// File offset of the first table block of extent `extent` (right after its header).
+pub fn table_offset(extent_bytes: u64, extent: u32) -> u64 {
+    extent_offset(extent_bytes, extent) + B
+}
+
+/// Offset of slot 0 from the start of an extent of `stride`: the header block and the table.
+pub fn slots_start(extent_bytes: u64, stride: u64) -> u64 {
+    B + B * table_blocks(slots_per_extent(extent_bytes, stride))
 }
 
 /// File offset of slot `slot` of extent `extent` (its header block; payload is at
 /// `+ BLOCK`). Aligned to `BLOCK` when `extent_bytes` and `stride` are. Caller
 /// guarantees `slot < slots_per_extent` and `extent < extent_count`.
 pub fn slot_offset(extent_bytes: u64, extent: u32, stride: u64, slot: u32) -> u64 {
-    extent_offset(extent_bytes, extent) + B + u64::from(slot) * stride
+    extent_offset(extent_bytes, extent)
+        + slots_start(extent_bytes, stride)
+        + u64::from(slot) * stride
 }
 
 /// Default extent size for a file: 256 MiB, at most a quarter of the space after
@@ -374,7 +415,7 @@ pub fn default_extent_bytes(file_bytes: u64) -> u64 {
 
 // ---- helpers ----
 
-fn invalid(msg: String) -> FormatError {
+pub(super) fn invalid(msg: String) -> FormatError {
     FormatError::Invalid(msg)
 }
 
@@ -389,22 +430,22 @@ fn get_str(field: &str, bytes: &[u8]) -> Result<String, FormatError> {
     String::from_utf8(bytes.to_vec()).map_err(|e| invalid(format!("{field} is not UTF-8: {e}")))
 }
 
-fn put_u64(out: &mut [u8], at: usize, v: u64) {
+pub(super) fn put_u64(out: &mut [u8], at: usize, v: u64) {
     out[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
-fn put_u32(out: &mut [u8], at: usize, v: u32) {
+pub(super) fn put_u32(out: &mut [u8], at: usize, v: u32) {
     out[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
 
 /// Callers only read fixed offsets inside a buffer already checked to be `BLOCK` bytes.
-fn get_u64(buf: &[u8], at: usize) -> u64 {
+pub(super) fn get_u64(buf: &[u8], at: usize) -> u64 {
     let mut b = [0u8; 8];
     b.copy_from_slice(&buf[at..at + 8]);
     u64::from_le_bytes(b)
 }
 
-fn get_u32(buf: &[u8], at: usize) -> u32 {
+pub(super) fn get_u32(buf: &[u8], at: usize) -> u32 {
     let mut b = [0u8; 4];
     b.copy_from_slice(&buf[at..at + 4]);
     u32::from_le_bytes(b)
@@ -420,7 +461,7 @@ fn block_checksum(buf: &[u8]) -> u64 {
 }
 
 /// Writes magic, version and (last) the checksum into an encoded block.
-fn seal(out: &mut [u8], magic: u64) {
+pub(super) fn seal(out: &mut [u8], magic: u64) {
     put_u64(out, 0, magic);
     put_u32(out, VERSION, FORMAT_VERSION);
     let sum = block_checksum(out);
@@ -428,7 +469,7 @@ fn seal(out: &mut [u8], magic: u64) {
 }
 
 /// Common decode checks, in order: length, all-zero, magic, version, checksum.
-fn check(buf: &[u8], magic: u64) -> Result<(), FormatError> {
+pub(super) fn check(buf: &[u8], magic: u64) -> Result<(), FormatError> {
     if buf.len() != BLOCK {
         return Err(invalid(format!(
             "block is {} bytes, expected {BLOCK}",
@@ -497,6 +538,8 @@ mod tests {
             update: 3,
             seq_limit: 5 << 32,
             epoch_limit: 7 << 32,
+            checkpoint: 13,
+            torn_below: 17,
         };
         assert_eq!(sb.offset(), SUPERBLOCK_OFFSETS[1]);
         let mut buf = vec![0xffu8; BLOCK];
@@ -636,6 +679,8 @@ mod tests {
                 update: 1,
                 seq_limit: 1,
                 epoch_limit: 1,
+                checkpoint: 0,
+                torn_below: 0,
             }
             .encode(&mut b);
             b
@@ -710,7 +755,7 @@ mod tests {
         let stride = stride_for(3 * MIB);
         assert_eq!(
             slot_offset(256 * MIB, 1, stride, 0),
-            EXTENT_BASE + 256 * MIB + B
+            EXTENT_BASE + 256 * MIB + B + 2 * B // the header, then 85 slots' table (2 blocks)
         );
         for slot in 0..85 {
             let off = slot_offset(256 * MIB, 4, stride, slot);
@@ -765,6 +810,8 @@ mod tests {
                     update: 1,
                     seq_limit: 1,
                     epoch_limit: 1,
+                    checkpoint: 0,
+                    torn_below: 0,
                 };
                 let mut b = vec![0u8; BLOCK];
                 sb.encode(&mut b);

@@ -40,6 +40,14 @@ pub struct Identity {
     seq_limit: AtomicU64,
     epoch_limit: AtomicU64,
     first_epoch: u64,
+    /// The first sequence number of this run: every object numbered below it was written by an
+    /// earlier run.
+    first_seq: u64,
+    /// The superblock's checkpoint when the tier was opened (0: no clean stop before).
+    opened_checkpoint: u64,
+    /// Objects numbered below this were written before an unclean stop (see
+    /// [`Superblock::torn_below`]), as of this run's open.
+    torn_below: u64,
 }
 
 fn random_format_id() -> u64 {
@@ -82,6 +90,8 @@ impl Identity {
                 update: 0,
                 seq_limit: 1,
                 epoch_limit: 1,
+                checkpoint: 0,
+                torn_below: 0,
             },
             |p| Superblock {
                 file_bytes,
@@ -91,6 +101,8 @@ impl Identity {
         );
         let mut sb = Superblock {
             format_id: random_format_id(),
+            checkpoint: 0,
+            torn_below: 0,
             ..base
         };
         for _ in 0..2 {
@@ -123,6 +135,8 @@ impl Identity {
             update: 0,
             seq_limit: 0,
             epoch_limit: 0,
+            checkpoint: 0,
+            torn_below: 0,
         })
     }
 
@@ -135,13 +149,27 @@ impl Identity {
             seq_limit: AtomicU64::new(sb.seq_limit),
             epoch_limit: AtomicU64::new(sb.epoch_limit),
             first_epoch: sb.epoch_limit,
+            first_seq: sb.seq_limit,
+            opened_checkpoint: sb.checkpoint,
+            // What the open's lease will record (see `lease`).
+            torn_below: if sb.checkpoint == 0 {
+                sb.torn_below.max(sb.seq_limit)
+            } else {
+                sb.torn_below
+            },
             current: Mutex::new(sb),
         }
     }
 
-    /// Raises both limits by a lease (one superblock write).
+    /// Raises both limits by a lease (one superblock write), and withdraws the checkpoint: from
+    /// now on this run may change any extent, so its tables no longer describe the tier.
     fn lease(&self, write: WriteDurable<'_>) -> Result<()> {
         self.update(write, |sb| {
+            if sb.checkpoint == 0 {
+                // Not stopped cleanly: every object of the runs before may be torn.
+                sb.torn_below = sb.torn_below.max(sb.seq_limit);
+            }
+            sb.checkpoint = 0;
             sb.seq_limit = sb
                 .seq_limit
                 .checked_add(SEQ_LEASE)
@@ -207,8 +235,53 @@ impl Identity {
         // the id in force when it runs, never an older one.
         self.update(write, |sb| {
             sb.format_id = self.format_id();
+            sb.checkpoint = 0;
             Ok(())
         })
+    }
+
+    /// Records a clean stop: the extent tables stamped `checkpoint` (written and synced under
+    /// format `format_id`) describe the tier. Refused when the format in force is another one
+    /// or not durable (a CLEAR came in between). Nothing may be written to the tier after it.
+    pub fn mark_clean(
+        &self,
+        checkpoint: u64,
+        format_id: u64,
+        write: WriteDurable<'_>,
+    ) -> Result<()> {
+        assert!(checkpoint != 0, "checkpoint 0 means none");
+        self.update(write, |sb| {
+            if sb.format_id != format_id || self.format_id() != format_id {
+                return Err(Error::new(
+                    ErrorKind::Io,
+                    "the L2 tier was cleared while its tables were written: no checkpoint",
+                ));
+            }
+            sb.checkpoint = checkpoint;
+            Ok(())
+        })
+    }
+
+    /// A fresh checkpoint number (random, never 0).
+    pub fn new_checkpoint(&self) -> u64 {
+        random_format_id()
+    }
+
+    /// The checkpoint the tier was opened with (0: it was not stopped cleanly, or never had
+    /// one): only tables stamped with it may be read.
+    pub fn opened_checkpoint(&self) -> u64 {
+        self.opened_checkpoint
+    }
+
+    /// The first sequence number of this run (objects below it were found at start-up).
+    pub fn first_seq(&self) -> u64 {
+        self.first_seq
+    }
+
+    /// Objects numbered below this were written before an unclean stop: a checksum failure of
+    /// theirs is what the stop left (a torn write, a reused slot), not a change of the medium.
+    pub fn torn_below(&self) -> u64 {
+        self.torn_below
     }
 
     /// [`Identity::begin_reformat`] and [`Identity::persist_format`] in one.

@@ -4,6 +4,7 @@
 //!
 //! * [`device`]: opening a device and judging it ours, empty or foreign before any write.
 //! * [`format`]: the on-disk layout (superblock, extent headers, slot headers, checksums).
+//! * [`table`]: extent tables, a clean shutdown's record of every slot (fast restarts).
 //! * [`identity`]: the superblock in force and the sequence numbers and epochs leased under it.
 //! * [`iowatch`]: device calls in progress (a device that stops answering makes the tier stuck).
 //! * [`loader`]: the threads that run loads for requests, which wait for them at most
@@ -22,6 +23,7 @@ pub mod iowatch;
 pub mod loader;
 pub mod set;
 pub mod space;
+pub mod table;
 pub mod tier;
 pub mod writer;
 

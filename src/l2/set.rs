@@ -477,6 +477,24 @@ impl L2Set {
         Ok(())
     }
 
+    /// Ends the writes of every device and records a clean stop where it can (see
+    /// [`L2Tier::checkpoint`]); a device whose checkpoint fails is read slot by slot at the
+    /// next start. Returns how many devices were checkpointed.
+    pub fn checkpoint(&self, namespaces: &crate::storage::Namespaces) -> usize {
+        let mut done = 0;
+        for t in &self.tiers {
+            match t.checkpoint(namespaces) {
+                Ok(_) => done += 1,
+                Err(e) => tracing::warn!(
+                    path = %t.status().path,
+                    error = %e,
+                    "L2 stopped without a checkpoint: the next start reads every slot header"
+                ),
+            }
+        }
+        done
+    }
+
     /// Releases every device's pool registrations (shutdown).
     pub fn release(&self) {
         self.tiers.iter().for_each(L2Tier::release);
@@ -495,6 +513,10 @@ impl L2Set {
             total.writes += d.writes;
             total.errors += d.errors;
             total.corrupt += d.corrupt;
+            total.torn += d.torn;
+            total.clean_start &= d.clean_start;
+            total.startup_blocks_read += d.startup_blocks_read;
+            total.startup_ms = total.startup_ms.max(d.startup_ms);
             total.evictions += d.evictions;
             total.skipped += d.skipped;
             total.bytes_written += d.bytes_written;

@@ -263,6 +263,9 @@ pub fn drain(ctx: &NodeContext) {
     for l2 in set.tiers() {
         drain_device(ctx, l2);
     }
+    // Every device is drained and synced: their tables make the next start fast (a device
+    // that is stuck or failed its sync refuses, and is read header by header next time).
+    set.checkpoint(&ctx.namespaces);
 }
 
 fn drain_device(ctx: &NodeContext, l2: &super::L2Tier) {

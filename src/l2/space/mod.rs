@@ -3,8 +3,8 @@
 //! The L2 file holds `extent_count` extents of `extent_bytes` each, extent `i`
 //! starting at `EXTENT_BASE + i * extent_bytes`. An extent is free or assigned
 //! to one stride; slot `j` of an assigned extent starts at
-//! `extent start + BLOCK + j * stride` (a `BLOCK`-byte slot header, then the
-//! payload). Every assignment of an extent bumps its epoch.
+//! `extent start + slots_start(stride) + j * stride` (after the extent header and table; a
+//! `BLOCK`-byte slot header, then the payload). Every assignment of an extent bumps its epoch.
 //!
 //! * `mod.rs`: the types, reservation, state transitions, eviction.
 //! * `budget.rs`: the memory bound (bytes per object and per slot, the entry cap).
@@ -29,14 +29,14 @@ pub const MIN_STRIDE: u64 = 2 * BLOCK;
 /// Recency stamp: (primary, unique tie-break). Unique per entry; larger = more recent.
 type Stamp = (u64, u64);
 
-/// Where a slot lives. Invariant: `file_offset == EXTENT_BASE + extent *
-/// extent_bytes + BLOCK + index * stride`, and `epoch` is the extent's epoch
+/// Where a slot lives. Invariant: `file_offset == format::slot_offset(extent_bytes, extent,
+/// stride, index)`, and `epoch` is the extent's epoch
 /// at the time the slot was handed out (stale if the extent was reassigned).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotRef {
     /// Extent number, `< extent_count`.
     pub extent: u32,
-    /// Slot number within the extent, `< (extent_bytes - BLOCK) / stride`.
+    /// Slot number within the extent, `< format::slots_per_extent(extent_bytes, stride)`.
     pub index: u32,
     /// Bytes per slot (header + payload), a multiple of `BLOCK`, `>= MIN_STRIDE`.
     pub stride: u64,
@@ -451,10 +451,10 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         }
     }
 
-    /// Largest `object_len` accepted by `reserve`: the stride
-    /// `BLOCK + round_up(len, BLOCK)` must fit in `extent_bytes - BLOCK`.
+    /// Largest `object_len` accepted by `reserve`: one slot of stride
+    /// `BLOCK + round_up(len, BLOCK)` must fit after the extent header and a one-block table.
     pub fn max_object_len(&self) -> u64 {
-        self.extent_bytes.saturating_sub(2 * BLOCK) / BLOCK * BLOCK
+        self.extent_bytes.saturating_sub(3 * BLOCK) / BLOCK * BLOCK
     }
 
     fn slots_per(&self, stride: u64) -> u32 {
@@ -463,10 +463,8 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
 
     fn slot_ref(&self, extent: u32, index: u32) -> SlotRef {
         let x = &self.extents[extent as usize];
-        let file_offset = EXTENT_BASE
-            .saturating_add(u64::from(extent).saturating_mul(self.extent_bytes))
-            .saturating_add(BLOCK)
-            .saturating_add(u64::from(index).saturating_mul(x.stride));
+        let file_offset =
+            crate::l2::format::slot_offset(self.extent_bytes, extent, x.stride, index);
         SlotRef {
             extent,
             index,
@@ -787,6 +785,29 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
             .map(Entry::located)
     }
 
+    /// `(extent, epoch, stride, slots)` of every assigned extent whose on-disk header describes
+    /// its assignment (one whose header write failed is left out), in extent order.
+    pub fn assigned_extents(&self) -> Vec<(u32, u64, u64, u32)> {
+        self.extents
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.stride != 0 && !x.needs_header)
+            .map(|(e, x)| (e as u32, x.epoch, x.stride, x.slots))
+            .collect()
+    }
+
+    /// `(slot index, key, entry)` of every visible (Ready, not doomed) entry of `extent`, in
+    /// slot order: what an extent table records.
+    pub fn visible_in_extent(&self, extent: u32) -> Vec<(u32, K, Located)> {
+        self.by_slot
+            .range((extent, 0)..=(extent, u32::MAX))
+            .filter_map(|(&(_, j), k)| {
+                let e = self.entries.get(k)?;
+                e.visible().then(|| (j, *k, e.located()))
+            })
+            .collect()
+    }
+
     /// Every key with an entry (any state).
     pub fn keys(&self) -> impl Iterator<Item = &K> {
         self.entries.keys()
@@ -907,10 +928,9 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
     }
 }
 
-/// Slots of one stride in an extent of `extent_bytes` (after its header block).
+/// Slots of one stride in an extent of `extent_bytes` (after its header block and table).
 fn slots_in(extent_bytes: u64, stride: u64) -> u32 {
-    let n = extent_bytes.saturating_sub(BLOCK) / stride.max(1);
-    u32::try_from(n).unwrap_or(u32::MAX)
+    crate::l2::format::slots_per_extent(extent_bytes, stride)
 }
 
 mod budget;

@@ -14,7 +14,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
 
     /// Recovery: assigns a free extent as found on disk. Requires `extent <
     /// extent_count`, the extent free, `stride` a multiple of `BLOCK` in
-    /// `MIN_STRIDE..=extent_bytes - BLOCK`, and `epoch` above the extent's
+    /// `MIN_STRIDE..` with at least one slot in the extent, and `epoch` above the extent's
     /// current epoch (and below `u64::MAX`).
     pub fn recover_extent(
         &mut self,
@@ -34,7 +34,7 @@ impl<K: Copy + Eq + Hash + fmt::Debug> L2Index<K> {
         }
         if !stride.is_multiple_of(BLOCK)
             || stride < MIN_STRIDE
-            || stride > self.extent_bytes.saturating_sub(BLOCK)
+            || super::slots_in(self.extent_bytes, stride) == 0
         {
             return bad(format!("extent {extent}: bad stride {stride}"));
         }

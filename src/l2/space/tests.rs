@@ -30,16 +30,16 @@ fn ready(ix: &mut L2Index<u32>, k: u32, len: u64) -> Reservation<u32> {
 #[test]
 fn geometry_offsets_and_limits() {
     let mut ix = L2Index::<u32>::new(4, EB);
-    assert_eq!(ix.max_object_len(), EB - 2 * BLOCK);
+    assert_eq!(ix.max_object_len(), EB - 3 * BLOCK);
     assert_eq!(
         ix.reserve(1, 0, 0),
         Err(ReserveError::TooLarge {
             object_len: 0,
-            max: EB - 2 * BLOCK
+            max: EB - 3 * BLOCK
         })
     );
     assert!(matches!(
-        ix.reserve(1, EB - 2 * BLOCK + 1, 0),
+        ix.reserve(1, EB - 3 * BLOCK + 1, 0),
         Err(ReserveError::TooLarge { .. })
     ));
     assert!(matches!(
@@ -49,21 +49,29 @@ fn geometry_offsets_and_limits() {
     let r = ix.reserve(1, 1, 0).unwrap();
     assert_eq!(r.slot.stride, 2 * BLOCK);
     assert_eq!(r.new_extent, Some((0, 1, 2 * BLOCK)));
-    assert_eq!(r.slot.file_offset, EXTENT_BASE + BLOCK);
+    // Slot 0 follows the extent header and the extent's table.
+    let start = |stride| crate::l2::format::slots_start(EB, stride);
+    assert_eq!(r.slot.file_offset, EXTENT_BASE + start(2 * BLOCK));
     let r2 = ix.reserve(2, 4097, 0).unwrap();
     assert_eq!(r2.slot.stride, 3 * BLOCK);
     assert_eq!(r2.new_extent, Some((1, 2, 3 * BLOCK)), "epochs are global");
-    assert_eq!(r2.slot.file_offset, EXTENT_BASE + EB + BLOCK);
+    assert_eq!(r2.slot.file_offset, EXTENT_BASE + EB + start(3 * BLOCK));
     let r3 = ix.reserve(3, 4096, 0).unwrap();
     assert_eq!(r3.new_extent, None);
     assert_eq!((r3.slot.extent, r3.slot.index), (0, 1));
-    assert_eq!(r3.slot.file_offset, EXTENT_BASE + BLOCK + 2 * BLOCK);
+    assert_eq!(
+        r3.slot.file_offset,
+        EXTENT_BASE + start(2 * BLOCK) + 2 * BLOCK
+    );
     let big = ix.reserve(4, ix.max_object_len(), 0).unwrap();
-    assert_eq!(big.slot.stride, EB - BLOCK);
+    assert_eq!(big.slot.stride, EB - 2 * BLOCK);
     ok(&ix);
     let s = ix.stats();
     assert_eq!(s.capacity_bytes, 4 * EB);
-    assert_eq!(s.used_bytes, 2 * BLOCK + 3 * BLOCK + 2 * BLOCK + EB - BLOCK);
+    assert_eq!(
+        s.used_bytes,
+        2 * BLOCK + 3 * BLOCK + 2 * BLOCK + EB - 2 * BLOCK
+    );
     assert_eq!(
         (s.writing, s.objects, s.free_extents, s.extents),
         (4, 0, 1, 4)

@@ -142,6 +142,8 @@ pub struct L2SimStats {
     pub clears: u64,
     /// Clean restarts.
     pub restarts: u64,
+    /// Clean restarts whose checkpoint (extent tables) succeeded.
+    pub checkpoints: u64,
     /// Process crashes.
     pub crashes: u64,
     /// Power losses.

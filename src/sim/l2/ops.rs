@@ -311,12 +311,29 @@ impl L2Sim {
             };
             self.release_with(how)?;
         }
+        let mut checkpointed = false;
         if stop == Stop::Clean {
             self.sync()?;
+            // The node's shutdown: the tables of a checkpoint (or, when it fails, none).
+            let node = &self.node;
+            let r = super::engine::explicit_sync(|| node.tier().checkpoint(&node.namespaces));
+            match r {
+                Ok(c) => {
+                    checkpointed = true;
+                    self.stats.checkpoints += 1;
+                    self.log(format!(
+                        "checkpoint: {} extents, {} objects",
+                        c.extents, c.objects
+                    ));
+                }
+                Err(e) => self.log(format!("checkpoint failed: {e}")),
+            }
         }
         // What the tier still holds now (a released I/O may have dropped objects).
         self.refresh_claims()?;
         let durable = self.model.durable();
+        let held_before: Vec<(u32, u64)> =
+            self.model.claims.iter().map(|(&i, c)| (i, c.v)).collect();
         // A copy not durable at the stop is, if found again, the device's leftover.
         self.model.claims.retain(|_, c| c.synced);
         self.node.close();
@@ -341,15 +358,46 @@ impl L2Sim {
             "{stop:?}: {} durable objects, {reverted} blocks undone",
             durable.len()
         ));
-        self.reopen()?;
+        let faults_before = self.node.disk.stats();
+        let tries = self.reopen()?;
         self.model.on_reopen();
         // Claims on copies durable before the stop carry over; the rest were found on disk.
         self.refresh_claims_as(true)?;
+        // A failed try may have withdrawn the checkpoint (its open's first superblock write).
+        if checkpointed && tries == 1 {
+            self.check_checkpoint_start(&held_before, faults_before)?;
+        }
         self.check_durable(&durable, &format!("{stop:?}"))
     }
 
+    /// After a stop whose checkpoint succeeded: the start used it, and (unless a read failed
+    /// or was damaged, when a table block's slots are read from their headers) found exactly
+    /// the objects held at the stop, none that was evicted, replaced or dropped before it.
+    fn check_checkpoint_start(
+        &self,
+        held_before: &[(u32, u64)],
+        faults_before: super::disk::DiskStats,
+    ) -> Check {
+        if !self.node.tier().status().clean_start {
+            return Err("a checkpoint was written, but the next start did not use it".into());
+        }
+        let now = self.node.disk.stats();
+        if (now.read_eio, now.flips) != (faults_before.read_eio, faults_before.flips) {
+            return Ok(());
+        }
+        let held: Vec<(u32, u64)> = self.model.claims.iter().map(|(&i, c)| (i, c.v)).collect();
+        if held != held_before {
+            return Err(format!(
+                "after a checkpoint the tier holds (key, version) {held:?}, at the stop it held \
+                 {held_before:?}"
+            ));
+        }
+        Ok(())
+    }
+
     /// Opens the tier again: up to three tries under the faults in force, then one without.
-    fn reopen(&mut self) -> Check {
+    /// Returns how many tries it took.
+    fn reopen(&mut self) -> Result<u32, String> {
         for attempt in 0..4 {
             if attempt == 3 {
                 self.node.disk.set_rates(FaultRates::default());
@@ -362,7 +410,7 @@ impl L2Sim {
                         "reopened: {} recovered, {} errors",
                         s.recovered, s.errors
                     ));
-                    return Ok(());
+                    return Ok(attempt + 1);
                 }
                 Err(e) => self.log(format!("reopen failed: {e}")),
             }

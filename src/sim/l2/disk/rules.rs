@@ -1,14 +1,15 @@
 //! The rules every tier write must follow, checked as it is issued: inside `[0, l2.bytes)`;
 //! below the first extent only the two superblock copies; at an extent's start only its
-//! header; elsewhere only the header or the payload of a slot of the stride, epoch and format
-//! the extent's last header gave it. Also the maps from the headers written to where each
+//! header; then only its table blocks (of that format and epoch); elsewhere only the header or
+//! the payload of a slot of the stride, epoch and format the extent's last header gave it. Also the maps from the headers written to where each
 //! object's newest copy is, and a description of a slot for failure messages.
 
 use kvnode_hw::BlockIo;
 
 use super::{SimDisk, State, BLOCK};
 use crate::l2::format::{
-    extent_offset, slot_offset, slots_per_extent, ExtentHeader, SlotHeader, Superblock, EXTENT_BASE,
+    extent_offset, slot_offset, slots_per_extent, slots_start, ExtentHeader, SlotHeader,
+    Superblock, TableBlock, ENTRIES_PER_TABLE_BLOCK, EXTENT_BASE,
 };
 
 impl SimDisk {
@@ -94,7 +95,30 @@ impl SimDisk {
                 format!("into extent {e}, which was never given a header"),
             );
         };
-        let rel = off - start - BLOCK;
+        let table_end = start + slots_start(self.extent_bytes, h.stride);
+        if off < table_end {
+            match block.map(TableBlock::decode) {
+                Some(Ok(t))
+                    if t.format_id == h.format_id
+                        && t.epoch == h.epoch
+                        && t.extent_index == e
+                        && u64::from(t.first_slot)
+                            == (off - start - BLOCK) / BLOCK * ENTRIES_PER_TABLE_BLOCK as u64 => {}
+                other => bad(
+                    st,
+                    format!(
+                        "table block of extent {e} that does not match it (format {:#x}, \
+                         epoch {}): {other:?}",
+                        h.format_id, h.epoch
+                    ),
+                ),
+            }
+            return;
+        }
+        let rel = off - table_end;
+        if rel / h.stride >= u64::from(slots_per_extent(self.extent_bytes, h.stride)) {
+            return bad(st, format!("past the last slot of extent {e}"));
+        }
         match rel % h.stride {
             0 => match block.map(SlotHeader::decode) {
                 Some(Ok(s))

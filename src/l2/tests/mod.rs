@@ -1209,3 +1209,5 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         .expect("refused");
     assert!(e.to_string().contains("not a kvnode L2 tier"), "{e}");
 }
+
+mod checkpoint;

@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvnode_hw::{BlockEngine, BlockIo, EngineKind, HwError, SharedPool, BLOCK_ALIGN};
@@ -15,13 +15,13 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::format::{
-    default_extent_bytes, extent_count, extent_offset, payload_checksum, slot_offset,
-    slots_per_extent, ExtentHeader, FormatError, SlotHeader, Superblock, BLOCK,
+    default_extent_bytes, extent_count, extent_offset, payload_checksum, ExtentHeader, SlotHeader,
+    Superblock, BLOCK,
 };
 use super::gate::{ClearGate, GateToken};
 use super::identity::Identity;
 use super::iowatch::IoWatch;
-use super::space::{L2Index, RecoverOutcome, Recovered, ReserveError};
+use super::space::{L2Index, ReserveError};
 use super::writer::WriteQueue;
 use crate::config::{L2Config, WritePolicy};
 use crate::error::{Error, ErrorKind, Result};
@@ -29,6 +29,11 @@ use crate::storage::{Grant, KeyError, Layout, Namespaces, StorageCore, StorageKe
 
 /// Bytes at the end of the pool reserved for staging headers (512 blocks of 4 KiB).
 pub const STAGING_BYTES: u64 = 2 << 20;
+
+mod checkpoint;
+mod recover;
+
+pub use checkpoint::CheckpointStats;
 /// Header reads per batch at start-up (nothing else uses the staging area then).
 const RECOVERY_READS: usize = 256;
 pub use super::device::DATA_FILE;
@@ -74,6 +79,7 @@ struct Counters {
     bytes_read: AtomicU64,
     errors: AtomicU64,
     corrupt: AtomicU64,
+    torn: AtomicU64,
     evictions: AtomicU64,
     skipped: AtomicU64,
     stalled: AtomicU64,
@@ -100,8 +106,13 @@ pub struct L2Status {
     pub writes: u64,
     /// Device errors (ENOSPC, EIO, short transfers); each dropped its object from L2.
     pub errors: u64,
-    /// Objects whose payload failed its checksum when loaded (dropped, never served).
+    /// Objects whose payload failed its checksum when loaded although the tier stopped cleanly
+    /// since they were written: the medium changed them (dropped, never served).
     pub corrupt: u64,
+    /// Objects written before an unclean stop (crash, power loss) whose payload failed its
+    /// checksum when loaded: torn or overwritten by a reused slot at that stop (dropped, never
+    /// served).
+    pub torn: u64,
     /// Objects evicted from L2 to make room.
     pub evictions: u64,
     /// Objects not written: write-behind queue full, too large for an extent, or no space.
@@ -112,6 +123,13 @@ pub struct L2Status {
     pub bytes_read: u64,
     /// Objects found on disk at start-up.
     pub recovered: u64,
+    /// Whether the tier had been stopped cleanly (a checkpoint): start-up read the extent
+    /// tables, not every slot header.
+    pub clean_start: bool,
+    /// Blocks read at start-up to rebuild the index (extent headers, tables, slot headers).
+    pub startup_blocks_read: u64,
+    /// Milliseconds the start-up took to open the device, judge it and rebuild the index.
+    pub startup_ms: u64,
     /// Objects waiting in the write-behind queue.
     pub queued: usize,
     /// Extent size on disk.
@@ -186,6 +204,12 @@ pub struct L2Tier {
     batch_objects: usize,
     counters: Counters,
     recovered: u64,
+    /// What the start-up read.
+    startup: recover::RecoveryReads,
+    /// How long opening took (device, superblock, index), in milliseconds.
+    startup_ms: u64,
+    /// Set by [`L2Tier::checkpoint`]: no object is written any more.
+    sealed: AtomicBool,
     path: PathBuf,
     policy: WritePolicy,
     /// Write-behind queue (drained by the writer thread).
@@ -431,23 +455,6 @@ impl Drop for WriteBatch<'_> {
     }
 }
 
-/// What recovery found in one slot.
-enum SlotScan {
-    /// The header could not be read (an I/O error).
-    Unreadable,
-    /// Never written, torn or not a slot header.
-    Free,
-    /// A decoded header and the offset it was read from.
-    Header(Box<SlotHeader>, u64),
-}
-
-/// The slots of one assigned extent, read at start-up.
-struct ExtentScan {
-    extent: u32,
-    epoch: u64,
-    slots: Vec<SlotScan>,
-}
-
 /// One planned object write of a batch.
 struct PlannedWrite {
     key: StorageKey,
@@ -496,6 +503,7 @@ impl L2Tier {
         namespaces: &Namespaces,
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> std::result::Result<L2Tier, OpenFailure> {
+        let started = std::time::Instant::now();
         // Nothing is written and nothing is resized before the device was judged ours or empty.
         let mut dev = super::device::open(cfg, path)?;
         let found = super::device::identify(&dev).map_err(OpenFailure::Failed)?;
@@ -571,6 +579,9 @@ impl L2Tier {
             batch_objects: cfg.batch_objects.min(STAGING_BYTES as usize / BLOCK / 4),
             counters: Counters::default(),
             recovered: 0,
+            startup: recover::RecoveryReads::default(),
+            startup_ms: 0,
+            sealed: AtomicBool::new(false),
             path: dev.path.clone(),
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),
@@ -625,8 +636,10 @@ impl L2Tier {
                     .note_epoch(tier.identity.first_epoch().saturating_sub(1));
             }
         }
+        tier.startup_ms = started.elapsed().as_millis() as u64;
         tracing::info!(
             path = %tier.path.display(),
+            startup_ms = tier.startup_ms,
             engine = tier.write_engine.kind().as_str(),
             bytes = file_bytes,
             extent_bytes,
@@ -750,180 +763,6 @@ impl L2Tier {
         })
     }
 
-    /// Rebuilds the index from extent and slot headers (payloads are verified when loaded).
-    fn recover(&mut self, namespaces: &Namespaces) -> Result<()> {
-        let format_id = self.identity.format_id();
-        // Epochs of this run start above every epoch leased before, read or not.
-        self.index
-            .get_mut()
-            .note_epoch(self.identity.first_epoch().saturating_sub(1));
-        let extents = extent_count(self.file_bytes, self.extent_bytes);
-        let offsets: Vec<u64> = (0..extents)
-            .map(|e| extent_offset(self.extent_bytes, e))
-            .collect();
-        let mut assigned = Vec::new();
-        let mut unreadable = 0u64;
-        for (e, block) in self
-            .read_blocks(&offsets, RECOVERY_READS)
-            .into_iter()
-            .enumerate()
-        {
-            let Ok(block) = block else {
-                unreadable += 1; // the extent is treated as free
-                continue;
-            };
-            if let Ok(h) = ExtentHeader::decode(&block) {
-                // Any epoch seen on disk stays unused from now on (stale slot headers that
-                // carry it can never match a new assignment).
-                self.index.get_mut().note_epoch(h.epoch);
-            }
-            match ExtentHeader::decode(&block) {
-                Ok(h) if h.format_id == format_id && h.extent_index == e as u32 => {
-                    match self
-                        .index
-                        .get_mut()
-                        .recover_extent(e as u32, h.epoch, h.stride)
-                    {
-                        Ok(()) => assigned.push((e as u32, h)),
-                        Err(err) => {
-                            tracing::warn!(extent = e, error = %err, "L2 extent header rejected")
-                        }
-                    }
-                }
-                Ok(_) | Err(FormatError::Empty) => {}
-                Err(err) => {
-                    tracing::warn!(extent = e, error = %err, "L2 extent header damaged: extent treated as free")
-                }
-            }
-        }
-        let (mut inserted, mut rejected, mut max_seq) = (0u64, 0u64, 0u64);
-        // Slot headers are read by one thread per read ring (each with its share of the
-        // staging area), extent by extent; this thread decodes nothing and only rebuilds the
-        // index, so the disk sees several batches of header reads at once.
-        let this = &*self;
-        let readers = READ_RINGS.min(assigned.len()).max(1);
-        let per_call = (STAGING_BYTES as usize / BLOCK / readers).min(RECOVERY_READS);
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<ExtentScan>(2 * readers);
-            for _ in 0..readers {
-                let (tx, next, assigned) = (tx.clone(), &next, &assigned);
-                scope.spawn(move || {
-                    while let Some(&(e, ref h)) = assigned.get(next.fetch_add(1, Ordering::Relaxed))
-                    {
-                        let n = slots_per_extent(this.extent_bytes, h.stride);
-                        let offsets: Vec<u64> = (0..n)
-                            .map(|j| slot_offset(this.extent_bytes, e, h.stride, j))
-                            .collect();
-                        let slots = this
-                            .read_blocks(&offsets, per_call)
-                            .into_iter()
-                            .zip(&offsets)
-                            .map(|(block, &off)| match block {
-                                Err(_) => SlotScan::Unreadable,
-                                Ok(b) => match SlotHeader::decode(&b) {
-                                    Ok(s) => SlotScan::Header(Box::new(s), off),
-                                    Err(_) => SlotScan::Free, // never written or torn
-                                },
-                            })
-                            .collect();
-                        if tx
-                            .send(ExtentScan {
-                                extent: e,
-                                epoch: h.epoch,
-                                slots,
-                            })
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                });
-            }
-            drop(tx);
-            for scan in rx {
-                let mut index = this.index.lock();
-                for (j, slot) in scan.slots.into_iter().enumerate() {
-                    let (s, expected_offset) = match slot {
-                        SlotScan::Unreadable => {
-                            unreadable += 1; // the slot is treated as free
-                            continue;
-                        }
-                        SlotScan::Free => continue,
-                        SlotScan::Header(s, off) => (s, off),
-                    };
-                    index.note_epoch(s.extent_epoch);
-                    if s.format_id != format_id
-                        || s.extent_epoch != scan.epoch
-                        || s.file_offset != expected_offset
-                    {
-                        continue; // left over from an earlier format or assignment
-                    }
-                    let Ok(namespace) = namespaces.intern_recovered(&s.model, &s.cache_salt) else {
-                        rejected += 1;
-                        continue;
-                    };
-                    let key = StorageKey {
-                        chunk_hash: s.chunk_hash,
-                        kv_rank: s.kv_rank,
-                        object_group: s.object_group,
-                        namespace,
-                    };
-                    let outcome = index.recover_entry(
-                        key,
-                        j as u32,
-                        scan.extent,
-                        Recovered {
-                            object_len: s.object_len,
-                            checksum: s.payload_checksum,
-                            seq: s.seq,
-                            layout: s.layout,
-                        },
-                    );
-                    match outcome {
-                        RecoverOutcome::Inserted => inserted += 1,
-                        // OverCap: counted by the index (`unindexed`).
-                        RecoverOutcome::ReplacedOlder
-                        | RecoverOutcome::KeptNewer
-                        | RecoverOutcome::OverCap => {}
-                        RecoverOutcome::Rejected(_) => rejected += 1,
-                    }
-                    max_seq = max_seq.max(s.seq);
-                }
-            }
-        });
-        let index = self.index.get_mut();
-        index.finish_recovery();
-        let stats = index.stats();
-        self.recovered = stats.objects;
-        if stats.unindexed > 0 {
-            tracing::warn!(
-                unindexed = stats.unindexed,
-                indexed = stats.entries,
-                max_objects = stats.max_entries,
-                max_index_bytes = stats.index_limit_bytes,
-                "L2 objects found at start-up exceed the index cap (l2.max_index_bytes): the \
-                 least recently written are not indexed and their slots will be reused"
-            );
-        }
-        // Never above the lease in a tier this code wrote; kept as a guard all the same.
-        self.identity.seq_at_least(max_seq.saturating_add(1));
-        if unreadable > 0 {
-            self.counters
-                .errors
-                .fetch_add(unreadable, Ordering::Relaxed);
-            tracing::warn!(
-                unreadable,
-                "L2 headers could not be read at start-up: their extents or slots are treated as free"
-            );
-        }
-        if rejected > 0 {
-            tracing::warn!(rejected, "L2 recovery rejected some slot headers");
-        }
-        tracing::debug!(inserted, objects = self.recovered, "L2 index rebuilt");
-        Ok(())
-    }
-
     /// The write policy in force.
     pub fn policy(&self) -> WritePolicy {
         self.policy
@@ -965,6 +804,13 @@ impl L2Tier {
     ) -> u64 {
         if self.stuck() {
             // The device has not answered for a while: nothing is locked for it meanwhile.
+            return 0;
+        }
+        if self.sealed() {
+            // The checkpoint's tables describe the tier: nothing may change it any more.
+            self.counters
+                .skipped
+                .fetch_add(keys.len() as u64, Ordering::Relaxed);
             return 0;
         }
         let parts = byte_bounded_parts(keys, self.batch_objects, &|k| {
@@ -1565,11 +1411,20 @@ impl L2Tier {
             return false;
         }
         if !checksum_ok {
-            self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                file_offset = l.slot.file_offset,
-                "L2 object failed its checksum: dropped, not served"
-            );
+            if l.seq < self.identity.torn_below() {
+                self.counters.torn.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    file_offset = l.slot.file_offset,
+                    "L2 object written before an unclean stop failed its checksum (torn by \
+                     the stop): dropped, not served"
+                );
+            } else {
+                self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    file_offset = l.slot.file_offset,
+                    "L2 object failed its checksum: dropped, not served"
+                );
+            }
             return false;
         }
         true
@@ -1801,11 +1656,15 @@ impl L2Tier {
             writes: c.writes.load(Ordering::Relaxed),
             errors: c.errors.load(Ordering::Relaxed),
             corrupt: c.corrupt.load(Ordering::Relaxed),
+            torn: c.torn.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
             skipped: c.skipped.load(Ordering::Relaxed) + self.queue.dropped(),
             bytes_written: c.bytes_written.load(Ordering::Relaxed),
             bytes_read: c.bytes_read.load(Ordering::Relaxed),
             recovered: self.recovered,
+            clean_start: self.identity.opened_checkpoint() != 0,
+            startup_blocks_read: self.startup.blocks,
+            startup_ms: self.startup_ms,
             queued: self.queue.len(),
             extent_bytes: self.extent_bytes,
             index_bytes: s.index_bytes,
