@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use super::{L2Tier, RECOVERY_READS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::l2::format::{
-    slots_per_extent, table_blocks, table_offset, TableBlock, TableEntry, BLOCK,
+    extent_count, extent_offset, slots_per_extent, table_blocks, table_offset, TableBlock, TableEntry, BLOCK,
     ENTRIES_PER_TABLE_BLOCK,
 };
 use crate::l2::table::namespace_digest;
@@ -33,7 +33,8 @@ fn refused(why: &str) -> Error {
 
 impl L2Tier {
     /// Ends the tier's writes and records a clean stop: syncs, writes every assigned extent's
-    /// table from the index, syncs again, then marks the superblock. From the first step on the
+    /// table from the index and zeroes the header of every other extent, syncs again, then
+    /// marks the superblock. From the first step on the
     /// tier writes no object (`persist` counts them as skipped), so the tables stay true.
     /// Any failure leaves the superblock without a checkpoint: the next start reads every slot
     /// header, as after a crash. Call once, at shutdown, after the write-behind drained.
@@ -50,9 +51,24 @@ impl L2Tier {
         }
         let checkpoint = self.identity.new_checkpoint();
         let extents = self.index.lock().assigned_extents();
+        // Every other extent is free in memory, but its header on disk may still be valid (an
+        // extent emptied at start-up, one whose new header failed to land): with no table to
+        // say so, the next start would read its slot headers and bring their objects back.
+        // Its header is zeroed: the extent is free on disk too.
+        let mut pending: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut tabled = extents.iter().map(|x| x.0).peekable();
+        for e in 0..extent_count(self.file_bytes, self.extent_bytes) {
+            if tabled.peek() == Some(&e) {
+                tabled.next();
+                continue;
+            }
+            pending.push((extent_offset(self.extent_bytes, e), vec![0u8; BLOCK]));
+            if pending.len() >= RECOVERY_READS {
+                self.write_tables(&mut pending)?;
+            }
+        }
         let mut names: HashMap<NamespaceId, Option<u128>> = HashMap::new();
         let mut stats = CheckpointStats::default();
-        let mut pending: Vec<(u64, Vec<u8>)> = Vec::new();
         for (e, epoch, stride, slots) in extents {
             debug_assert_eq!(slots, slots_per_extent(self.extent_bytes, stride));
             let visible = self.index.lock().visible_in_extent(e);

@@ -1678,6 +1678,11 @@ impl L2Tier {
         }
     }
 
+    /// Where `key`'s visible entry lies, and what it records (the simulator's checks).
+    pub fn located(&self, key: &StorageKey) -> Option<super::space::Located> {
+        self.index.lock().get(key)
+    }
+
     /// Pins `key`'s L2 entry as a load does (tests).
     #[cfg(test)]
     pub(super) fn pin_for_tests(&self, key: &StorageKey) -> Option<super::space::SlotRef> {

@@ -124,7 +124,16 @@ impl L2Sim {
                     }
                 ));
             }
-            let Some((seq, offset)) = self.node.disk.latest_header(&k.chunk_hash, ver.fp()) else {
+            let written = self.node.disk.latest_header(&k.chunk_hash, ver.fp());
+            // Found at start-up in an extent table although its slot header write was undone
+            // (left in limbo by a failed fdatasync before the checkpoint): the table's entry
+            // names its slot; the payload is checked when it is loaded.
+            let from_table = || {
+                tier.located(&key)
+                    .filter(|_| inherited)
+                    .map(|l| (l.seq, l.slot.file_offset))
+            };
+            let Some((seq, offset)) = written.or_else(from_table) else {
                 return Err(format!(
                     "L2 holds key {id} version {}, but no slot header was ever written for it",
                     ver.v

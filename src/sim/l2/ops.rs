@@ -365,24 +365,28 @@ impl L2Sim {
         self.refresh_claims_as(true)?;
         // A failed try may have withdrawn the checkpoint (its open's first superblock write).
         if checkpointed && tries == 1 {
-            self.check_checkpoint_start(&held_before, faults_before)?;
+            self.check_checkpoint_start(&held_before, faults_before, reverted)?;
         }
         self.check_durable(&durable, &format!("{stop:?}"))
     }
 
     /// After a stop whose checkpoint succeeded: the start used it, and (unless a read failed
-    /// or was damaged, when a table block's slots are read from their headers) found exactly
-    /// the objects held at the stop, none that was evicted, replaced or dropped before it.
+    /// or was damaged, when a table block's slots are read from their headers, or the restart
+    /// undid writes left in limbo by a failed fdatasync) found exactly the objects held at the
+    /// stop, none that was evicted, replaced or dropped before it.
     fn check_checkpoint_start(
         &self,
         held_before: &[(u32, u64)],
         faults_before: super::disk::DiskStats,
+        reverted: u64,
     ) -> Check {
         if !self.node.tier().status().clean_start {
             return Err("a checkpoint was written, but the next start did not use it".into());
         }
         let now = self.node.disk.stats();
-        if (now.read_eio, now.flips) != (faults_before.read_eio, faults_before.flips) {
+        // Writes in limbo (made before a failed fdatasync) may be undone at a restart, tables'
+        // objects with them; a read fault sends a table block's slots to their headers.
+        if reverted > 0 || (now.read_eio, now.flips) != (faults_before.read_eio, faults_before.flips) {
             return Ok(());
         }
         let held: Vec<(u32, u64)> = self.model.claims.iter().map(|(&i, c)| (i, c.v)).collect();

@@ -1,6 +1,6 @@
 //! The rules every tier write must follow, checked as it is issued: inside `[0, l2.bytes)`;
 //! below the first extent only the two superblock copies; at an extent's start only its
-//! header; then only its table blocks (of that format and epoch); elsewhere only the header or
+//! header (or zeros: a checkpoint freeing it); then only its table blocks (of that format and epoch); elsewhere only the header or
 //! the payload of a slot of the stride, epoch and format the extent's last header gave it. Also the maps from the headers written to where each
 //! object's newest copy is, and a description of a slot for failure messages.
 
@@ -8,8 +8,8 @@ use kvnode_hw::BlockIo;
 
 use super::{SimDisk, State, BLOCK};
 use crate::l2::format::{
-    extent_offset, slot_offset, slots_per_extent, slots_start, ExtentHeader, SlotHeader,
-    Superblock, TableBlock, ENTRIES_PER_TABLE_BLOCK, EXTENT_BASE,
+    extent_offset, slot_offset, slots_per_extent, slots_start, ExtentHeader, FormatError,
+    SlotHeader, Superblock, TableBlock, ENTRIES_PER_TABLE_BLOCK, EXTENT_BASE,
 };
 
 impl SimDisk {
@@ -82,6 +82,8 @@ impl SimDisk {
         if off == start {
             match block.map(ExtentHeader::decode) {
                 Some(Ok(h)) if h.extent_index == e => st.extents[e as usize] = Some(h),
+                // A checkpoint frees an extent on disk that is free in memory.
+                Some(Err(FormatError::Empty)) => st.extents[e as usize] = None,
                 other => bad(
                     st,
                     format!("extent {e}'s header block is not its header: {other:?}"),
