@@ -563,7 +563,10 @@ struct Iter {
     cleared: u64,
     wrong: u64,
     resurrected: u64,
+    /// STATUS `l2.corrupt`: checksum failures the node blames on the medium.
     corrupt: u64,
+    /// STATUS `l2.torn`: checksum failures the node puts down to the kill before the restart.
+    torn_counted: u64,
     errors: u64,
     stalled: u64,
     hits: u64,
@@ -621,6 +624,7 @@ impl Iter {
             "wrong": self.wrong,
             "resurrected": self.resurrected,
             "corrupt": self.corrupt,
+            "torn_counted": self.torn_counted,
             "errors": self.errors,
             "stalled": self.stalled,
             "hits": self.hits,
@@ -648,8 +652,8 @@ impl Iter {
         format!(
             "iteration {n}/{of}: kill at writes={} queued={} unwritten={}{}{clear} | committed {} \
              present {} refused {} | torn on disk {} (slot reused {}) | recovered {} served {} \
-             (committed this iteration {}) missing {}{} wrong {} resurrected {} | corrupt {} errors {} \
-             stalled {} | memcheck {}",
+             (committed this iteration {}) missing {}{} wrong {} resurrected {} | corrupt {} torn {} \
+             errors {} stalled {} | memcheck {}",
             self.writes_at_kill,
             self.queued_at_kill,
             self.unwritten_at_kill,
@@ -671,6 +675,7 @@ impl Iter {
             self.wrong,
             self.resurrected,
             self.corrupt,
+            self.torn_counted,
             self.errors,
             self.stalled,
             if self.memcheck_ok { "ok" } else { "FAILED" },
@@ -908,6 +913,7 @@ impl Loop<'_> {
             .status()
             .map_err(|e| format!("STATUS after the retrieves: {e}"))?;
         it.corrupt = l2(&s, "corrupt");
+        it.torn_counted = l2(&s, "torn");
         it.errors = l2(&s, "errors");
         it.stalled = l2(&s, "stalled");
         it.hits = l2(&s, "hits");
@@ -938,6 +944,15 @@ impl Loop<'_> {
             self.fail(format!(
                 "iteration {n}: MEMCHECK failed: {:?}",
                 it.memcheck_problems
+            ));
+        }
+        // Every restart follows a SIGKILL, and nothing damages the device but the kill (and a
+        // sabotage): every checksum failure is the kill's doing, none the medium's.
+        if it.corrupt > 0 && self.a.sabotage.is_none() {
+            self.fail(format!(
+                "iteration {n}: {} checksum failures counted as media corruption after a kill \
+                 (they are torn: the node restarted after an unclean stop)",
+                it.corrupt
             ));
         }
         // L1 starts empty after a restart: whatever is served came from the recovered objects.
@@ -994,6 +1009,7 @@ impl Loop<'_> {
             "wrong": sum(|i| i.wrong),
             "resurrected": sum(|i| i.resurrected),
             "corrupt": sum(|i| i.corrupt),
+            "torn_counted": sum(|i| i.torn_counted),
             "torn": sum(|i| i.scan.torn),
             "torn_other_key": sum(|i| i.scan.torn_other_key),
             "torn_same_key": sum(|i| i.scan.torn_same_key),
@@ -1031,8 +1047,8 @@ impl Loop<'_> {
         };
         format!(
             "L2-KILLLOOP: {} iterations, {} kills, {} served, {} wrong, {} recovered, {} missing \
-             (of {} committed{cleared}), {} corrupt ({} torn on disk after the kills, {} of them \
-             in reused slots), {} errors, memcheck {}{clear}; {} kills with the write-behind \
+             (of {} committed{cleared}), {} corrupt, {} torn counted ({} torn on disk after the \
+             kills, {} of them in reused slots), {} errors, memcheck {}{clear}; {} kills with the write-behind \
              busy, variant {}, engine {}, seed {}: {}",
             self.iters.len(),
             n("kills"),
@@ -1042,6 +1058,7 @@ impl Loop<'_> {
             n("missing"),
             n("committed"),
             n("corrupt"),
+            n("torn_counted"),
             n("torn"),
             n("torn_other_key"),
             n("errors"),

@@ -126,12 +126,16 @@ impl L2Sim {
             }
             let written = self.node.disk.latest_header(&k.chunk_hash, ver.fp());
             // Found at start-up in an extent table although its slot header write was undone
-            // (left in limbo by a failed fdatasync before the checkpoint): the table's entry
-            // names its slot; the payload is checked when it is loaded.
+            // (left in limbo by a failed fdatasync before the checkpoint), or claimed so since:
+            // the table's entry names its slot; the payload is checked when it is loaded.
+            let claimed = self.model.claims.get(&id);
             let from_table = || {
                 tier.located(&key)
-                    .filter(|_| inherited)
                     .map(|l| (l.seq, l.slot.file_offset))
+                    .filter(|&(seq, offset)| {
+                        inherited
+                            || claimed.is_some_and(|c| (c.v, c.seq, c.offset) == (ver.v, seq, offset))
+                    })
             };
             let Some((seq, offset)) = written.or_else(from_table) else {
                 return Err(format!(
