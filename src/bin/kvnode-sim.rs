@@ -151,6 +151,8 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
                 total.durable_verified += s.durable_verified;
                 total.power_losses += s.power_losses;
                 total.crashes += s.crashes;
+                total.restarts += s.restarts;
+                total.checkpoints += s.checkpoints;
                 total.stalls += s.stalls;
                 total.requeued += s.requeued;
                 digest ^= s.trace_digest;
@@ -165,8 +167,9 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
     }
     println!(
         "SIMULATE L2: {} seeds, {} failed{}, {} steps, {} objects written, {} loaded, {} durable \
-         objects verified after {} power losses and {} crashes, {} stuck I/Os, {} deferred \
-         stores requeued, {} faults injected, digest {digest:016x}, {:.1} s",
+         objects verified after {} power losses, {} crashes and {} clean restarts ({} from a \
+         checkpoint), {} stuck I/Os, {} deferred stores requeued, {} faults injected, digest \
+         {digest:016x}, {:.1} s",
         seeds.len(),
         failed.len(),
         if failed.is_empty() {
@@ -180,6 +183,8 @@ fn run_l2(args: &Args, seeds: &[u64]) -> ExitCode {
         total.durable_verified,
         total.power_losses,
         total.crashes,
+        total.restarts,
+        total.checkpoints,
         total.stalls,
         total.requeued,
         total.faults,

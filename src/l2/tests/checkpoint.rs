@@ -227,7 +227,10 @@ fn an_extent_free_at_the_checkpoint_brings_nothing_back() {
     let keys = r.keys(4);
     let s = r.tier.status();
     assert!(s.clean_start);
-    assert_eq!(s.recovered, 0, "objects the stopped run did not hold came back");
+    assert_eq!(
+        s.recovered, 0,
+        "objects the stopped run did not hold came back"
+    );
     assert!(keys.iter().all(|k| !r.tier.contains(k)));
     r.check_clean();
     r.dir = Some(owner);

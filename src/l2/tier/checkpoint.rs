@@ -10,8 +10,8 @@ use std::sync::atomic::Ordering;
 use super::{L2Tier, RECOVERY_READS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::l2::format::{
-    extent_count, extent_offset, slots_per_extent, table_blocks, table_offset, TableBlock, TableEntry, BLOCK,
-    ENTRIES_PER_TABLE_BLOCK,
+    extent_count, extent_offset, slots_per_extent, table_blocks, table_offset, TableBlock,
+    TableEntry, BLOCK, ENTRIES_PER_TABLE_BLOCK,
 };
 use crate::l2::table::namespace_digest;
 use crate::storage::{NamespaceId, Namespaces};

@@ -134,7 +134,8 @@ impl L2Sim {
                     .map(|l| (l.seq, l.slot.file_offset))
                     .filter(|&(seq, offset)| {
                         inherited
-                            || claimed.is_some_and(|c| (c.v, c.seq, c.offset) == (ver.v, seq, offset))
+                            || claimed
+                                .is_some_and(|c| (c.v, c.seq, c.offset) == (ver.v, seq, offset))
                     })
             };
             let Some((seq, offset)) = written.or_else(from_table) else {

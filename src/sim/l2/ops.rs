@@ -386,7 +386,9 @@ impl L2Sim {
         let now = self.node.disk.stats();
         // Writes in limbo (made before a failed fdatasync) may be undone at a restart, tables'
         // objects with them; a read fault sends a table block's slots to their headers.
-        if reverted > 0 || (now.read_eio, now.flips) != (faults_before.read_eio, faults_before.flips) {
+        if reverted > 0
+            || (now.read_eio, now.flips) != (faults_before.read_eio, faults_before.flips)
+        {
             return Ok(());
         }
         let held: Vec<(u32, u64)> = self.model.claims.iter().map(|(&i, c)| (i, c.v)).collect();
