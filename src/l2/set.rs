@@ -517,6 +517,7 @@ impl L2Set {
             total.clean_start &= d.clean_start;
             total.startup_blocks_read += d.startup_blocks_read;
             total.startup_ms = total.startup_ms.max(d.startup_ms);
+            total.recovery_ms = total.recovery_ms.max(d.recovery_ms);
             total.evictions += d.evictions;
             total.skipped += d.skipped;
             total.bytes_written += d.bytes_written;

@@ -142,8 +142,11 @@ pub struct L2Status {
     pub clean_start: bool,
     /// Blocks read at start-up to rebuild the index (extent headers, tables, slot headers).
     pub startup_blocks_read: u64,
-    /// Milliseconds the start-up took to open the device, judge it and rebuild the index.
+    /// Milliseconds the start-up took to open the device, judge it, start its engines
+    /// (registering the pool with io_uring) and rebuild the index.
     pub startup_ms: u64,
+    /// Milliseconds of that spent rebuilding the index (reading tables or headers).
+    pub recovery_ms: u64,
     /// Objects waiting in the write-behind queue.
     pub queued: usize,
     /// Extent size on disk.
@@ -196,6 +199,8 @@ pub struct L2Tier {
     startup: recover::RecoveryReads,
     /// How long opening took (device, superblock, index), in milliseconds.
     startup_ms: u64,
+    /// How long rebuilding the index took, in milliseconds.
+    recovery_ms: u64,
     /// Set by [`L2Tier::checkpoint`]: no object is written any more.
     sealed: AtomicBool,
     path: PathBuf,
@@ -475,6 +480,7 @@ impl L2Tier {
             clean_start: self.identity.opened_checkpoint() != 0,
             startup_blocks_read: self.startup.blocks,
             startup_ms: self.startup_ms,
+            recovery_ms: self.recovery_ms,
             queued: self.queue.len(),
             extent_bytes: self.extent_bytes,
             index_bytes: s.index_bytes,

@@ -218,6 +218,7 @@ impl L2Tier {
             recovered: 0,
             startup: recover::RecoveryReads::default(),
             startup_ms: 0,
+            recovery_ms: 0,
             sealed: AtomicBool::new(false),
             path: dev.path.clone(),
             policy: cfg.write_policy,
@@ -241,7 +242,9 @@ impl L2Tier {
                 dev.grow()?;
                 tier.identity = Identity::open(sb, &|o, b| tier.write_durable(o, b))
                     .map_err(|e| OpenFailure::Failed(e.context("writing the L2 superblock")))?;
+                let rebuilding = std::time::Instant::now();
                 tier.recover(namespaces).map_err(OpenFailure::Failed)?;
+                tier.recovery_ms = rebuilding.elapsed().as_millis() as u64;
             }
             previous => {
                 if let Some(sb) = &previous {
@@ -277,6 +280,7 @@ impl L2Tier {
         tracing::info!(
             path = %tier.path.display(),
             startup_ms = tier.startup_ms,
+            recovery_ms = tier.recovery_ms,
             engine = tier.write_engine.kind().as_str(),
             bytes = file_bytes,
             extent_bytes,
