@@ -193,6 +193,9 @@ impl Identity {
     ) -> Result<()> {
         let _one = self.writing.lock();
         let mut next = self.current.lock().clone();
+        // Only `mark_clean` names a checkpoint: any other superblock write comes from a run
+        // that may still change the tier, so it withdraws whatever checkpoint was named.
+        next.checkpoint = 0;
         change(&mut next)?;
         next.update = next
             .update

@@ -242,6 +242,11 @@ impl Node {
         // The final write-behind and the release of the engines' registrations run on a thread
         // of their own, waited for a bounded time: a stuck device must not hold the shutdown.
         let ctx = self.ctx.clone();
+        // The clean stop's extent tables get their own allowance (large devices write more).
+        let checkpoint = ctx
+            .l2
+            .as_ref()
+            .map_or(std::time::Duration::ZERO, |l2| l2.checkpoint_allowance());
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let finisher = thread::Builder::new()
             .name("kvnode-l2-drain".into())
@@ -258,10 +263,11 @@ impl Node {
             });
         match finisher {
             Ok(_) => {
-                if done_rx.recv_timeout(patience).is_err() {
+                if done_rx.recv_timeout(patience + checkpoint).is_err() {
                     tracing::error!(
-                        "the L2 write-behind did not finish (a device is not answering): \
-                         stopping without it; unwritten objects are lost from L2"
+                        "the L2 write-behind and checkpoint did not finish (a device is not \
+                         answering, or is slow): stopping without them; unwritten objects are \
+                         lost from L2, and the next start reads every slot header"
                     );
                 }
             }

@@ -235,3 +235,51 @@ fn an_extent_free_at_the_checkpoint_brings_nothing_back() {
     r.check_clean();
     r.dir = Some(owner);
 }
+
+/// Found in review: the checkpoint only stopped new `persist` calls, so a write-behind batch
+/// already prepared (the writer thread prepares and completes batches itself) could reuse a
+/// slot after its table was written: the table would name the evicted object over the new one's
+/// bytes. Now the checkpoint seals the tier alone in the CLEAR gate, waits for the batches in
+/// flight, and a batch prepared after it writes nothing.
+#[test]
+fn a_checkpoint_waits_for_the_batches_in_flight_and_later_ones_write_nothing() {
+    let r = rig("ckpt-inflight", "pread");
+    let keys = r.keys(6);
+    r.store(&keys);
+    let batch = r
+        .tier
+        .prepare_write(&r.storage, &r.namespaces, &keys[..3])
+        .expect("a batch to write");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let ckpt = s.spawn(|| {
+            let out = r.tier.checkpoint(&r.namespaces);
+            done.store(true, Ordering::SeqCst);
+            out
+        });
+        eventually("the checkpoint sealed the tier", || r.tier.sealed());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "the checkpoint did not wait for the batch in flight"
+        );
+        // A batch prepared now writes nothing.
+        assert!(r
+            .tier
+            .prepare_write(&r.storage, &r.namespaces, &keys[3..])
+            .is_none());
+        assert_eq!(r.tier.complete_write(&r.storage, batch), 3);
+        let stats = ckpt.join().unwrap().expect("checkpoint after the batch");
+        assert_eq!(stats.objects, 3, "the batch in flight is in the tables");
+    });
+    let owner = close(r);
+    let mut r = open_rig(owner.0.clone(), "pread", 1024, Fault::None);
+    let keys = r.keys(6);
+    assert!(r.tier.status().clean_start);
+    let held: Vec<bool> = keys.iter().map(|k| r.tier.contains(k)).collect();
+    assert_eq!(held, [true, true, true, false, false, false]);
+    r.drop_l1();
+    assert!(load_all(&r, &keys[..3]).iter().all(|&ok| ok));
+    r.check_clean();
+    r.dir = Some(owner);
+}

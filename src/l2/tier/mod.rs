@@ -84,6 +84,22 @@ impl Staging {
     }
 }
 
+/// Counts one write-behind batch in [`L2Tier`]'s `writes_in_flight` from its start to its drop.
+pub(super) struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        InFlight(count)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Counters reported in STATUS. Invariant: monotonic.
 #[derive(Default)]
 struct Counters {
@@ -203,6 +219,13 @@ pub struct L2Tier {
     recovery_ms: u64,
     /// Set by [`L2Tier::checkpoint`]: no object is written any more.
     sealed: AtomicBool,
+    /// Write-behind batches between their start (inside the CLEAR gate) and their end:
+    /// [`L2Tier::checkpoint`] waits for none to be left.
+    writes_in_flight: AtomicUsize,
+    /// One bit per extent whose on-disk header may describe an assignment under the format in
+    /// force (found valid at start-up, or written by this run): the extents a checkpoint must
+    /// zero when they are free in memory.
+    headed: Mutex<Vec<u64>>,
     path: PathBuf,
     policy: WritePolicy,
     /// Write-behind queue (drained by the writer thread).
@@ -492,6 +515,23 @@ impl L2Tier {
             stuck: self.stuck(),
             format_pending: self.identity.format_pending(),
         }
+    }
+
+    /// Records that extent `e`'s on-disk header may describe an assignment under the format in
+    /// force (see `headed`).
+    fn mark_headed(&self, e: u32) {
+        let mut bits = self.headed.lock();
+        if let Some(w) = bits.get_mut(e as usize / 64) {
+            *w |= 1 << (e % 64);
+        }
+    }
+
+    /// Whether extent `e` may hold a valid header (see `headed`).
+    fn is_headed(&self, e: u32) -> bool {
+        self.headed
+            .lock()
+            .get(e as usize / 64)
+            .is_some_and(|w| w & (1 << (e % 64)) != 0)
     }
 
     /// Where `key`'s visible entry lies, and what it records (the simulator's checks).

@@ -220,6 +220,12 @@ impl L2Tier {
             startup_ms: 0,
             recovery_ms: 0,
             sealed: AtomicBool::new(false),
+            writes_in_flight: AtomicUsize::new(0),
+            headed: Mutex::new(vec![
+                0;
+                (extent_count(file_bytes, extent_bytes) as usize)
+                    .div_ceil(64)
+            ]),
             path: dev.path.clone(),
             policy: cfg.write_policy,
             queue: WriteQueue::new(cfg.write_queue),

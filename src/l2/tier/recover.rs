@@ -58,44 +58,26 @@ impl L2Tier {
             .get_mut()
             .note_epoch(self.identity.first_epoch().saturating_sub(1));
         let extents = extent_count(self.file_bytes, self.extent_bytes);
-        let offsets: Vec<u64> = (0..extents)
-            .map(|e| extent_offset(self.extent_bytes, e))
-            .collect();
         let blocks_read = AtomicU64::new(u64::from(extents));
         let (tables_used, tables_stale) = (AtomicU64::new(0), AtomicU64::new(0));
         let mut assigned = Vec::new();
         let mut unreadable = 0u64;
-        for (e, block) in self
-            .read_blocks(&offsets, RECOVERY_READS)
-            .into_iter()
-            .enumerate()
-        {
-            let Ok(block) = block else {
-                unreadable += 1; // the extent is treated as free
-                continue;
-            };
-            if let Ok(h) = ExtentHeader::decode(&block) {
-                // Any epoch seen on disk stays unused from now on (stale slot headers that
-                // carry it can never match a new assignment).
-                self.index.get_mut().note_epoch(h.epoch);
-            }
-            match ExtentHeader::decode(&block) {
-                Ok(h) if h.format_id == format_id && h.extent_index == e as u32 => {
-                    match self
-                        .index
-                        .get_mut()
-                        .recover_extent(e as u32, h.epoch, h.stride)
-                    {
-                        Ok(()) => assigned.push((e as u32, h)),
-                        Err(err) => {
-                            tracing::warn!(extent = e, error = %err, "L2 extent header rejected")
-                        }
-                    }
-                }
-                Ok(_) | Err(FormatError::Empty) => {}
-                Err(err) => {
-                    tracing::warn!(extent = e, error = %err, "L2 extent header damaged: extent treated as free")
-                }
+        // Extent headers in batches (a device of small extents has millions of them).
+        let mut found = Vec::with_capacity(RECOVERY_READS);
+        for first in (0..extents).step_by(RECOVERY_READS) {
+            let batch: Vec<u32> = (first..extents).take(RECOVERY_READS).collect();
+            let offsets: Vec<u64> = batch
+                .iter()
+                .map(|&e| extent_offset(self.extent_bytes, e))
+                .collect();
+            found.clear();
+            found.extend(
+                batch
+                    .into_iter()
+                    .zip(self.read_blocks(&offsets, RECOVERY_READS)),
+            );
+            for (e, block) in found.drain(..) {
+                self.recover_extent_header(e, block, format_id, &mut assigned, &mut unreadable);
             }
         }
         let (mut inserted, mut rejected, mut max_seq) = (0u64, 0u64, 0u64);
@@ -226,6 +208,48 @@ impl L2Tier {
             "L2 index rebuilt"
         );
         Ok(())
+    }
+
+    /// Judges one extent header read at start-up: a current one assigns the extent in the
+    /// index (and joins `assigned`), an unreadable one counts in `unreadable` (the extent is
+    /// free); any epoch seen is never used again.
+    fn recover_extent_header(
+        &mut self,
+        e: u32,
+        block: Result<Vec<u8>>,
+        format_id: u64,
+        assigned: &mut Vec<(u32, ExtentHeader)>,
+        unreadable: &mut u64,
+    ) {
+        let Ok(block) = block else {
+            *unreadable += 1; // the extent is treated as free
+            return;
+        };
+        match ExtentHeader::decode(&block) {
+            Ok(h) => {
+                // Any epoch seen on disk stays unused from now on (stale slot headers that
+                // carry it can never match a new assignment).
+                self.index.get_mut().note_epoch(h.epoch);
+                if h.format_id != format_id {
+                    return; // an earlier format's: stale
+                }
+                // Valid under this format: a checkpoint zeroes it if the extent ends up free.
+                self.mark_headed(e);
+                if h.extent_index != e {
+                    return;
+                }
+                match self.index.get_mut().recover_extent(e, h.epoch, h.stride) {
+                    Ok(()) => assigned.push((e, h)),
+                    Err(err) => {
+                        tracing::warn!(extent = e, error = %err, "L2 extent header rejected")
+                    }
+                }
+            }
+            Err(FormatError::Empty) => {}
+            Err(err) => {
+                tracing::warn!(extent = e, error = %err, "L2 extent header damaged: extent treated as free")
+            }
+        }
     }
 
     /// Reads one assigned extent: its current table blocks, then the headers of every slot no

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use kvnode_hw::{BlockIo, HwError};
 
 use super::sync::SYNC_ALLOWANCE_BYTES;
-use super::{round_block, same_object, L2Tier, BLOCK_U64};
+use super::{round_block, same_object, InFlight, L2Tier, BLOCK_U64};
 use crate::l2::format::{extent_offset, payload_checksum, ExtentHeader, SlotHeader, BLOCK};
 use crate::l2::gate::GateToken;
 use crate::l2::space::ReserveError;
@@ -53,6 +53,8 @@ pub(in crate::l2) struct WriteBatch<'a> {
     plans: Vec<PlannedWrite>,
     ios: Vec<BlockIo>,
     blocks: Vec<u64>,
+    /// Counted in the tier's `writes_in_flight` until the batch is dropped (after its end).
+    _in_flight: InFlight<'a>,
 }
 
 impl Drop for WriteBatch<'_> {
@@ -178,6 +180,14 @@ impl L2Tier {
             return None;
         }
         let gate = self.clear_gate.enter();
+        if self.sealed() {
+            // The checkpoint has begun (it set the flag alone in the gate): nothing more.
+            self.counters
+                .skipped
+                .fetch_add(part.len() as u64, Ordering::Relaxed);
+            return None;
+        }
+        let in_flight = InFlight::new(&self.writes_in_flight);
         // Already on L2 as this very object (same length and layout): nothing to write. A copy
         // stored under another layout is dropped and replaced (loads would never serve it).
         let todo: Vec<StorageKey> = {
@@ -211,7 +221,7 @@ impl L2Tier {
         self.counters
             .skipped
             .fetch_add((todo.len() - locked.len()) as u64, Ordering::Relaxed);
-        Some(self.plan_write(storage, namespaces, locked, gate))
+        Some(self.plan_write(storage, namespaces, locked, gate, in_flight))
     }
 
     /// Plans the writes of read-locked objects (at most `batch_objects`): extent headers of
@@ -223,6 +233,7 @@ impl L2Tier {
         namespaces: &Namespaces,
         locked: Vec<(StorageKey, Grant)>,
         gate: GateToken<'a>,
+        in_flight: InFlight<'a>,
     ) -> WriteBatch<'a> {
         let items = &locked;
         let format_id = self.identity.format_id();
@@ -286,6 +297,7 @@ impl L2Tier {
                     stride,
                 }
                 .encode(&mut b);
+                self.mark_headed(extent);
                 extent_headers.push((extent, extent_offset(self.extent_bytes, extent), b));
             }
             let header = SlotHeader {
@@ -403,6 +415,7 @@ impl L2Tier {
             plans,
             ios,
             blocks,
+            _in_flight: in_flight,
         }
     }
 
