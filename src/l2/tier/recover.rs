@@ -212,7 +212,8 @@ impl L2Tier {
 
     /// Judges one extent header read at start-up: a current one assigns the extent in the
     /// index (and joins `assigned`), an unreadable one counts in `unreadable` (the extent is
-    /// free); any epoch seen is never used again.
+    /// free); any epoch seen is never used again. Every extent but a zero one or one of an
+    /// earlier format is marked `headed`: a checkpoint must zero it if it ends up free.
     fn recover_extent_header(
         &mut self,
         e: u32,
@@ -223,6 +224,9 @@ impl L2Tier {
     ) {
         let Ok(block) = block else {
             *unreadable += 1; // the extent is treated as free
+                              // It may hold a valid header all the same (a transient error): a checkpoint
+                              // zeroes it, or the next start would find it with no table and read its slots.
+            self.mark_headed(e);
             return;
         };
         match ExtentHeader::decode(&block) {
@@ -247,6 +251,9 @@ impl L2Tier {
             }
             Err(FormatError::Empty) => {}
             Err(err) => {
+                // Damaged, or damaged in the reading only (a flipped bit on the way): as for
+                // an unreadable one, a checkpoint zeroes it.
+                self.mark_headed(e);
                 tracing::warn!(extent = e, error = %err, "L2 extent header damaged: extent treated as free")
             }
         }
