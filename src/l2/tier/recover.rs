@@ -34,7 +34,8 @@ struct ExtentScan {
     slots: Vec<SlotScan>,
 }
 
-/// The model and salt of each namespace digest met in tables (read from one slot header each).
+/// The model and salt of each namespace digest met in an extent's tables (read from one slot
+/// header each).
 type Names = HashMap<u128, (String, String)>;
 
 /// What the start-up read, for STATUS and the log.
@@ -94,9 +95,8 @@ impl L2Tier {
                 let (tx, next, assigned) = (tx.clone(), &next, &assigned);
                 let counts = (&blocks_read, &tables_used, &tables_stale);
                 scope.spawn(move || {
-                    let mut names = Names::new();
                     while let Some((e, h)) = assigned.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        let scan = this.scan_extent(*e, h, checkpoint, per_call, &mut names);
+                        let scan = this.scan_extent(*e, h, checkpoint, per_call);
                         counts.0.fetch_add(scan.1.blocks, Ordering::Relaxed);
                         counts.1.fetch_add(scan.1.tables_used, Ordering::Relaxed);
                         counts.2.fetch_add(scan.1.tables_stale, Ordering::Relaxed);
@@ -267,8 +267,10 @@ impl L2Tier {
         h: &ExtentHeader,
         checkpoint: u64,
         per_call: usize,
-        names: &mut Names,
     ) -> (ExtentScan, RecoveryReads) {
+        // Per extent, not per reader thread: which blocks a start reads must not depend on
+        // how the extents fell to the threads (the simulator replays a seed's reads exactly).
+        let mut names = Names::new();
         let n = slots_per_extent(self.extent_bytes, h.stride);
         let mut reads = RecoveryReads::default();
         let mut slots: Vec<Option<SlotScan>> = (0..n).map(|_| None).collect();
@@ -292,7 +294,7 @@ impl L2Tier {
                             && tb.first_slot as usize == first_slot
                             && tb.entries.len() == count
                     });
-                match current.and_then(|tb| self.table_slots(e, h, &tb, names, &mut reads)) {
+                match current.and_then(|tb| self.table_slots(e, h, &tb, &mut names, &mut reads)) {
                     Some(found) => {
                         reads.tables_used += 1;
                         for (i, s) in found.into_iter().enumerate() {
