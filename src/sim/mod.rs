@@ -6,11 +6,16 @@
 //! deadline). After every step a reference model of what each client was promised is checked
 //! against the node (see [`model::Model::check`] and [`Sim::check`]). A run is a pure function of
 //! its seed: a failure prints the seed, and the seed reproduces it.
+//!
+//! This file holds the run's options, results and step loop; `native` and `lm` drive the
+//! clients, `releases` follows instance releases, and `check` holds the per-step checks.
 
+mod check;
 pub mod l2;
 mod lm;
 pub mod model;
 mod native;
+mod releases;
 pub mod rng;
 pub mod world;
 
@@ -19,7 +24,7 @@ use std::sync::Arc;
 
 use self::model::Model;
 use self::rng::Rng;
-use self::world::{Prompts, GRACE_MS, REAP_TIMEOUT_MS, TICK_MS};
+use self::world::{Prompts, GRACE_MS, REAP_TIMEOUT_MS};
 use crate::clock::Clock;
 use crate::liveness::reaper::Reaper;
 use crate::lmcache::frontend::LmFrontend;
@@ -348,262 +353,6 @@ impl Sim {
         let resp = self.native_call(&conn, crate::protocol::Request::Clear);
         self.log(format!("CLEAR -> {resp:?}"));
         Ok(())
-    }
-
-    /// Instances the node released on its own (the reaper): legitimate only once their
-    /// deadline passed; a released instance holds nothing.
-    fn observe_releases(&mut self) -> Check {
-        let now = self.now();
-        let mut released: Vec<(u64, bool, u64)> = Vec::new();
-        for a in &self.natives {
-            if let Some(r) = &a.reg {
-                if !self.is_live(&r.inst) {
-                    released.push((a.id, true, r.deadline_ms()));
-                }
-            }
-        }
-        for a in &self.lms {
-            if let Some(r) = &a.reg {
-                if !self.is_live(&r.inst) {
-                    released.push((a.id, false, r.deadline_ms()));
-                }
-            }
-        }
-        for (id, native, deadline) in released {
-            if self.on("reaper") && now < deadline {
-                return Err(format!(
-                    "instance {id} was released at {now} ms, before its liveness deadline \
-                     {deadline} ms, without UNREGISTER or disconnect"
-                ));
-            }
-            self.stats.reaped += 1;
-            self.log(format!("instance {id} reaped"));
-            self.forget_instance(id, native)?;
-            self.revive(id, native);
-        }
-        Ok(())
-    }
-
-    /// After its instance was reaped, a silent (hung) worker's process is replaced by a new one
-    /// with the same id: the old connections close, the new process registers again.
-    fn revive(&mut self, id: u64, native: bool) {
-        if native {
-            let a = self.natives.iter_mut().find(|a| a.id == id).expect("actor");
-            if !a.dead {
-                return;
-            }
-            let conns = a.revive();
-            for c in conns {
-                let registered = c.registered.lock().ids();
-                self.ctx.connection_closed(c.id(), &registered);
-            }
-        } else {
-            let a = self.lms.iter_mut().find(|a| a.id == id).expect("actor");
-            a.revive();
-        }
-        self.stats.revived += 1;
-        self.log(format!("worker {id} restarts as a new process"));
-    }
-
-    fn is_live(&self, inst: &Arc<Instance>) -> bool {
-        self.ctx
-            .instances
-            .get(inst.id)
-            .is_some_and(|cur| Arc::ptr_eq(&cur, inst))
-    }
-
-    /// The model's side of a release: the instance object must be released and empty; the
-    /// client's transfers are gone.
-    fn forget_instance(&mut self, id: u64, native: bool) -> Check {
-        let reg = if native {
-            let a = self.natives.iter_mut().find(|a| a.id == id).expect("actor");
-            a.forget();
-            a.reg.take()
-        } else {
-            let a = self.lms.iter_mut().find(|a| a.id == id).expect("actor");
-            a.forget();
-            a.reg.take()
-        };
-        self.model.release_instance(id);
-        let Some(reg) = reg else { return Ok(()) };
-        if !reg.inst.is_released() {
-            return Err(format!(
-                "instance {id} left the table but is not marked released"
-            ));
-        }
-        let p = reg.inst.pending.lock();
-        if !p.writes.is_empty() || !p.reads.is_empty() {
-            return Err(format!(
-                "released instance {id} still lists {} pending stores and {} pending retrieves",
-                p.writes.len(),
-                p.reads.len()
-            ));
-        }
-        Ok(())
-    }
-
-    /// A request named instance `id`: the node refreshed its liveness stamp.
-    fn touched(&mut self, id: u64, ping: bool) {
-        let now = self.now();
-        let reg = self
-            .natives
-            .iter_mut()
-            .filter_map(|a| a.reg.as_mut())
-            .chain(self.lms.iter_mut().filter_map(|a| a.reg.as_mut()))
-            .find(|r| r.inst.id == id);
-        if let Some(r) = reg {
-            r.last_seen_ms = now;
-            r.pinged |= ping;
-        }
-    }
-
-    /// Checks after every step: the model's invariants, the reaper's deadlines and the wheel.
-    fn check(&mut self) -> Check {
-        self.model.check(&self.ctx, &self.opts.skip)?;
-        let now = self.now();
-        for r in self
-            .natives
-            .iter()
-            .filter_map(|a| a.reg.as_ref())
-            .chain(self.lms.iter().filter_map(|a| a.reg.as_ref()))
-        {
-            if self.on("reaper") && now >= r.deadline_ms() + 2 * TICK_MS {
-                return Err(format!(
-                    "instance {} silent since {} ms (pinged: {}) is still registered at {now} ms, \
-                     past its deadline {} ms",
-                    r.inst.id,
-                    r.last_seen_ms,
-                    r.pinged,
-                    r.deadline_ms()
-                ));
-            }
-        }
-        if self.on("owners") {
-            self.check_transfer_owners()?;
-        }
-        let live: Vec<u64> = self.ctx.instances.all().iter().map(|i| i.id).collect();
-        let watched = self.reaper.watched();
-        if self.on("wheel") && watched != live {
-            return Err(format!(
-                "the liveness wheel watches {watched:?} but the live instances are {live:?}"
-            ));
-        }
-        if self.on("wheel") && self.ctx.liveness.tracked() != live.len() {
-            return Err(format!(
-                "status reports {} tracked instances for {} live ones",
-                self.ctx.liveness.tracked(),
-                live.len()
-            ));
-        }
-        Ok(())
-    }
-
-    /// Every transfer the node holds for an instance is held by a client (or was left by a
-    /// crashed process that a new one replaced, and waits for its TTL): nothing is orphaned;
-    /// and every transfer a client holds within its TTL is still the node's.
-    fn check_transfer_owners(&mut self) -> Check {
-        for a in &self.natives {
-            let Some(reg) = &a.reg else { continue };
-            let node: std::collections::BTreeSet<u64> = {
-                let p = reg.inst.pending.lock();
-                p.writes.keys().chain(p.reads.keys()).copied().collect()
-            };
-            let held: std::collections::BTreeMap<u64, u64> = a.held().collect();
-            if let Some(t) = node.iter().find(|t| !held.contains_key(t)) {
-                return Err(format!(
-                    "the node holds transfer {t} of native instance {} that no client holds",
-                    a.id
-                ));
-            }
-            for (t, mid) in &held {
-                if self.model.get(*mid).is_some() && !node.contains(t) {
-                    return Err(format!(
-                        "native instance {} holds transfer {t} within its TTL, but the node \
-                         no longer has it",
-                        a.id
-                    ));
-                }
-            }
-        }
-        for a in &mut self.lms {
-            let Some(reg) = &a.reg else { continue };
-            let node: std::collections::BTreeSet<u64> = {
-                let p = reg.inst.pending.lock();
-                p.writes.keys().chain(p.reads.keys()).copied().collect()
-            };
-            let queued = self.frontend.queued_transfer_ids(a.id);
-            if queued.len() != a.queued() {
-                return Err(format!(
-                    "the frontend queues {} transfers for LMCache worker {}, which expects {}",
-                    queued.len(),
-                    a.id,
-                    a.queued()
-                ));
-            }
-            a.orphans.retain(|t| node.contains(t));
-            if let Some(t) = node
-                .iter()
-                .find(|t| queued.binary_search(t).is_err() && !a.orphans.contains(t))
-            {
-                return Err(format!(
-                    "the node holds transfer {t} of LMCache instance {} that the frontend does \
-                     not queue for any COMMIT",
-                    a.id
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// After the maintenance pass, the node keeps only namespaces that something uses or that a
-    /// request named recently.
-    fn check_namespaces_reclaimed(&mut self) -> Check {
-        let now = self.now();
-        let mut keep: std::collections::HashSet<crate::storage::NamespaceId> = self
-            .ctx
-            .storage
-            .snapshot()
-            .iter()
-            .map(|(k, _)| k.namespace)
-            .collect();
-        keep.extend(self.ctx.instances.all().iter().map(|i| i.namespace));
-        keep.extend(self.ctx.sessions.namespaces());
-        if let Some(lost) = keep
-            .iter()
-            .find(|id| self.ctx.namespaces.name(**id).is_none())
-        {
-            if self.on("namespaces") {
-                return Err(format!("namespace {lost:?} is in use but was reclaimed"));
-            }
-        }
-        for ((m, s), t) in &self.named {
-            if now.saturating_sub(*t) < world::NAMESPACE_IDLE_MS {
-                keep.extend(self.ctx.namespaces.lookup(m, s));
-            }
-        }
-        let interned = self.ctx.namespaces.len();
-        if self.on("namespaces") && interned > keep.len() {
-            return Err(format!(
-                "the node keeps {interned} namespaces after maintenance, but only {} are in use \
-                 or were named in the last {} ms",
-                keep.len(),
-                world::NAMESPACE_IDLE_MS
-            ));
-        }
-        Ok(())
-    }
-
-    /// Runs `f` and fails if it grew the namespace table (lookups and retrieves never intern).
-    fn no_intern<T>(&mut self, what: &str, f: impl FnOnce(&mut Sim) -> T) -> Result<T, String> {
-        let before = self.ctx.namespaces.len();
-        let out = f(self);
-        let after = self.ctx.namespaces.len();
-        if self.on("namespaces") && after > before {
-            return Err(format!(
-                "{what} interned a namespace ({before} -> {after}); an unknown namespace is a miss"
-            ));
-        }
-        Ok(out)
     }
 }
 

@@ -8,26 +8,30 @@
 //! and prefetch results (LOOKUP answers that QUERY_PREFETCH_STATUS hands out exactly once).
 //! What the frontend keeps for an instance is dropped when the node releases it (UNREGISTER,
 //! reaping, re-registration).
+//!
+//! This file holds the frontend's state and request dispatch (with the stateless, REGISTER and
+//! LOOKUP answers); `hashes` the rolling-hash cache, `transfer` the store and retrieve requests.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex};
-use xxhash_rust::xxh3::Xxh3;
 
 use super::bounded::ByteBoundedMap;
-use super::pending::{KeyId, Kind, PendingTable};
+use super::pending::PendingTable;
 pub use super::reply::{LmReply, Reply};
-use super::wire::{IpcKey, LmRequest, Op, SlotDesc};
-use crate::hashing::{chunk_hashes, ChunkHash};
+use super::wire::{IpcKey, LmRequest, Op};
 use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
-use crate::protocol::{
-    BlockAllocationRecord, ChunkRange, RegisterRequest, Request, Response, WireLayout, WireSlot,
-};
+use crate::protocol::{BlockAllocationRecord, ChunkRange, RegisterRequest, Request, Response};
 use crate::server::dispatch;
 use crate::transport::ReplySink;
+
+mod hashes;
+mod transfer;
+
+use self::hashes::HashEntry;
 
 /// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
 /// so these instances are released by UNREGISTER or by the reaper).
@@ -70,51 +74,6 @@ impl ReplySink for WaitSink {
     fn can_pass_fd(&self) -> bool {
         false
     }
-}
-
-/// The rolling hashes of a request's tokens, with a digest of every chunk-aligned token prefix
-/// so a later request under the same id reuses them only for the same tokens.
-struct HashEntry {
-    hashes: Vec<ChunkHash>,
-    /// `digests[i]` = xxh3 of the tokens of chunks `0..=i`.
-    digests: Vec<u64>,
-}
-
-impl HashEntry {
-    fn compute(tokens: &[u32], chunk_tokens: u32) -> HashEntry {
-        let hashes = chunk_hashes(tokens, chunk_tokens);
-        let mut digests = Vec::with_capacity(hashes.len());
-        let mut h = Xxh3::new();
-        for chunk in tokens
-            .chunks_exact(chunk_tokens as usize)
-            .take(hashes.len())
-        {
-            feed(&mut h, chunk);
-            digests.push(h.digest());
-        }
-        HashEntry { hashes, digests }
-    }
-
-    fn bytes(&self) -> usize {
-        self.hashes.len() * (32 + 8)
-    }
-}
-
-fn feed(h: &mut Xxh3, tokens: &[u32]) {
-    let mut buf = [0u8; 1024];
-    for part in tokens.chunks(buf.len() / 4) {
-        for (b, t) in buf.chunks_exact_mut(4).zip(part) {
-            b.copy_from_slice(&t.to_le_bytes());
-        }
-        h.update(&buf[..part.len() * 4]);
-    }
-}
-
-/// xxh3 of `tokens` as the digests of [`HashEntry`] are computed.
-fn prefix_digest(tokens: &[u32]) -> u64 {
-    let mut h = Xxh3::new();
-    feed(&mut h, tokens);
-    h.digest()
 }
 
 /// Counters of the frontend's bounded state.
@@ -219,89 +178,6 @@ impl LmFrontend {
 
     fn chunk(&self) -> u64 {
         u64::from(self.ctx.config.chunk_tokens)
-    }
-
-    /// Rolling hashes of the chunks `[start/C, end/C)` of `key`, reusing the request's cached
-    /// hashes only when they were computed from the same tokens; `Err` if the range is not
-    /// chunk-aligned or runs past the tokens.
-    fn range_hashes(&self, key: &IpcKey) -> Result<(u32, Vec<ChunkHash>), String> {
-        let c = self.chunk();
-        if !key.start.is_multiple_of(c) || !key.end.is_multiple_of(c) || key.start > key.end {
-            return Err(format!(
-                "range [{}, {}) is not aligned to {c}-token chunks",
-                key.start, key.end
-            ));
-        }
-        let (first, last) = ((key.start / c) as usize, (key.end / c) as usize);
-        if (key.token_ids.len() as u64) < key.end {
-            return Err(format!(
-                "range end {} beyond {} tokens",
-                key.end,
-                key.token_ids.len()
-            ));
-        }
-        if last == 0 {
-            return Ok((first as u32, Vec::new()));
-        }
-        {
-            let cache = self.state.hashes.lock();
-            if let Some(e) = cache.get(&key.request_id) {
-                if e.hashes.len() >= last {
-                    if e.digests[last - 1] == prefix_digest(&key.token_ids[..last * c as usize]) {
-                        return Ok((first as u32, e.hashes[first..last].to_vec()));
-                    }
-                    self.state
-                        .counters
-                        .hash_mismatches
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let entry = HashEntry::compute(&key.token_ids, self.ctx.config.chunk_tokens);
-        let out = entry.hashes[first..last.min(entry.hashes.len())].to_vec();
-        if !key.request_id.is_empty() {
-            let bytes = entry.bytes();
-            self.state
-                .hashes
-                .lock()
-                .insert(key.request_id.clone(), entry, bytes);
-        }
-        Ok((first as u32, out))
-    }
-
-    fn key_id(key: &IpcKey, hashes: &[ChunkHash]) -> KeyId {
-        KeyId {
-            model: key.model_name.clone(),
-            world_size: key.world_size,
-            worker: key.worker_id,
-            salt: key.cache_salt.clone(),
-            start: key.start,
-            end: key.end,
-            last_hash: hashes.last().copied(),
-        }
-    }
-
-    fn worker_range(key: &IpcKey, first: u32, hashes: Vec<ChunkHash>) -> ChunkRange {
-        ChunkRange {
-            model: key.model_name.clone(),
-            world_size: key.world_size,
-            worker_id: Some(key.worker_id.unwrap_or(0)),
-            cache_salt: key.cache_salt.clone(),
-            first_chunk: first,
-            chunk_hashes: hashes,
-        }
-    }
-
-    fn slots(slots: &[WireSlot], layout: &WireLayout) -> Vec<SlotDesc> {
-        slots
-            .iter()
-            .map(|s| SlotDesc {
-                offset: s.offset,
-                length: s.length,
-                shape: layout.shape.clone(),
-                dtype: layout.dtype.clone(),
-            })
-            .collect()
     }
 
     /// The answer for `op` that needs no state: the full answer for the trivial operations
@@ -486,222 +362,6 @@ impl LmFrontend {
         }
     }
 
-    /// Queues native transfer `transfer_id`, prepared for `instance_id` while `before` was its
-    /// registration, under `key`. `false` when it cannot be handed to the worker: the
-    /// registration changed or was released meanwhile (the node already took the transfer back),
-    /// or the bookkeeping is at its byte budget (the caller ends the transfer).
-    fn queue(
-        &self,
-        before: &Arc<Instance>,
-        epoch: u64,
-        kind: Kind,
-        key: KeyId,
-        transfer_id: u64,
-    ) -> bool {
-        let current = self.ctx.instances.get(before.id);
-        if !current.is_some_and(|c| Arc::ptr_eq(&c, before)) {
-            return false;
-        }
-        let mut pending = self.state.pending.lock();
-        // Checked under the lock: a release after this point runs the hook, which waits for
-        // the lock and then drops this entry.
-        if before.is_released() {
-            return false;
-        }
-        match pending.push(before.id, before.generation, epoch, kind, key, transfer_id) {
-            Ok(()) => true,
-            Err(super::pending::PendingFull::StaleEpoch) => {
-                tracing::info!(
-                    instance = before.id,
-                    "a PREPARE that began before a new REGISTER of its instance is refused"
-                );
-                false
-            }
-            Err(super::pending::PendingFull::Budget) => {
-                self.state
-                    .counters
-                    .pending_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    instance = before.id,
-                    budget = MAX_PENDING_BYTES,
-                    "LMCache pending-transfer bookkeeping at its budget (bytes node-wide, or this \
-                     worker's share): PREPARE refused"
-                );
-                false
-            }
-        }
-    }
-
-    fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> LmReply {
-        let (first, hashes) = match self.range_hashes(key) {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(instance = instance_id, error = %e, "PREPARE_STORE refused");
-                return self.stateless(Op::PrepareStore);
-            }
-        };
-        if hashes.is_empty() {
-            return LmReply::PrepareStore(Some((Vec::new(), Vec::new())));
-        }
-        let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(
-                instance = instance_id,
-                "PREPARE_STORE for an unregistered instance"
-            );
-            return self.stateless(Op::PrepareStore);
-        };
-        let id = Self::key_id(key, &hashes);
-        let range = Self::worker_range(key, first, hashes);
-        let epoch = self.state.pending.lock().epoch(instance_id);
-        match self.call(Request::PrepareStore { instance_id, range }) {
-            Response::StorePrepared {
-                transfer_id,
-                slots,
-                chunk_indices,
-                layout,
-            } => {
-                if transfer_id != 0 && !self.queue(&inst, epoch, Kind::Store, id, transfer_id) {
-                    self.call(Request::AbortStore {
-                        instance_id,
-                        transfer_id,
-                    });
-                    return self.stateless(Op::PrepareStore);
-                }
-                let descs = Self::slots(&slots, &layout);
-                LmReply::PrepareStore(Some((descs, chunk_indices)))
-            }
-            other => {
-                tracing::warn!(instance = instance_id, response = ?other, "PREPARE_STORE failed");
-                self.stateless(Op::PrepareStore)
-            }
-        }
-    }
-
-    /// The oldest transfer of `kind` the current registration of `instance_id` holds for `key`.
-    fn take(&self, key: &IpcKey, instance_id: u64, kind: Kind) -> Option<u64> {
-        let (_, hashes) = self.range_hashes(key).ok()?;
-        let inst = self.ctx.instances.get(instance_id)?;
-        self.state.pending.lock().pop(
-            instance_id,
-            inst.generation,
-            kind,
-            &Self::key_id(key, &hashes),
-        )
-    }
-
-    fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> LmReply {
-        let pending = self.take(key, instance_id, Kind::Store);
-        if !cpu_data.is_empty() {
-            tracing::warn!(
-                instance = instance_id,
-                bytes = cpu_data.len(),
-                "COMMIT_STORE with inline (pickle) data: kvnode serves the shared-memory path only; \
-                 the client could not open the pool segment. Answering false."
-            );
-            if let Some(t) = pending {
-                self.call(Request::AbortStore {
-                    instance_id,
-                    transfer_id: t,
-                });
-            }
-            if let Some(inst) = self.ctx.instances.get(instance_id) {
-                let mut pickle = self.state.pickle_instances.lock();
-                // Checked under the lock the release hook takes (as in `queue`).
-                if !inst.is_released() {
-                    pickle.insert(instance_id, inst.generation);
-                }
-            }
-            return LmReply::Bool(false);
-        }
-        let Some(transfer_id) = pending else {
-            return LmReply::Bool(false);
-        };
-        let ok = matches!(
-            self.call(Request::CommitStore {
-                instance_id,
-                transfer_id
-            }),
-            Response::StoreCommitted { .. }
-        );
-        LmReply::Bool(ok)
-    }
-
-    fn prepare_retrieve(&self, key: &IpcKey, instance_id: u64) -> LmReply {
-        let (first, hashes) = match self.range_hashes(key) {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(instance = instance_id, error = %e, "PREPARE_RETRIEVE refused");
-                return self.stateless(Op::PrepareRetrieve);
-            }
-        };
-        let generation = self.ctx.instances.get(instance_id).map(|i| i.generation);
-        if generation.is_some()
-            && self
-                .state
-                .pickle_instances
-                .lock()
-                .get(&instance_id)
-                .copied()
-                == generation
-        {
-            tracing::warn!(
-                instance = instance_id,
-                "PREPARE_RETRIEVE from a pickle-mode client: answering a miss (shared memory only)"
-            );
-            return LmReply::PrepareRetrieve(None);
-        }
-        if hashes.is_empty() {
-            return LmReply::PrepareRetrieve(Some(Vec::new()));
-        }
-        let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(
-                instance = instance_id,
-                "PREPARE_RETRIEVE for an unregistered instance"
-            );
-            return self.stateless(Op::PrepareRetrieve);
-        };
-        let id = Self::key_id(key, &hashes);
-        let range = Self::worker_range(key, first, hashes);
-        let epoch = self.state.pending.lock().epoch(instance_id);
-        match self.call(Request::PrepareRetrieve {
-            instance_id,
-            range,
-            lookup_session: Some(key.request_id.clone()),
-        }) {
-            Response::RetrievePrepared {
-                hit: true,
-                transfer_id,
-                slots,
-                layout,
-            } => {
-                if !self.queue(&inst, epoch, Kind::Retrieve, id, transfer_id) {
-                    self.call(Request::CommitRetrieve {
-                        instance_id,
-                        transfer_id,
-                    });
-                    return LmReply::PrepareRetrieve(None);
-                }
-                let descs = Self::slots(&slots, &layout);
-                LmReply::PrepareRetrieve(Some(descs))
-            }
-            Response::RetrievePrepared { hit: false, .. } => LmReply::PrepareRetrieve(None),
-            other => {
-                tracing::warn!(instance = instance_id, response = ?other, "PREPARE_RETRIEVE failed");
-                self.stateless(Op::PrepareRetrieve)
-            }
-        }
-    }
-
-    fn commit_retrieve(&self, key: &IpcKey, instance_id: u64) {
-        if let Some(transfer_id) = self.take(key, instance_id, Kind::Retrieve) {
-            self.call(Request::CommitRetrieve {
-                instance_id,
-                transfer_id,
-            });
-        }
-    }
-
     fn lookup(&self, key: &IpcKey, tp_size: u32) {
         // LMCache answers 0 when no worker of this (model, world size) registered a layout.
         let hits = if self
@@ -752,31 +412,5 @@ impl LmFrontend {
             .prefetch
             .lock()
             .insert(key.request_id.clone(), hits, 4);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cached_hashes_are_reused_only_for_the_same_tokens() {
-        let c = 4u32;
-        let a: Vec<u32> = (0..16).collect();
-        let e = HashEntry::compute(&a, c);
-        assert_eq!(e.hashes.len(), 4);
-        assert_eq!(e.digests[1], prefix_digest(&a[..8]));
-        let mut b = a.clone();
-        b[5] = 999;
-        assert_ne!(
-            e.digests[1],
-            prefix_digest(&b[..8]),
-            "other tokens, other digest"
-        );
-        assert_eq!(
-            e.digests[0],
-            prefix_digest(&b[..4]),
-            "the common prefix still matches"
-        );
     }
 }
