@@ -371,9 +371,9 @@ fn native_seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
-// ---- LMCache seeds: the golden vectors of wire.rs (lmcache-mp.md Appendix A) per op ----
+// ---- LMCache seeds: the golden vectors of wire/tests (lmcache-mp.md Appendix A) per op ----
 
-/// `wire.rs` tests' KEY_HEX / REG_HEX / RECORDS_HEX (LMCache 0.5.4 client captures).
+/// `wire/tests/mod.rs`' KEY_HEX / REG_HEX / RECORDS_HEX (LMCache 0.5.4 client captures).
 const KEY_HEX: &str = "88aa6d6f64656c5f6e616d65a16daa776f726c645f73697a6501a9776f726b65725f696400a9746f6b656e5f69647393010203a5737461727400a3656e6403aa726571756573745f6964a3726571aa63616368655f73616c74a0";
 const REG_HEX: &str = "88ab696e7374616e63655f696407aa6d6f64656c5f6e616d65a16daa776f726c645f73697a6501aa626c6f636b5f73697a6510aa6e756d5f6c617965727302af68696464656e5f64696d5f73697a6510a964747970655f737472a7666c6f61743332a77573655f6d6c61c2";
 const RECORDS_HEX: &str =
