@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
-use kvnode_hw::SharedPool;
+use kvnode_hw::{BlockEngine, SharedPool};
 use serde::Serialize;
 
+use super::iowatch::IoWatch;
 use super::tier::{L2Status, L2Tier, OpenFailure, STAGING_BYTES};
 use crate::config::{L2Config, WritePolicy};
 use crate::error::Result;
@@ -97,18 +98,24 @@ impl L2Set {
         cfg: &L2Config,
         pool: Arc<SharedPool>,
         staging_base: u64,
-        namespaces: &Namespaces,
+        namespaces: &Arc<Namespaces>,
     ) -> Result<Option<L2Set>> {
-        Self::open_wrapped(cfg, pool, staging_base, namespaces, &|e| e)
+        Self::open_wrapped(cfg, pool, staging_base, namespaces, Arc::new(|e| e))
     }
 
     /// [`L2Set::open`] with each block engine passed through `wrap` (fault-injection tests).
+    ///
+    /// Each device is opened on a thread of its own, watched: a device call that runs past
+    /// `l2.io_timeout_ms` (plus its bytes at 64 MiB/s) leaves that device out (listed in
+    /// `failed_devices`) and the start-up goes on without it, however long a healthy recovery
+    /// takes. The thread stays blocked in the kernel until the device answers, then drops what
+    /// it opened.
     pub fn open_wrapped(
         cfg: &L2Config,
         pool: Arc<SharedPool>,
         staging_base: u64,
-        namespaces: &Namespaces,
-        wrap: &dyn Fn(Box<dyn kvnode_hw::BlockEngine>) -> Box<dyn kvnode_hw::BlockEngine>,
+        namespaces: &Arc<Namespaces>,
+        wrap: Wrap,
     ) -> Result<Option<L2Set>> {
         if cfg.paths.is_empty() {
             return Err(crate::error::Error::invalid(
@@ -118,13 +125,13 @@ impl L2Set {
         let mut tiers = Vec::new();
         let mut failed = Vec::new();
         for (i, p) in cfg.paths.iter().enumerate() {
-            let opened = L2Tier::open_classified(
+            let opened = open_device_watched(
                 cfg,
                 p,
                 pool.clone(),
                 staging_base + i as u64 * STAGING_BYTES,
                 namespaces,
-                wrap,
+                &wrap,
             );
             match opened {
                 Ok(t) => tiers.push(t),
@@ -572,6 +579,74 @@ impl L2Set {
                 Vec::new()
             },
             failed_devices: self.failed.clone(),
+        }
+    }
+}
+
+/// What fault-injection tests wrap every block engine in (the identity in production).
+pub type Wrap = Arc<dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine> + Send + Sync>;
+
+/// How often the start-up looks at a device's calls in progress.
+const OPEN_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Opens one device on a thread of its own and waits for it while its device calls keep
+/// answering (see [`L2Set::open_wrapped`]).
+fn open_device_watched(
+    cfg: &L2Config,
+    path: &std::path::Path,
+    pool: Arc<SharedPool>,
+    staging_base: u64,
+    namespaces: &Arc<Namespaces>,
+    wrap: &Wrap,
+) -> std::result::Result<L2Tier, OpenFailure> {
+    let io = Arc::new(IoWatch::default());
+    let timeout = std::time::Duration::from_millis(cfg.io_timeout_ms);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = {
+        let (cfg, path, namespaces, wrap, io) = (
+            cfg.clone(),
+            path.to_path_buf(),
+            namespaces.clone(),
+            wrap.clone(),
+            io.clone(),
+        );
+        std::thread::Builder::new()
+            .name("kvnode-l2-open".into())
+            .spawn(move || {
+                let opened =
+                    L2Tier::open_watched(&cfg, &path, pool, staging_base, &namespaces, &*wrap, &io);
+                // Nobody listens once the device was left out: what was opened is dropped.
+                let _ = tx.send(opened);
+            })
+    };
+    if let Err(e) = spawned {
+        return Err(OpenFailure::Failed(crate::error::Error::new(
+            crate::error::ErrorKind::Internal,
+            format!("no thread to open {}: {e}", path.display()),
+        )));
+    }
+    loop {
+        match rx.recv_timeout(OPEN_POLL) {
+            Ok(opened) => return opened,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(OpenFailure::Failed(crate::error::Error::new(
+                    crate::error::ErrorKind::Internal,
+                    format!("opening {} panicked", path.display()),
+                )))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if io.overdue(timeout) => {
+                return Err(OpenFailure::Failed(crate::error::Error::new(
+                    crate::error::ErrorKind::Io,
+                    format!(
+                        "{} did not answer a device call within {} ms (l2.io_timeout_ms) at \
+                         start-up: left out (the call stays with the kernel until the device \
+                         answers)",
+                        path.display(),
+                        timeout.as_millis()
+                    ),
+                )))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
         }
     }
 }

@@ -113,8 +113,8 @@ pub struct NodeContext {
     pub l2: Option<crate::l2::L2Set>,
     /// Index, allocator and state machine.
     pub storage: StorageCore,
-    /// `(model, salt)` interning.
-    pub namespaces: Namespaces,
+    /// `(model, salt)` interning (shared with the L2 tier's start-up threads).
+    pub namespaces: Arc<Namespaces>,
     /// Registered instances.
     pub instances: InstanceTable,
     /// Layout references per `(model, world_size)`.
@@ -149,7 +149,7 @@ impl NodeContext {
     pub fn new(
         config: NodeConfig,
         pool: Arc<SharedPool>,
-        namespaces: Namespaces,
+        namespaces: Arc<Namespaces>,
         l2: Option<crate::l2::L2Set>,
     ) -> NodeContext {
         NodeContext::with_clock(config, pool, namespaces, l2, Clock::real())
@@ -160,7 +160,7 @@ impl NodeContext {
     pub fn with_clock(
         config: NodeConfig,
         pool: Arc<SharedPool>,
-        namespaces: Namespaces,
+        namespaces: Arc<Namespaces>,
         l2: Option<crate::l2::L2Set>,
         clock: Clock,
     ) -> NodeContext {

@@ -124,7 +124,7 @@ impl Node {
         );
         let socket = config.socket.clone();
         let pool = Arc::new(pool);
-        let namespaces = Namespaces::default();
+        let namespaces = Arc::new(Namespaces::default());
         let l2 = if config.l2.enabled() {
             let staging_bytes = L2Set::staging_bytes(&config.l2);
             if pool.len() < 2 * staging_bytes {

@@ -88,7 +88,7 @@ pub fn build_node(clock: &Clock) -> Arc<NodeContext> {
     Arc::new(NodeContext::with_clock(
         cfg,
         Arc::new(pool),
-        Namespaces::default(),
+        Arc::new(Namespaces::default()),
         None,
         clock.clone(),
     ))

@@ -41,6 +41,8 @@ enum Fault {
     StuckPayloadReads = 9,
     /// Every write fails with EIO, headers and superblocks included (a dead device).
     EveryWriteEio = 10,
+    /// Every read (headers included) does not return while this fault is in force.
+    StuckAllReads = 11,
 }
 
 impl FaultyEngine {
@@ -104,6 +106,9 @@ impl BlockEngine for FaultyEngine {
 
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
         self.hang_while(Fault::StuckPayloadReads, ios);
+        while self.fault.load(Ordering::Relaxed) == Fault::StuckAllReads as u32 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let fault = self.fault.load(Ordering::Relaxed);
         let mut out = self.inner.read_batch(ios);
         for (io, r) in ios.iter().zip(out.iter_mut()) {

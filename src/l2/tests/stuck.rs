@@ -144,7 +144,7 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         .unwrap(),
     );
     let staging = pool.len() - 2 * STAGING_BYTES;
-    let namespaces = Namespaces::default();
+    let namespaces = Arc::new(Namespaces::default());
     // Engines are made two per device, in device order: the second device's always fail.
     let made = AtomicU32::new(0);
     let p = pool.clone();
@@ -168,9 +168,10 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         engine: "pread".into(),
         ..L2Config::default()
     };
-    let set = crate::l2::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, &wrap)
-        .expect("a failed device does not stop the start-up")
-        .expect("one device works");
+    let set =
+        crate::l2::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, Arc::new(wrap))
+            .expect("a failed device does not stop the start-up")
+            .expect("one device works");
     assert_eq!(set.tiers().len(), 1);
     let s = set.status();
     assert_eq!(s.failed_devices.len(), 1);
@@ -202,7 +203,7 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         pool.clone(),
         staging,
         &namespaces,
-        &all_fail
+        Arc::new(all_fail)
     )
     .unwrap()
     .is_none());
@@ -217,4 +218,84 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("not a kvnode L2 tier"), "{e}");
+}
+
+/// Issue 10, defect 3 ("never hang"), at start-up: a device whose calls stop answering while the
+/// node opens it (here its reads, during recovery) is left out after `l2.io_timeout_ms`, and the
+/// start-up goes on with the other devices; the opening thread finishes once the device answers.
+#[test]
+fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
+    let base = std::env::temp_dir().join(format!("kvnode-l2unit-{}-hung", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let _owner = tempdir::Dir(base.clone());
+    let (good, hung) = (base.join("good"), base.join("hung"));
+    let pool = Arc::new(
+        SharedPool::create(&PoolOptions {
+            bytes: 8 << 20,
+            prefer: PagePreference::Pages4K,
+            prefault: true,
+            name: "l2-unit".into(),
+            posix_shm_name: None,
+            cancel: None,
+        })
+        .unwrap(),
+    );
+    let staging = pool.len() - 2 * STAGING_BYTES;
+    let namespaces = Arc::new(Namespaces::default());
+    let cfg = L2Config {
+        paths: vec![good.clone(), hung.clone()],
+        bytes: 32 << 20,
+        engine: "pread".into(),
+        io_timeout_ms: 300,
+        ..L2Config::default()
+    };
+    // First run: both devices formatted, nothing stuck.
+    let plain: crate::l2::set::Wrap = Arc::new(|e| e);
+    drop(
+        crate::l2::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, plain)
+            .unwrap()
+            .unwrap(),
+    );
+    // Second run: the second device's engines (made third and fourth) stop answering reads.
+    let made = Arc::new(AtomicU32::new(0));
+    let stuck = Arc::new(AtomicU32::new(Fault::StuckAllReads as u32));
+    let (p, m, f) = (pool.clone(), made.clone(), stuck.clone());
+    let wrap: crate::l2::set::Wrap = Arc::new(move |inner| -> Box<dyn BlockEngine> {
+        let n = m.fetch_add(1, Ordering::Relaxed);
+        let fault = if n >= 2 {
+            f.clone()
+        } else {
+            Arc::new(AtomicU32::new(Fault::None as u32))
+        };
+        Box::new(FaultyEngine {
+            inner,
+            pool: p.clone(),
+            fault,
+            writes: Default::default(),
+        })
+    });
+    let set = within(&stuck, "a start-up past a stuck device", || {
+        crate::l2::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, wrap)
+    })
+    .expect("a stuck device does not stop the start-up")
+    .expect("the other device works");
+    assert_eq!(set.tiers().len(), 1);
+    let s = set.status();
+    assert_eq!(s.failed_devices.len(), 1, "{:?}", s.failed_devices);
+    assert_eq!(s.failed_devices[0].path, hung.display().to_string());
+    assert!(
+        s.failed_devices[0].error.contains("did not answer"),
+        "{:?}",
+        s.failed_devices
+    );
+    // The device answers again: the thread that opened it finishes and lets the file go.
+    stuck.store(Fault::None as u32, Ordering::Relaxed);
+    drop(set);
+    eventually("the stuck opening released the device", || {
+        let only = L2Config {
+            paths: vec![hung.clone()],
+            ..cfg.clone()
+        };
+        crate::l2::L2Set::open(&only, pool.clone(), staging, &namespaces).is_ok_and(|s| s.is_some())
+    });
 }

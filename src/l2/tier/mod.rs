@@ -243,7 +243,7 @@ pub struct L2Tier {
     /// or pinned before a CLEAR can never be written or published after it.
     clear_gate: ClearGate,
     /// Device calls in progress, and how long one may take before the tier counts as stuck.
-    io: IoWatch,
+    io: Arc<IoWatch>,
     io_timeout: std::time::Duration,
     _lock: File,
 }

@@ -139,10 +139,29 @@ impl L2Tier {
         namespaces: &Namespaces,
         wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
     ) -> std::result::Result<L2Tier, OpenFailure> {
+        let io = Arc::new(IoWatch::default());
+        Self::open_watched(cfg, path, pool, staging_base, namespaces, wrap, &io)
+    }
+
+    /// [`L2Tier::open_classified`] registering every device call of the opening in `io`, so
+    /// that another thread can tell a device that stopped answering from a long recovery.
+    pub fn open_watched(
+        cfg: &L2Config,
+        path: &Path,
+        pool: Arc<SharedPool>,
+        staging_base: u64,
+        namespaces: &Namespaces,
+        wrap: &dyn Fn(Box<dyn BlockEngine>) -> Box<dyn BlockEngine>,
+        io: &Arc<IoWatch>,
+    ) -> std::result::Result<L2Tier, OpenFailure> {
         let started = std::time::Instant::now();
         // Nothing is written and nothing is resized before the device was judged ours or empty.
         let mut dev = crate::l2::device::open(cfg, path)?;
-        let found = crate::l2::device::identify(&dev).map_err(OpenFailure::Failed)?;
+        let found = {
+            let _call =
+                io.start(crate::l2::device::MAX_EMPTY_SCAN_BYTES + crate::l2::format::EXTENT_BASE);
+            crate::l2::device::identify(&dev).map_err(OpenFailure::Failed)?
+        };
         let crate::l2::device::Accepted { previous, wipe } =
             crate::l2::device::accept(cfg, &dev, found)?;
         let file_bytes = dev.bytes;
@@ -233,7 +252,7 @@ impl L2Tier {
             sync_lock: Mutex::new(()),
             deferred: Mutex::new(Vec::new()),
             clear_gate: ClearGate::default(),
-            io: IoWatch::default(),
+            io: io.clone(),
             io_timeout: std::time::Duration::from_millis(cfg.io_timeout_ms),
             _lock: dev.file.try_clone().map_err(|e| {
                 Error::from(HwError::Os {
@@ -245,7 +264,10 @@ impl L2Tier {
         match previous {
             Some(sb) if same_geometry(&sb) => {
                 // A file cut short by a crash during its first sizing is ours: grown again.
-                dev.grow()?;
+                {
+                    let _call = io.start(0);
+                    dev.grow()?;
+                }
                 tier.identity = Identity::open(sb, &|o, b| tier.write_durable(o, b))
                     .map_err(|e| OpenFailure::Failed(e.context("writing the L2 superblock")))?;
                 let rebuilding = std::time::Instant::now();
@@ -276,7 +298,10 @@ impl L2Tier {
                         tier.write_durable(o, b)
                     })
                     .map_err(|e| OpenFailure::Failed(e.context("formatting the L2 tier")))?;
-                dev.grow()?;
+                {
+                    let _call = io.start(0);
+                    dev.grow()?;
+                }
                 tier.index
                     .get_mut()
                     .note_epoch(tier.identity.first_epoch().saturating_sub(1));
