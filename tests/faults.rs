@@ -193,8 +193,14 @@ fn garbage_bytes_get_an_error_and_other_clients_keep_working() {
     let mut f = encode_request(43, &Request::Noop).unwrap();
     f[12..16].copy_from_slice(&(MAX_PAYLOAD_BYTES + 1).to_le_bytes());
     g.write_all(&f[..HEADER_BYTES]).unwrap();
-    let (_, resp) = read_error_frame(&mut g);
-    assert!(matches!(resp, Response::Error { message, .. } if message.contains("exceeds")));
+    // Issue 11: a typed LimitExceeded to the request that announced it (it was request id 0 and
+    // InvalidRequest).
+    let (h, resp) = read_error_frame(&mut g);
+    assert_eq!(h.request_id, 43, "{resp:?}");
+    assert!(
+        matches!(&resp, Response::Error { kind, message } if *kind == ErrorKind::LimitExceeded.code() && message.contains("exceeds")),
+        "{resp:?}"
+    );
 
     // 4. A truncated frame followed by a close: nothing breaks.
     let mut g = UnixStream::connect(&node.socket).unwrap();

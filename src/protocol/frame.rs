@@ -39,13 +39,18 @@ pub enum FrameError {
     /// A protocol version this build does not speak.
     #[error("unsupported protocol version {0}")]
     BadVersion(u16),
-    /// Payload length above the limit.
+    /// Payload length above the limit. The header's framing was intact, so the refusal can be
+    /// addressed to the request that announced it.
     #[error("payload of {len} bytes exceeds the {max}-byte limit")]
     Oversized {
         /// Declared length.
         len: u32,
         /// Limit.
         max: u32,
+        /// Request id of the frame that announced it.
+        request_id: u64,
+        /// Opcode of that frame.
+        opcode: u16,
     },
     /// Reserved header bits are set.
     #[error("reserved header field or flags set ({0:#x})")]
@@ -120,6 +125,8 @@ impl FrameHeader {
             return Err(FrameError::Oversized {
                 len: payload_len,
                 max: MAX_PAYLOAD_BYTES,
+                request_id: u64_at(16),
+                opcode: u16::from_le_bytes([b[6], b[7]]),
             });
         }
         Ok(FrameHeader {
@@ -143,6 +150,8 @@ fn encode_frame(
         .ok_or(FrameError::Oversized {
             len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
             max: MAX_PAYLOAD_BYTES,
+            request_id,
+            opcode,
         })?;
     let h = FrameHeader {
         opcode,

@@ -85,6 +85,22 @@ pub fn serve_frames<S: FrameSource>(
                 }
             },
             Err(FrameError::Truncated) | Err(FrameError::Io(_)) => break,
+            Err(
+                e @ FrameError::Oversized {
+                    request_id, opcode, ..
+                },
+            ) => {
+                // A typed refusal to the request that announced it. Its payload follows on the
+                // stream and is never read: the connection closes.
+                tracing::warn!(connection = id, request_id, error = %e, "closing connection after an oversized frame");
+                ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+                let resp = Response::Error {
+                    kind: ErrorKind::LimitExceeded.code(),
+                    message: format!("{e}; closing connection"),
+                };
+                sink.send(request_id, opcode, &resp, None);
+                break;
+            }
             Err(e) => {
                 // A bad header: the stream cannot be resynchronised. Say why, then close.
                 tracing::warn!(connection = id, error = %e, "closing connection after an unframeable header");
