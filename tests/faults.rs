@@ -188,6 +188,27 @@ fn garbage_bytes_get_an_error_and_other_clients_keep_working() {
     let (h, resp) = read_error_frame(&mut g);
     assert_eq!((h.request_id, resp), (42, Response::Text("OK".into())));
 
+    // 2b. A payload whose validation fails on a pointer: the error never carries the node's
+    // heap addresses (issue 11: it did, e.g. "ptr 0x00007fb9240016b0").
+    let mut g = UnixStream::connect(&node.socket).unwrap();
+    let mut f = encode_request(45, &Request::Noop).unwrap();
+    f.truncate(HEADER_BYTES);
+    f[12..16].copy_from_slice(&64u32.to_le_bytes());
+    f.extend_from_slice(&[0xEE; 64]);
+    g.write_all(&f).unwrap();
+    let (h, resp) = read_error_frame(&mut g);
+    assert_eq!(h.request_id, 45);
+    let Response::Error { message, .. } = resp else {
+        panic!("{resp:?}")
+    };
+    let longest_hex = message
+        .split("0x")
+        .skip(1)
+        .map(|t| t.chars().take_while(char::is_ascii_hexdigit).count())
+        .max()
+        .unwrap_or(0);
+    assert!(longest_hex < 9, "an address in an error: {message}");
+
     // 3. An oversized frame: typed error and close, before any payload is read.
     let mut g = UnixStream::connect(&node.socket).unwrap();
     let mut f = encode_request(43, &Request::Noop).unwrap();

@@ -192,7 +192,7 @@ pub fn decode_request(h: &FrameHeader, payload: &[u8]) -> Result<Request, FrameE
         return Err(FrameError::Payload("response flag set on a request".into()));
     }
     let req = rkyv::from_bytes::<Request, rancor::BoxedError>(payload)
-        .map_err(|e| FrameError::Payload(e.to_string()))?;
+        .map_err(|e| FrameError::Payload(redact_addresses(&e.to_string())))?;
     if req.opcode() != h.opcode {
         return Err(FrameError::OpcodeMismatch {
             header: h.opcode,
@@ -205,7 +205,34 @@ pub fn decode_request(h: &FrameHeader, payload: &[u8]) -> Result<Request, FrameE
 /// Validates and decodes a response payload.
 pub fn decode_response(payload: &[u8]) -> Result<Response, FrameError> {
     rkyv::from_bytes::<Response, rancor::BoxedError>(payload)
-        .map_err(|e| FrameError::Payload(e.to_string()))
+        .map_err(|e| FrameError::Payload(redact_addresses(&e.to_string())))
+}
+
+/// Hexadecimal numbers of 9 digits or more in a validation error are memory addresses (the
+/// validator reports pointers into the node's receive buffer): they are replaced, so an error
+/// sent to a client never tells it where the node's heap lies. Offsets and lengths inside a
+/// 16 MiB payload have at most 7 hex digits and stay.
+fn redact_addresses(msg: &str) -> String {
+    let b = msg.as_bytes();
+    let mut out = String::with_capacity(msg.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'0' && b.get(i + 1).is_some_and(|&c| c == b'x' || c == b'X') {
+            let digits = b[i + 2..]
+                .iter()
+                .take_while(|c| c.is_ascii_hexdigit())
+                .count();
+            if digits >= 9 {
+                out.push_str("<address>");
+                i += 2 + digits;
+                continue;
+            }
+        }
+        let ch = msg[i..].chars().next().expect("inside the string");
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    out
 }
 
 /// A byte source that may also deliver a file descriptor (SCM_RIGHTS) with its bytes.
@@ -616,5 +643,29 @@ mod tests {
         assert!(payload.iter().all(|b| *b == 1));
         reader.read_frame(&mut src, &mut payload).unwrap().unwrap();
         assert!(payload.capacity() < 1 << 20);
+    }
+}
+
+#[cfg(test)]
+mod redaction_tests {
+    use super::*;
+
+    #[test]
+    fn validation_errors_never_carry_heap_addresses() {
+        let h = FrameHeader::decode(
+            encode_request(5, &Request::Noop).unwrap()[..HEADER_BYTES]
+                .try_into()
+                .unwrap(),
+        )
+        .unwrap();
+        let mut a = rkyv::util::AlignedVec::<16>::new();
+        a.extend_from_slice(&[0xEEu8; 64]);
+        let e = decode_request(&h, &a).unwrap_err().to_string();
+        assert!(e.contains("<address>"), "{e}");
+        assert!(!e.contains("0x0000"), "{e}");
+        assert_eq!(
+            redact_addresses("ptr 0x00007fb9240016b0 size 72 at 0x40, é 0xdeadbeef1"),
+            "ptr <address> size 72 at 0x40, é <address>"
+        );
     }
 }
