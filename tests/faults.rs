@@ -352,3 +352,47 @@ fn prepared_transfers_that_are_never_committed_expire() {
     // The instance can prepare again.
     assert!(c.prepare_store(1, &range(&tokens(3, 1))).is_ok());
 }
+
+/// Issue 11: with few file descriptors, connections beyond what `RLIMIT_NOFILE` holds get a
+/// typed refusal at once (they hung in the backlog while `accept` failed with EMFILE in a loop
+/// that logged about a thousand warnings a second), and the node keeps serving.
+#[test]
+fn a_low_open_file_limit_caps_connections_with_typed_refusals() {
+    let node = NodeProc::start_with_nofile("nofile", 100);
+    let mut conns = Vec::new();
+    for i in 0..60u64 {
+        let mut s = UnixStream::connect(&node.socket).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        s.write_all(&encode_request(i + 1, &Request::Noop).unwrap())
+            .unwrap();
+        conns.push(s);
+    }
+    let (mut served, mut refused) = (0, 0);
+    for s in &mut conns {
+        let (_, resp) = read_error_frame(s);
+        match resp {
+            Response::Text(t) if t == "OK" => served += 1,
+            Response::Error { kind, .. } if kind == ErrorKind::LimitExceeded.code() => refused += 1,
+            other => panic!("neither served nor refused: {other:?}"),
+        }
+    }
+    assert!(
+        served >= 1 && refused >= 1,
+        "served {served}, refused {refused}"
+    );
+    assert!(
+        served <= 18,
+        "(100 - 64 reserved) / 2 fds per connection: {served}"
+    );
+    drop(conns);
+    // The node still serves, and its log did not fill with accept errors.
+    let mut c = node.client();
+    c.noop().unwrap();
+    let log = node.log();
+    assert!(
+        log.matches("accept failed").count() <= 2,
+        "accept errors: {}",
+        log.matches("accept failed").count()
+    );
+}

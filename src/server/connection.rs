@@ -24,7 +24,6 @@ pub const REPLY_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 
 /// Answers a connection beyond the limit with a typed error and closes it.
 pub fn refuse(mut stream: UnixStream, limit: usize) {
-    tracing::warn!(limit, "connection refused: too many open connections");
     let resp = Response::Error {
         kind: ErrorKind::LimitExceeded.code(),
         message: format!("too many connections (limit {limit})"),

@@ -279,8 +279,63 @@ impl Node {
     }
 }
 
+/// File descriptors one connection holds: its socket and the duplicate its replies go through.
+const FDS_PER_CONNECTION: u64 = 2;
+/// File descriptors kept for everything but connections (pool, L2 devices and their rings,
+/// listeners, the LMCache endpoint, logs).
+const RESERVED_FDS: u64 = 64;
+/// Back-off of a failing `accept` (e.g. EMFILE): from the first to the longest pause.
+const ACCEPT_BACKOFF: (std::time::Duration, std::time::Duration) = (
+    std::time::Duration::from_millis(10),
+    std::time::Duration::from_secs(1),
+);
+/// A failing `accept` is logged at most this often (with the number of failures since).
+const ACCEPT_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The connection limit the process's file descriptors allow: `limits.max_connections`, or
+/// fewer when `RLIMIT_NOFILE` cannot hold that many connections plus [`RESERVED_FDS`] (the soft
+/// limit is first raised towards the hard one as far as needed). Connections beyond it get a
+/// typed refusal instead of an `accept` that fails with EMFILE.
+fn connection_limit(configured: usize) -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let want = (configured as u64)
+        .saturating_mul(FDS_PER_CONNECTION)
+        .saturating_add(RESERVED_FDS);
+    let mut nofile = getrlimit(Resource::Nofile);
+    if let Some(soft) = nofile.current.filter(|&s| s < want) {
+        let raised = nofile.maximum.map_or(want, |hard| hard.min(want));
+        if raised > soft {
+            let mut wanted = nofile;
+            wanted.current = Some(raised);
+            if setrlimit(Resource::Nofile, wanted).is_ok() {
+                nofile = getrlimit(Resource::Nofile);
+            }
+        }
+    }
+    let Some(soft) = nofile.current else {
+        return configured;
+    };
+    let fit = usize::try_from(soft.saturating_sub(RESERVED_FDS) / FDS_PER_CONNECTION)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if fit < configured {
+        tracing::warn!(
+            max_connections = configured,
+            open_files = soft,
+            limit = fit,
+            "RLIMIT_NOFILE holds fewer connections than limits.max_connections: connections \
+             are capped at the lower figure (raise the limit, e.g. LimitNOFILE=, to serve more)"
+        );
+    }
+    configured.min(fit)
+}
+
 fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
     static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+    let limit = connection_limit(ctx.config.limits.max_connections);
+    let mut backoff = ACCEPT_BACKOFF.0;
+    let (mut failures, mut logged) = (0u64, None::<std::time::Instant>);
+    let (mut refused, mut refusal_logged) = (0u64, None::<std::time::Instant>);
     for stream in listener.incoming() {
         if ctx.shutting_down.load(Ordering::Acquire) {
             break;
@@ -288,17 +343,32 @@ fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
         let stream = match stream {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                // E.g. out of file descriptors: retry without spinning.
-                thread::sleep(std::time::Duration::from_millis(10));
+                // E.g. out of file descriptors: back off, and say so without flooding the log.
+                failures += 1;
+                if logged.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                    tracing::warn!(error = %e, failures, "accept failed: retrying with a back-off");
+                    (failures, logged) = (0, Some(std::time::Instant::now()));
+                }
+                thread::sleep(backoff);
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF.1);
                 continue;
             }
         };
+        backoff = ACCEPT_BACKOFF.0;
         let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
         let open = ctx.counters.connections.fetch_add(1, Ordering::AcqRel);
-        if open >= ctx.config.limits.max_connections {
+        if open >= limit {
             ctx.counters.connections.fetch_sub(1, Ordering::AcqRel);
-            connection::refuse(stream, ctx.config.limits.max_connections);
+            connection::refuse(stream, limit);
+            refused += 1;
+            if refusal_logged.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                tracing::warn!(
+                    limit,
+                    refused,
+                    "connections refused: too many open connections"
+                );
+                (refused, refusal_logged) = (0, Some(std::time::Instant::now()));
+            }
             continue;
         }
         let cctx = ctx.clone();

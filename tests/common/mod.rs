@@ -91,7 +91,24 @@ impl NodeProc {
         NodeProc::launch(tmp, socket, &args)
     }
 
+    /// Like [`NodeProc::start`], with the process's open-file limit (`RLIMIT_NOFILE`, soft and
+    /// hard) set to `nofile` by the shell that execs it.
+    pub fn start_with_nofile(tag: &str, nofile: u64) -> NodeProc {
+        let tmp = TestDir::new(tag);
+        let socket = tmp.join("kvnode.sock");
+        NodeProc::launch_limited(tmp, socket, &[], Some(nofile))
+    }
+
     fn launch(tmp: TestDir, socket: PathBuf, extra: &[&str]) -> NodeProc {
+        NodeProc::launch_limited(tmp, socket, extra, None)
+    }
+
+    fn launch_limited(
+        tmp: TestDir,
+        socket: PathBuf,
+        extra: &[&str],
+        nofile: Option<u64>,
+    ) -> NodeProc {
         let dir = tmp.path().to_path_buf();
         let mut args: Vec<String> = vec![
             "serve".into(),
@@ -105,7 +122,18 @@ impl NodeProc {
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = std::fs::File::create(dir.join("node.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        let mut cmd = match nofile {
+            None => Command::new(env!("CARGO_BIN_EXE_kvnode")),
+            Some(n) => {
+                // `exec` keeps the pid: killing the child kills the node.
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(env!("CARGO_BIN_EXE_kvnode"));
+                c
+            }
+        };
+        let child = cmd
             .args(&args)
             .env("RUST_LOG", "kvnode=debug,info")
             .stdout(Stdio::null())
