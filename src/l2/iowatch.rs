@@ -13,6 +13,9 @@ pub struct IoWatch {
     /// (id, start, time the call's bytes may take at [`SLOWEST_RATE`]).
     calls: Mutex<Vec<(u64, Instant, Duration)>>,
     next: std::sync::atomic::AtomicU64,
+    /// Set when the node gave up on the device (left out at start-up): the tier starts no
+    /// more I/O through the pool or to the device.
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 /// The slowest transfer rate (bytes per second) a working device is granted before a call
@@ -32,6 +35,17 @@ impl IoWatch {
         let allowance = Duration::from_secs_f64(bytes as f64 / SLOWEST_RATE as f64);
         self.calls.lock().push((id, Instant::now(), allowance));
         IoCall { watch: self, id }
+    }
+
+    /// Gives up on the device: every later I/O of its tier fails at once (see `abandoned`).
+    pub fn abandon(&self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether [`IoWatch::abandon`] was called.
+    pub fn abandoned(&self) -> bool {
+        self.abandoned.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// How long the oldest call in progress has been running (zero when none is).

@@ -635,6 +635,9 @@ fn open_device_watched(
                 )))
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) if io.overdue(timeout) => {
+                // The thread carries on once the device answers: from now on it reads and
+                // writes nothing (the pool's staging area may serve clients by then).
+                io.abandon();
                 return Err(OpenFailure::Failed(crate::error::Error::new(
                     crate::error::ErrorKind::Io,
                     format!(
@@ -644,7 +647,7 @@ fn open_device_watched(
                         path.display(),
                         timeout.as_millis()
                     ),
-                )))
+                )));
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
         }

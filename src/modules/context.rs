@@ -164,7 +164,10 @@ impl NodeContext {
         l2: Option<crate::l2::L2Set>,
         clock: Clock,
     ) -> NodeContext {
-        let reserved = if l2.is_some() {
+        // Reserved whenever L2 is configured, even if no device opened: a device left out
+        // because it hung may still have an opening thread that touches its staging blocks
+        // (it stops at its next I/O, but one may be in the kernel).
+        let reserved = if config.l2.enabled() {
             crate::l2::L2Set::staging_bytes(&config.l2)
         } else {
             0

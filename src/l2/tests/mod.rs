@@ -62,6 +62,8 @@ struct FaultyEngine {
     fault: Arc<AtomicU32>,
     /// Every write batch, in order.
     writes: Arc<std::sync::Mutex<Vec<Vec<BlockIo>>>>,
+    /// Read batches that reached the device.
+    reads: Arc<AtomicU32>,
 }
 
 const HEADER: u64 = 4096;
@@ -105,6 +107,7 @@ impl BlockEngine for FaultyEngine {
     }
 
     fn read_batch(&self, ios: &[BlockIo]) -> Vec<HwResult<u64>> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
         self.hang_while(Fault::StuckPayloadReads, ios);
         while self.fault.load(Ordering::Relaxed) == Fault::StuckAllReads as u32 {
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -248,6 +251,7 @@ fn try_open_rig(
             pool: p.clone(),
             fault: f.clone(),
             writes: w.clone(),
+            reads: Default::default(),
         })
     };
     let tier = L2Tier::open_wrapped(&cfg, &dir, pool.clone(), staging, &namespaces, &wrap)?;

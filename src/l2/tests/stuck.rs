@@ -160,6 +160,7 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
             pool: p.clone(),
             fault: Arc::new(AtomicU32::new(fault as u32)),
             writes: Default::default(),
+            reads: Default::default(),
         })
     };
     let cfg = L2Config {
@@ -192,6 +193,7 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
             pool: p.clone(),
             fault: Arc::new(AtomicU32::new(Fault::EveryWriteEio as u32)),
             writes: Default::default(),
+            reads: Default::default(),
         })
     };
     let only_bad = L2Config {
@@ -249,29 +251,41 @@ fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
         io_timeout_ms: 300,
         ..L2Config::default()
     };
-    // First run: both devices formatted, nothing stuck.
-    let plain: crate::l2::set::Wrap = Arc::new(|e| e);
-    drop(
-        crate::l2::L2Set::open_wrapped(&cfg, pool.clone(), staging, &namespaces, plain)
-            .unwrap()
-            .unwrap(),
-    );
+    // First run: the second device gets objects (so that recovering it reads slot headers after
+    // its extent headers).
+    {
+        let r = open_rig(hung.clone(), "pread", 1024, Fault::None);
+        let keys = r.keys(8);
+        r.store(&keys);
+        assert_eq!(r.tier.persist(&r.storage, &r.namespaces, &keys), 8);
+        r.tier.sync().unwrap();
+    }
     // Second run: the second device's engines (made third and fourth) stop answering reads.
     let made = Arc::new(AtomicU32::new(0));
     let stuck = Arc::new(AtomicU32::new(Fault::StuckAllReads as u32));
-    let (p, m, f) = (pool.clone(), made.clone(), stuck.clone());
+    let hung_reads = Arc::new(AtomicU32::new(0));
+    let (p, m, f, r) = (
+        pool.clone(),
+        made.clone(),
+        stuck.clone(),
+        hung_reads.clone(),
+    );
     let wrap: crate::l2::set::Wrap = Arc::new(move |inner| -> Box<dyn BlockEngine> {
         let n = m.fetch_add(1, Ordering::Relaxed);
-        let fault = if n >= 2 {
-            f.clone()
+        let (fault, reads) = if n >= 2 {
+            (f.clone(), r.clone())
         } else {
-            Arc::new(AtomicU32::new(Fault::None as u32))
+            (
+                Arc::new(AtomicU32::new(Fault::None as u32)),
+                Default::default(),
+            )
         };
         Box::new(FaultyEngine {
             inner,
             pool: p.clone(),
             fault,
             writes: Default::default(),
+            reads,
         })
     });
     let set = within(&stuck, "a start-up past a stuck device", || {
@@ -288,7 +302,9 @@ fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
         "{:?}",
         s.failed_devices
     );
-    // The device answers again: the thread that opened it finishes and lets the file go.
+    // The device answers again: the thread that opened it finishes and lets the file go,
+    // without another read or write (its staging blocks may serve clients by now).
+    let reads_when_left_out = hung_reads.load(Ordering::Relaxed);
     stuck.store(Fault::None as u32, Ordering::Relaxed);
     drop(set);
     eventually("the stuck opening released the device", || {
@@ -298,4 +314,9 @@ fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
         };
         crate::l2::L2Set::open(&only, pool.clone(), staging, &namespaces).is_ok_and(|s| s.is_some())
     });
+    assert_eq!(
+        hung_reads.load(Ordering::Relaxed),
+        reads_when_left_out,
+        "the abandoned opening kept reading"
+    );
 }

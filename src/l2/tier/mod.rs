@@ -293,6 +293,17 @@ impl L2Tier {
     ) -> Vec<Result<R>> {
         let mut out = Vec::with_capacity(items.len());
         for part in items.chunks(per_call.max(1)) {
+            if self.io.abandoned() {
+                // Left out at start-up: its staging blocks may be the clients' now, and the
+                // node reported the device failed; nothing more is read or written.
+                out.extend(part.iter().map(|_| {
+                    Err(Error::new(
+                        ErrorKind::Io,
+                        "the L2 device was left out at start-up: no more I/O",
+                    ))
+                }));
+                continue;
+            }
             let blocks = self.staging.take(part.len());
             if blocks.len() == part.len() {
                 out.extend(f(part, &blocks));

@@ -101,6 +101,14 @@ fn make_engine(
     ))
 }
 
+/// The error of an opening the node gave up on (see [`IoWatch::abandon`]).
+fn left_out() -> OpenFailure {
+    OpenFailure::Failed(Error::new(
+        crate::error::ErrorKind::Io,
+        "the L2 device was left out at start-up",
+    ))
+}
+
 impl L2Tier {
     /// Opens (creating if needed) the data file or device, takes its lock, starts the engines,
     /// and rebuilds the index from the on-disk headers (or formats an empty tier).
@@ -156,7 +164,15 @@ impl L2Tier {
     ) -> std::result::Result<L2Tier, OpenFailure> {
         let started = std::time::Instant::now();
         // Nothing is written and nothing is resized before the device was judged ours or empty.
-        let mut dev = crate::l2::device::open(cfg, path)?;
+        // Opening waits up to l2.lock_wait_ms for the device's lock: allowed on top.
+        let lock_wait_bytes = cfg
+            .lock_wait_ms
+            .saturating_mul(crate::l2::iowatch::SLOWEST_RATE)
+            / 1000;
+        let mut dev = {
+            let _call = io.start(lock_wait_bytes);
+            crate::l2::device::open(cfg, path)?
+        };
         let found = {
             let _call =
                 io.start(crate::l2::device::MAX_EMPTY_SCAN_BYTES + crate::l2::format::EXTENT_BASE);
@@ -265,7 +281,11 @@ impl L2Tier {
             Some(sb) if same_geometry(&sb) => {
                 // A file cut short by a crash during its first sizing is ours: grown again.
                 {
-                    let _call = io.start(0);
+                    if io.abandoned() {
+                        return Err(left_out());
+                    }
+                    // Allocating the rest of the file: granted its bytes at the slowest rate.
+                    let _call = io.start(file_bytes.saturating_sub(dev.len));
                     dev.grow()?;
                 }
                 tier.identity = Identity::open(sb, &|o, b| tier.write_durable(o, b))
@@ -299,7 +319,11 @@ impl L2Tier {
                     })
                     .map_err(|e| OpenFailure::Failed(e.context("formatting the L2 tier")))?;
                 {
-                    let _call = io.start(0);
+                    if io.abandoned() {
+                        return Err(left_out());
+                    }
+                    // Allocating the rest of the file: granted its bytes at the slowest rate.
+                    let _call = io.start(file_bytes.saturating_sub(dev.len));
                     dev.grow()?;
                 }
                 tier.index
