@@ -397,9 +397,15 @@ pub fn slots_start(extent_bytes: u64, stride: u64) -> u64 {
 /// `+ BLOCK`). Aligned to `BLOCK` when `extent_bytes` and `stride` are. Caller
 /// guarantees `slot < slots_per_extent` and `extent < extent_count`.
 pub fn slot_offset(extent_bytes: u64, extent: u32, stride: u64, slot: u32) -> u64 {
-    extent_offset(extent_bytes, extent)
-        + slots_start(extent_bytes, stride)
-        + u64::from(slot) * stride
+    let slots = slots_per_extent(extent_bytes, stride);
+    slot_offset_of(extent_bytes, extent, stride, slots, slot)
+}
+
+/// [`slot_offset`] for a caller that already knows the extent's `slots`
+/// (`== slots_per_extent(extent_bytes, stride)`): no geometry is recomputed.
+pub fn slot_offset_of(extent_bytes: u64, extent: u32, stride: u64, slots: u32, slot: u32) -> u64 {
+    debug_assert_eq!(slots, slots_per_extent(extent_bytes, stride));
+    extent_offset(extent_bytes, extent) + B + B * table_blocks(slots) + u64::from(slot) * stride
 }
 
 /// Default extent size for a file: 256 MiB, at most a quarter of the space after

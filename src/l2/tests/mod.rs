@@ -218,13 +218,9 @@ fn open_rig_batched(
     .unwrap()
 }
 
-/// Opens a rig on `dir` with the unit-test configuration as `configure` changes it.
-fn try_open_rig(
-    dir: std::path::PathBuf,
-    fault: Fault,
-    configure: impl FnOnce(&mut L2Config),
-) -> crate::error::Result<Rig> {
-    let pool = Arc::new(
+/// The 8 MiB pool of the unit tests (4 KiB pages).
+fn unit_pool() -> Arc<SharedPool> {
+    Arc::new(
         SharedPool::create(&PoolOptions {
             bytes: 8 << 20,
             prefer: PagePreference::Pages4K,
@@ -234,7 +230,40 @@ fn try_open_rig(
             cancel: None,
         })
         .unwrap(),
-    );
+    )
+}
+
+/// A fresh directory for a test's devices, removed when the returned guard drops.
+fn scratch_dir(tag: &str) -> (std::path::PathBuf, tempdir::Dir) {
+    let base = std::env::temp_dir().join(format!("kvnode-l2unit-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    (base.clone(), tempdir::Dir(base))
+}
+
+impl FaultyEngine {
+    /// An engine over `inner` with `fault` in force, recording nothing shared.
+    fn with_fault(
+        inner: Box<dyn BlockEngine>,
+        pool: Arc<SharedPool>,
+        fault: Arc<AtomicU32>,
+    ) -> Self {
+        FaultyEngine {
+            inner,
+            pool,
+            fault,
+            writes: Default::default(),
+            reads: Default::default(),
+        }
+    }
+}
+
+/// Opens a rig on `dir` with the unit-test configuration as `configure` changes it.
+fn try_open_rig(
+    dir: std::path::PathBuf,
+    fault: Fault,
+    configure: impl FnOnce(&mut L2Config),
+) -> crate::error::Result<Rig> {
+    let pool = unit_pool();
     let staging = pool.len() - STAGING_BYTES;
     let namespaces = Namespaces::default();
     let fault = Arc::new(AtomicU32::new(fault as u32));

@@ -128,21 +128,9 @@ fn a_load_on_a_stuck_device_misses_in_time_and_releases_its_locks_later() {
 /// holding another program's data still stops the start-up.
 #[test]
 fn a_failing_device_is_left_out_at_start_up_not_fatal() {
-    let base = std::env::temp_dir().join(format!("kvnode-l2unit-{}-failed", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let _owner = tempdir::Dir(base.clone());
+    let (base, _owner) = scratch_dir("failed");
     let (good, bad) = (base.join("good"), base.join("bad"));
-    let pool = Arc::new(
-        SharedPool::create(&PoolOptions {
-            bytes: 8 << 20,
-            prefer: PagePreference::Pages4K,
-            prefault: true,
-            name: "l2-unit".into(),
-            posix_shm_name: None,
-            cancel: None,
-        })
-        .unwrap(),
-    );
+    let pool = unit_pool();
     let staging = pool.len() - 2 * STAGING_BYTES;
     let namespaces = Arc::new(Namespaces::default());
     // Engines are made two per device, in device order: the second device's always fail.
@@ -155,13 +143,11 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
         } else {
             Fault::None
         };
-        Box::new(FaultyEngine {
+        Box::new(FaultyEngine::with_fault(
             inner,
-            pool: p.clone(),
-            fault: Arc::new(AtomicU32::new(fault as u32)),
-            writes: Default::default(),
-            reads: Default::default(),
-        })
+            p.clone(),
+            Arc::new(AtomicU32::new(fault as u32)),
+        ))
     };
     let cfg = L2Config {
         paths: vec![good.clone(), bad.clone()],
@@ -188,13 +174,11 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
     let p = pool.clone();
     let all_fail = move |inner: Box<dyn BlockEngine>| -> Box<dyn BlockEngine> {
         made.fetch_add(1, Ordering::Relaxed);
-        Box::new(FaultyEngine {
+        Box::new(FaultyEngine::with_fault(
             inner,
-            pool: p.clone(),
-            fault: Arc::new(AtomicU32::new(Fault::EveryWriteEio as u32)),
-            writes: Default::default(),
-            reads: Default::default(),
-        })
+            p.clone(),
+            Arc::new(AtomicU32::new(Fault::EveryWriteEio as u32)),
+        ))
     };
     let only_bad = L2Config {
         paths: vec![bad.clone()],
@@ -227,21 +211,9 @@ fn a_failing_device_is_left_out_at_start_up_not_fatal() {
 /// start-up goes on with the other devices; the opening thread finishes once the device answers.
 #[test]
 fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
-    let base = std::env::temp_dir().join(format!("kvnode-l2unit-{}-hung", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let _owner = tempdir::Dir(base.clone());
+    let (base, _owner) = scratch_dir("hung");
     let (good, hung) = (base.join("good"), base.join("hung"));
-    let pool = Arc::new(
-        SharedPool::create(&PoolOptions {
-            bytes: 8 << 20,
-            prefer: PagePreference::Pages4K,
-            prefault: true,
-            name: "l2-unit".into(),
-            posix_shm_name: None,
-            cancel: None,
-        })
-        .unwrap(),
-    );
+    let pool = unit_pool();
     let staging = pool.len() - 2 * STAGING_BYTES;
     let namespaces = Arc::new(Namespaces::default());
     let cfg = L2Config {
@@ -281,11 +253,8 @@ fn a_device_that_stops_answering_at_start_up_is_left_out_in_time() {
             )
         };
         Box::new(FaultyEngine {
-            inner,
-            pool: p.clone(),
-            fault,
-            writes: Default::default(),
             reads,
+            ..FaultyEngine::with_fault(inner, p.clone(), fault)
         })
     });
     let set = within(&stuck, "a start-up past a stuck device", || {

@@ -11,7 +11,7 @@ use super::{L2Tier, READ_RINGS, RECOVERY_READS, STAGING_BYTES};
 use crate::error::Result;
 use crate::l2::format::table_offset;
 use crate::l2::format::{
-    extent_count, extent_offset, slot_offset, slots_per_extent, table_blocks, ExtentHeader,
+    extent_count, extent_offset, slot_offset_of, slots_per_extent, table_blocks, ExtentHeader,
     FormatError, SlotHeader, TableBlock, TableEntry, BLOCK, ENTRIES_PER_TABLE_BLOCK,
 };
 use crate::l2::space::{RecoverOutcome, Recovered};
@@ -308,7 +308,7 @@ impl L2Tier {
         let missing: Vec<u32> = (0..n).filter(|&j| slots[j as usize].is_none()).collect();
         let offsets: Vec<u64> = missing
             .iter()
-            .map(|&j| slot_offset(self.extent_bytes, e, h.stride, j))
+            .map(|&j| slot_offset_of(self.extent_bytes, e, h.stride, n, j))
             .collect();
         reads.blocks += offsets.len() as u64;
         for ((block, &off), &j) in self
@@ -347,13 +347,14 @@ impl L2Tier {
         reads: &mut RecoveryReads,
     ) -> Option<Vec<SlotScan>> {
         let format_id = self.identity.format_id();
+        let n = slots_per_extent(self.extent_bytes, h.stride);
         let mut out = Vec::with_capacity(tb.entries.len());
         for (i, entry) in tb.entries.iter().enumerate() {
             let Some(entry) = entry else {
                 out.push(SlotScan::Free);
                 continue;
             };
-            let off = slot_offset(self.extent_bytes, e, h.stride, tb.first_slot + i as u32);
+            let off = slot_offset_of(self.extent_bytes, e, h.stride, n, tb.first_slot + i as u32);
             let (model, salt) = match names.entry(entry.namespace) {
                 Entry::Occupied(known) => known.into_mut(),
                 Entry::Vacant(unknown) => {
