@@ -333,6 +333,8 @@ pub struct NodeConfig {
     pub limits: Limits,
     /// The L2 disk tier (`[l2]` in TOML).
     pub l2: L2Config,
+    /// Who may connect and who may run admin operations (`[access]` in TOML).
+    pub access: crate::access::AccessConfig,
 }
 
 /// The default socket path: `$XDG_RUNTIME_DIR/kvnode.sock`, else `/tmp/kvnode.sock`.
@@ -363,6 +365,7 @@ impl Default for NodeConfig {
             low_watermark: 0.85,
             limits: Limits::default(),
             l2: L2Config::default(),
+            access: Default::default(),
         }
     }
 }
@@ -437,6 +440,7 @@ impl NodeConfig {
         }
         self.page_preference()?;
         self.l2.validate()?;
+        self.access.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

@@ -27,6 +27,9 @@ pub enum ErrorKind {
     ShuttingDown = 9,
     /// A broken internal invariant; always a bug.
     Internal = 10,
+    /// The caller may not do this: the instance, transfer or session belongs to another
+    /// connection or process, or the operation is for the node's administrators only.
+    PermissionDenied = 11,
 }
 
 impl ErrorKind {
@@ -42,6 +45,7 @@ impl ErrorKind {
             7 => ErrorKind::Unsupported,
             8 => ErrorKind::UnknownTransfer,
             9 => ErrorKind::ShuttingDown,
+            11 => ErrorKind::PermissionDenied,
             _ => ErrorKind::Internal,
         }
     }
@@ -87,6 +91,11 @@ impl Error {
     /// Shorthand for [`ErrorKind::LimitExceeded`].
     pub fn limit(context: impl Into<String>) -> Error {
         Error::new(ErrorKind::LimitExceeded, context)
+    }
+
+    /// Shorthand for [`ErrorKind::PermissionDenied`].
+    pub fn denied(context: impl Into<String>) -> Error {
+        Error::new(ErrorKind::PermissionDenied, context)
     }
 
     /// Shorthand for [`ErrorKind::Internal`].

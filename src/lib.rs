@@ -7,6 +7,7 @@
 //! `liveness` reaps silent instances. Engines copy KV bytes into and out of the pool themselves.
 #![warn(missing_docs)]
 
+pub mod access;
 pub mod client;
 pub mod clock;
 pub mod config;

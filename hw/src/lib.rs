@@ -30,6 +30,7 @@ mod error;
 mod fdpass;
 mod meminfo;
 mod netif;
+mod peer;
 mod pool;
 mod pread_engine;
 mod region;
@@ -51,6 +52,10 @@ pub use error::{HwError, HwResult};
 pub use fdpass::{recv_with_fd, send_with_fd};
 pub use meminfo::{human_bytes, MemoryAvailable};
 pub use netif::interface_addresses;
+pub use peer::{
+    effective_gid, effective_uid, find_socket_owner, tcp_peer_uid, unix_peer_credentials,
+    user_groups, PeerCred, MAX_USER_GROUPS,
+};
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};

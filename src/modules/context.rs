@@ -131,6 +131,8 @@ pub struct NodeContext {
     pub counters: NodeCounters,
     /// Set once shutdown starts.
     pub shutting_down: AtomicBool,
+    /// Who may connect and who may run admin operations.
+    pub access: crate::access::AccessPolicy,
     next_transfer: AtomicU64,
     next_generation: AtomicU64,
     clock: Clock,
@@ -196,6 +198,7 @@ impl NodeContext {
             liveness: Liveness::new(&config),
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
+            access: crate::access::AccessPolicy::new(config.access.clone()),
             next_transfer: AtomicU64::new(1),
             next_generation: AtomicU64::new(1),
             clock,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use rkyv::util::AlignedVec;
 
 use super::dispatch;
+use crate::access::Role;
 use crate::error::ErrorKind;
 use crate::modules::NodeContext;
 use crate::protocol::frame::{
@@ -47,6 +48,20 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         }
     };
     let sink: Arc<dyn ReplySink> = Arc::new(UdsReplySink::new(write_half, id));
+    if ctx.access.role(sink.peer().as_ref()) == Role::Refused {
+        // The socket's mode normally keeps other users out; this holds when it does not.
+        tracing::warn!(connection = id, peer = ?sink.peer(), "refused a peer not allowed by [access]");
+        let resp = Response::Error {
+            kind: ErrorKind::PermissionDenied.code(),
+            message: format!(
+                "user {} may not use this node (allowed: the node's user, root and [access] allow_uids/allow_gids)",
+                sink.peer().map_or_else(|| "unknown".to_owned(), |p| p.uid.to_string())
+            ),
+        };
+        sink.send(0, 0, &resp, None);
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     serve_frames(ctx, &mut PlainSource(&stream), &sink);
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }

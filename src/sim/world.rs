@@ -204,14 +204,28 @@ pub fn read_stamp(ctx: &NodeContext, offset: u64, len: u64, key: &StorageKey) ->
 /// request's answer is there when `dispatch` returns).
 pub struct CaptureSink {
     id: u64,
+    peer: kvnode_hw::PeerCred,
     last: Mutex<Option<Response>>,
 }
 
 impl CaptureSink {
-    /// A sink for connection `id`.
+    /// A sink for connection `id` of a process of the node's own user.
     pub fn new(id: u64) -> Arc<CaptureSink> {
+        CaptureSink::with_peer(
+            id,
+            kvnode_hw::PeerCred {
+                pid: Some(1),
+                uid: kvnode_hw::effective_uid(),
+                gid: kvnode_hw::effective_gid(),
+            },
+        )
+    }
+
+    /// A sink for connection `id` whose peer has credentials `peer`.
+    pub fn with_peer(id: u64, peer: kvnode_hw::PeerCred) -> Arc<CaptureSink> {
         Arc::new(CaptureSink {
             id,
+            peer,
             last: Mutex::new(None),
         })
     }
@@ -239,5 +253,9 @@ impl ReplySink for CaptureSink {
 
     fn can_pass_fd(&self) -> bool {
         false
+    }
+
+    fn peer(&self) -> Option<kvnode_hw::PeerCred> {
+        Some(self.peer)
     }
 }

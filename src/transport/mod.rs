@@ -18,4 +18,7 @@ pub trait ReplySink: Send + Sync {
     fn connection_id(&self) -> u64;
     /// Whether `send` can attach a file descriptor (SCM_RIGHTS).
     fn can_pass_fd(&self) -> bool;
+    /// The peer's kernel-recorded credentials (`SO_PEERCRED`), when the transport knows them.
+    /// Instances, transfers and sessions are bound to them.
+    fn peer(&self) -> Option<kvnode_hw::PeerCred>;
 }

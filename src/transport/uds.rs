@@ -420,16 +420,19 @@ pub struct UdsReplySink {
     stream: UnixStream,
     write_lock: Mutex<()>,
     id: u64,
+    peer: Option<kvnode_hw::PeerCred>,
 }
 
 impl UdsReplySink {
     /// Wraps the write half (a `try_clone` of the connection, with a write timeout set) with
-    /// connection id `id`.
+    /// connection id `id`; the peer's credentials are read from the socket once, here.
     pub fn new(stream: UnixStream, id: u64) -> UdsReplySink {
+        let peer = kvnode_hw::unix_peer_credentials(stream.as_fd()).ok();
         UdsReplySink {
             stream,
             write_lock: Mutex::new(()),
             id,
+            peer,
         }
     }
 }
@@ -472,6 +475,10 @@ impl ReplySink for UdsReplySink {
 
     fn can_pass_fd(&self) -> bool {
         true
+    }
+
+    fn peer(&self) -> Option<kvnode_hw::PeerCred> {
+        self.peer
     }
 }
 

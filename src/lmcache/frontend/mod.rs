@@ -74,6 +74,14 @@ impl ReplySink for WaitSink {
     fn can_pass_fd(&self) -> bool {
         false
     }
+    /// The frontend acts inside the node (it checks its own peers before it gets here).
+    fn peer(&self) -> Option<kvnode_hw::PeerCred> {
+        Some(kvnode_hw::PeerCred {
+            pid: Some(std::process::id() as i32),
+            uid: kvnode_hw::effective_uid(),
+            gid: kvnode_hw::effective_gid(),
+        })
+    }
 }
 
 /// Counters of the frontend's bounded state.
