@@ -37,6 +37,16 @@ pub struct Limits {
     pub max_namespaces: usize,
     /// Event-bus queue length (events beyond it are dropped and counted).
     pub event_bus_capacity: usize,
+    /// Instances one user (peer uid) may hold registered at once.
+    pub max_instances_per_user: usize,
+    /// Instances one connection may register.
+    pub max_instances_per_connection: usize,
+    /// Share of the pool one instance may hold reserved by prepared, uncommitted stores
+    /// (0 < x <= 1).
+    pub max_reserved_fraction_per_instance: f64,
+    /// Share of the pool the instances of one user may hold reserved by prepared, uncommitted
+    /// stores (0 < x <= 1).
+    pub max_reserved_fraction_per_user: f64,
 }
 
 impl Default for Limits {
@@ -51,6 +61,10 @@ impl Default for Limits {
             max_objects: 16 << 20,
             max_namespaces: crate::storage::key::MAX_NAMESPACES,
             event_bus_capacity: 10_000,
+            max_instances_per_user: 256,
+            max_instances_per_connection: 64,
+            max_reserved_fraction_per_instance: 0.5,
+            max_reserved_fraction_per_user: 0.75,
         }
     }
 }
@@ -452,9 +466,30 @@ impl NodeConfig {
             ("max_objects", l.max_objects),
             ("max_namespaces", l.max_namespaces),
             ("event_bus_capacity", l.event_bus_capacity),
+            ("max_instances_per_user", l.max_instances_per_user),
+            (
+                "max_instances_per_connection",
+                l.max_instances_per_connection,
+            ),
         ] {
             if v == 0 {
                 return Err(Error::invalid(format!("limit {name} must be > 0")));
+            }
+        }
+        for (name, v) in [
+            (
+                "max_reserved_fraction_per_instance",
+                l.max_reserved_fraction_per_instance,
+            ),
+            (
+                "max_reserved_fraction_per_user",
+                l.max_reserved_fraction_per_user,
+            ),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return Err(Error::invalid(format!(
+                    "limit {name} = {v} must be a share of the pool in (0, 1]"
+                )));
             }
         }
         Ok(())

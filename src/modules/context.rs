@@ -9,6 +9,7 @@ use crossbeam_queue::ArrayQueue;
 use kvnode_hw::SharedPool;
 use parking_lot::Mutex;
 
+use super::caller::Caller;
 use super::events::{Event, EventBus};
 use super::instances::{Instance, InstanceTable, PendingTransfers};
 use super::lookup::SessionTable;
@@ -137,6 +138,7 @@ pub struct NodeContext {
     next_generation: AtomicU64,
     clock: Clock,
     release_hooks: parking_lot::RwLock<Vec<ReleaseHook>>,
+    register_lock: Mutex<()>,
 }
 
 /// Called with every released instance (after its transfers were handed back), so layers above
@@ -203,6 +205,7 @@ impl NodeContext {
             next_generation: AtomicU64::new(1),
             clock,
             release_hooks: parking_lot::RwLock::new(Vec::new()),
+            register_lock: Mutex::new(()),
             pool,
             config,
         }
@@ -243,8 +246,12 @@ impl NodeContext {
 
     /// Registers (or refreshes) an engine-driven context. A duplicate registration with the same
     /// parameters refreshes liveness and returns the same instance; different parameters replace
-    /// the old registration (releasing its pending transfers).
-    pub fn register(&self, req: &RegisterRequest, connection: u64) -> Result<Arc<Instance>> {
+    /// the old registration (releasing its pending transfers). A live instance is only ever
+    /// joined or replaced by its own process (a connection that registered it, or another
+    /// connection of the same pid and uid); anyone else gets `PermissionDenied`. A new instance
+    /// counts against its user's `max_instances_per_user`.
+    pub fn register(&self, req: &RegisterRequest, caller: &Caller) -> Result<Arc<Instance>> {
+        let connection = caller.connection;
         validate_model_name(&req.model)?;
         validate_rank(req.world_size, 0)?;
         let dtype = Dtype::parse(&req.dtype)?;
@@ -278,6 +285,8 @@ impl NodeContext {
         // A registration never hands out a released instance: `attach` refuses once the release
         // has begun (both under the instance's connection lock), and the loop then registers
         // anew (the table replaces a released entry). Each retry means a release completed.
+        // One registration at a time: the per-user count and the insert are one step.
+        let _one_at_a_time = self.register_lock.lock();
         let mut attempts = 0;
         let inst = loop {
             attempts += 1;
@@ -288,6 +297,15 @@ impl NodeContext {
                 )));
             }
             if let Some(existing) = self.instances.get(req.instance_id) {
+                if caller.require_attached(&existing).is_err()
+                    && !caller.same_process_as(existing.owner.as_ref())
+                {
+                    return Err(Error::denied(format!(
+                        "instance {} is registered by another process; it stays its own until \
+                         that process unregisters it or disconnects",
+                        req.instance_id
+                    )));
+                }
                 if same_as(&existing) {
                     if existing.attach(connection) {
                         existing.touch(now);
@@ -302,6 +320,7 @@ impl NodeContext {
                     self.release(&existing, "re-registered");
                 }
             }
+            self.check_user_quota(caller)?;
             let namespace = self.namespaces.intern(&req.model, "")?;
             let inst = Arc::new(Instance {
                 id: req.instance_id,
@@ -313,6 +332,7 @@ impl NodeContext {
                 layout: layout.clone(),
                 namespace,
                 shard: self.shards.shard_for(req.instance_id),
+                owner: caller.peer,
                 connections: Mutex::new(vec![connection]),
                 last_seen_ms: AtomicU64::new(now),
                 pinged: AtomicBool::new(false),
@@ -333,6 +353,12 @@ impl NodeContext {
                 Ok(Some(raced)) => {
                     // A concurrent registration of the same id won: share it if it is the same
                     // context, never hand out another layout.
+                    if !caller.same_process_as(raced.owner.as_ref()) {
+                        return Err(Error::denied(format!(
+                            "instance {} was registered concurrently by another process",
+                            req.instance_id
+                        )));
+                    }
                     if !same_as(&raced) {
                         return Err(Error::invalid(format!(
                             "instance {} was registered concurrently with another layout",
@@ -362,6 +388,27 @@ impl NodeContext {
             "instance registered"
         );
         Ok(inst)
+    }
+
+    /// Refuses a new instance when the caller's user already holds `max_instances_per_user`.
+    /// Runs under the registration lock (no registration races it).
+    fn check_user_quota(&self, caller: &Caller) -> Result<()> {
+        let Some(uid) = caller.peer.map(|p| p.uid) else {
+            return Ok(());
+        };
+        let max = self.config.limits.max_instances_per_user;
+        let held = self
+            .instances
+            .all()
+            .iter()
+            .filter(|i| i.owner.is_some_and(|o| o.uid == uid))
+            .count();
+        if held >= max {
+            return Err(Error::limit(format!(
+                "user {uid} has {held} instances registered (limit max_instances_per_user = {max})"
+            )));
+        }
+        Ok(())
     }
 
     /// The TTL safety net for prepared transfers that are never committed (a client that timed

@@ -73,6 +73,9 @@ pub struct Instance {
     pub namespace: NamespaceId,
     /// Index of the worker shard that runs this instance's requests.
     pub shard: usize,
+    /// The process that registered it (kernel-recorded). Only connections of this same process
+    /// may join it; its lookup sessions are this uid's.
+    pub owner: Option<kvnode_hw::PeerCred>,
     /// Connections that registered it and are still open. When the last one closes, the
     /// instance is released at once (a dead local engine is detected without waiting for the
     /// reaper); a connection that only sends requests does not keep it alive.

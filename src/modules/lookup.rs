@@ -60,11 +60,21 @@ fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<
 
 const SESSION_SHARDS: usize = 16;
 
-/// Sessions by request id. Invariant: at most `limit` sessions. Hash maps with randomly keyed
-/// SipHash (clients choose request ids: no hash flooding); every walk over them that acts on
-/// sessions (expiry) sorts first, so it runs in a deterministic order.
+/// Who a session belongs to: the uid of the peer that ran the LOOKUP. Request ids are the
+/// clients' own names, so each user has its own name space: another user's LOOKUP, FREE, END or
+/// retrieve never sees (or replaces) a session it did not create.
+pub type SessionOwner = u32;
+
+/// The owner used for a peer whose credentials are unknown (never matches a real user's).
+pub const UNKNOWN_OWNER: SessionOwner = u32::MAX;
+
+type SessionKey = (SessionOwner, String);
+
+/// Sessions by (owner, request id). Invariant: at most `limit` sessions. Hash maps with
+/// randomly keyed SipHash (clients choose request ids: no hash flooding); every walk over them
+/// that acts on sessions (expiry) sorts first, so it runs in a deterministic order.
 pub struct SessionTable {
-    shards: Vec<Mutex<HashMap<String, Session>>>,
+    shards: Vec<Mutex<HashMap<SessionKey, Session>>>,
     count: AtomicUsize,
     limit: usize,
 }
@@ -79,9 +89,13 @@ impl SessionTable {
         }
     }
 
-    fn shard(&self, id: &str) -> &Mutex<HashMap<String, Session>> {
+    fn shard(&self, id: &str) -> &Mutex<HashMap<SessionKey, Session>> {
         let h = blake3::hash(id.as_bytes());
         &self.shards[h.as_bytes()[0] as usize % SESSION_SHARDS]
+    }
+
+    fn key(owner: SessionOwner, id: &str) -> SessionKey {
+        (owner, id.to_owned())
     }
 
     /// Number of live sessions.
@@ -94,30 +108,30 @@ impl SessionTable {
         self.len() == 0
     }
 
-    fn insert(&self, id: &str, s: Session) -> Option<Session> {
-        let old = self.shard(id).lock().insert(id.to_owned(), s);
+    fn insert(&self, owner: SessionOwner, id: &str, s: Session) -> Option<Session> {
+        let old = self.shard(id).lock().insert(Self::key(owner, id), s);
         if old.is_none() {
             self.count.fetch_add(1, Ordering::Relaxed);
         }
         old
     }
 
-    fn remove(&self, id: &str) -> Option<Session> {
-        let old = self.shard(id).lock().remove(id);
+    fn remove(&self, owner: SessionOwner, id: &str) -> Option<Session> {
+        let old = self.shard(id).lock().remove(&Self::key(owner, id));
         if old.is_some() {
             self.count.fetch_sub(1, Ordering::Relaxed);
         }
         old
     }
 
-    /// Every lock the sessions hold: `(request id, key, lease, locks remaining)`, sorted
+    /// Every lock the sessions hold: `("owner:request id", key, lease, locks remaining)`, sorted
     /// (the simulator's lock-ownership check). O(sessions x keys): never on a request path.
     pub fn held_locks(&self) -> Vec<(String, StorageKey, u64, u32)> {
         let mut out = Vec::new();
         for shard in &self.shards {
-            for (id, s) in shard.lock().iter() {
+            for ((owner, id), s) in shard.lock().iter() {
                 for h in s.locked.iter().flatten() {
-                    out.push((id.clone(), h.key, h.lease, h.remaining));
+                    out.push((format!("{owner}:{id}"), h.key, h.lease, h.remaining));
                 }
             }
         }
@@ -143,7 +157,7 @@ impl SessionTable {
         let mut out = Vec::new();
         for s in &self.shards {
             let mut m = s.lock();
-            let mut stale: Vec<String> = m
+            let mut stale: Vec<SessionKey> = m
                 .iter()
                 .filter(|(_, v)| v.last_used_ms < cutoff_ms)
                 .map(|(k, _)| k.clone())
@@ -172,6 +186,7 @@ pub fn release_session(ctx: &NodeContext, s: &Session) {
 /// old one still held (LMCache leaked them: W7).
 pub fn lookup(
     ctx: &NodeContext,
+    owner: SessionOwner,
     request_id: &str,
     range: &ChunkRange,
     tp_size: u32,
@@ -201,7 +216,7 @@ pub fn lookup(
             .sessions
             .shard(request_id)
             .lock()
-            .get(request_id)
+            .get(&SessionTable::key(owner, request_id))
             .is_none()
     {
         return Err(Error::limit(format!(
@@ -216,7 +231,7 @@ pub fn lookup(
         crate::storage::key::validate_salt(&range.cache_salt)?;
         // Nothing is stored under this (model, salt): a miss, never an insertion. Like any
         // LOOKUP, it replaces a session of the same id (whose locks are released).
-        if let Some(old) = ctx.sessions.remove(request_id) {
+        if let Some(old) = ctx.sessions.remove(owner, request_id) {
             release_session(ctx, &old);
         }
         return Ok(Response::LookupHits { chunks: 0 });
@@ -238,6 +253,7 @@ pub fn lookup(
     };
     let hit = locked.len() as u32;
     let replaced = ctx.sessions.insert(
+        owner,
         request_id,
         Session {
             namespace,
@@ -339,12 +355,13 @@ fn release(ctx: &NodeContext, entry: &[(StorageKey, Option<u64>)], extra: u32) {
 /// length; each chunk at most once. Unknown sessions and empty ranges are no-ops.
 pub fn free_lookup_locks(
     ctx: &NodeContext,
+    owner: SessionOwner,
     request_id: &str,
     start: u32,
     end: u32,
 ) -> Result<Response> {
     let mut shard = ctx.sessions.shard(request_id).lock();
-    let Some(s) = shard.get_mut(request_id) else {
+    let Some(s) = shard.get_mut(&SessionTable::key(owner, request_id)) else {
         return Ok(Response::Ok);
     };
     s.last_used_ms = ctx.now_ms();
@@ -369,13 +386,14 @@ pub fn free_lookup_locks(
 /// commit (or its miss) releases them, and the session no longer counts them.
 pub fn adopt(
     ctx: &NodeContext,
+    owner: SessionOwner,
     request_id: &str,
     first_chunk: u32,
     keys: &[StorageKey],
 ) -> Vec<Option<crate::storage::Grant>> {
     let mut out = vec![None; keys.len()];
     let mut shard = ctx.sessions.shard(request_id).lock();
-    let Some(s) = shard.get_mut(request_id) else {
+    let Some(s) = shard.get_mut(&SessionTable::key(owner, request_id)) else {
         return out;
     };
     s.last_used_ms = ctx.now_ms();
@@ -406,8 +424,8 @@ pub fn adopt(
 
 /// END_SESSION: forgets the session, releases any lookup locks it still holds, and refreshes
 /// recency of all its chunks (every rank).
-pub fn end_session(ctx: &NodeContext, request_id: &str) -> Result<Response> {
-    if let Some(s) = ctx.sessions.remove(request_id) {
+pub fn end_session(ctx: &NodeContext, owner: SessionOwner, request_id: &str) -> Result<Response> {
+    if let Some(s) = ctx.sessions.remove(owner, request_id) {
         release_session(ctx, &s);
         let keys: Vec<StorageKey> = s
             .hashes

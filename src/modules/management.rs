@@ -4,19 +4,25 @@
 
 use std::sync::atomic::Ordering;
 
+use super::caller::Caller;
 use super::context::NodeContext;
 use super::events::Event;
 use super::lookup;
+use crate::access::Role;
 use crate::error::{Error, Result};
 use crate::protocol::{Request, Response};
 
 /// Answers a request that has no instance affinity. Registration is handled by the dispatcher
 /// (its reply carries a file descriptor).
-pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
+/// Requests about an instance are accepted only from a connection that registered it; CLEAR
+/// and MEMCHECK only from admins; a non-admin's STATUS lists only its own user's instances;
+/// lookup sessions live in the caller's user name space.
+pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result<Response> {
     match req {
         Request::Noop => Ok(Response::Text("OK".into())),
         Request::Ping { instance_id } => {
             if let Some(inst) = instance_id.and_then(|id| ctx.instances.get(id)) {
+                caller.require_attached(&inst)?;
                 inst.ping(ctx.now_ms());
             }
             Ok(Response::Ok)
@@ -28,6 +34,7 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
             records,
         } => {
             if let Some(inst) = ctx.instances.get(instance_id) {
+                caller.require_attached(&inst)?;
                 inst.touch(ctx.now_ms());
             }
             ctx.events.publish(Event::BlockAllocation {
@@ -42,14 +49,23 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
             request_id,
             range,
             tp_size,
-        } => lookup::lookup(ctx, &request_id, &range, tp_size),
+        } => lookup::lookup(ctx, caller.session_owner(), &request_id, &range, tp_size),
         Request::FreeLookupLocks {
             request_id,
             start_chunk,
             end_chunk,
-        } => lookup::free_lookup_locks(ctx, &request_id, start_chunk, end_chunk),
-        Request::EndSession { request_id } => lookup::end_session(ctx, &request_id),
+        } => lookup::free_lookup_locks(
+            ctx,
+            caller.session_owner(),
+            &request_id,
+            start_chunk,
+            end_chunk,
+        ),
+        Request::EndSession { request_id } => {
+            lookup::end_session(ctx, caller.session_owner(), &request_id)
+        }
         Request::Clear => {
+            caller.require_admin("CLEAR")?;
             let (deleted, deferred) = match &ctx.l2 {
                 None => ctx.storage.clear(),
                 Some(l2) => {
@@ -64,12 +80,22 @@ pub fn handle_inline(ctx: &NodeContext, req: Request) -> Result<Response> {
             Ok(Response::Cleared { deleted, deferred })
         }
         Request::Status => {
-            let report = super::status::report(ctx);
+            let mut report = super::status::report(ctx);
+            if caller.role < Role::Admin {
+                // A client sees the node's totals and its own user's instances only.
+                let uid = caller.session_owner();
+                report.instances.retain(|i| {
+                    ctx.instances
+                        .get(i.id)
+                        .is_some_and(|inst| inst.owner.is_some_and(|o| o.uid == uid))
+                });
+            }
             serde_json::to_string(&report)
                 .map(Response::Text)
                 .map_err(|e| Error::internal(format!("status serialisation: {e}")))
         }
         Request::Memcheck => {
+            caller.require_admin("MEMCHECK")?;
             let r = ctx.memcheck();
             if !r.ok {
                 tracing::error!(problems = ?r.problems, "memcheck failed");

@@ -2,6 +2,7 @@
 //! instance shards), lookup sessions and management (run inline), plus the shared context, the
 //! instance registry, the shard worker pool, the event bus and the status report.
 
+pub mod caller;
 pub mod context;
 pub mod events;
 pub mod instances;
@@ -11,6 +12,7 @@ pub mod shards;
 pub mod status;
 pub mod transfer;
 
+pub use self::caller::Caller;
 pub use self::context::NodeContext;
 
 #[cfg(test)]

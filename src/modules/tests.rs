@@ -467,8 +467,15 @@ fn concurrent_registration_and_close_never_hand_out_a_released_instance() {
             let ctx = ctx.clone();
             let req = req.clone();
             s.spawn(move || {
+                // Two connections of one engine process (same pid): either may join.
+                let peer = kvnode_hw::PeerCred {
+                    pid: Some(7),
+                    uid: kvnode_hw::effective_uid(),
+                    gid: kvnode_hw::effective_gid(),
+                };
+                let caller = crate::modules::Caller::new(&ctx, conn, Some(peer));
                 for _ in 0..3_000 {
-                    let inst = ctx.register(&req, conn).expect("registration");
+                    let inst = ctx.register(&req, &caller).expect("registration");
                     assert!(
                         !inst.is_released(),
                         "connection {conn} was handed a released instance"

@@ -292,7 +292,8 @@ fn prepare_retrieve(
     // a lock someone else owns: that lock could be released under it.)
     let mut results: Vec<std::result::Result<Grant, KeyError>> = match lookup_session {
         Some(session) => {
-            let adopted = super::lookup::adopt(ctx, session, range.first_chunk, &keys);
+            let owner = inst.owner.map_or(super::lookup::UNKNOWN_OWNER, |o| o.uid);
+            let adopted = super::lookup::adopt(ctx, owner, session, range.first_chunk, &keys);
             let own: Vec<StorageKey> = keys
                 .iter()
                 .zip(&adopted)

@@ -7,19 +7,39 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind};
 use crate::modules::instances::Job;
-use crate::modules::{management, NodeContext};
+use crate::modules::{management, Caller, NodeContext};
 use crate::protocol::{RegisterReply, Request, Response};
 use crate::transport::ReplySink;
 
-/// The instances registered over one connection: when it closes, each one that no other open
-/// connection registered is released. Invariant: at most `max_instances + 1` ids; beyond that,
-/// ids whose instance no longer lists this connection are dropped (lookups and inserts O(1)).
+/// What the node keeps per connection: the instances registered over it (when it closes, each
+/// one that no other open connection registered is released) and its caller identity, decided
+/// once on the first request. Invariant: at most `max_instances + 1` ids; beyond that, ids
+/// whose instance no longer lists this connection are dropped (lookups and inserts O(1)).
 #[derive(Debug, Default, Clone)]
 pub struct Registered {
     ids: HashSet<u64>,
+    caller: Option<Caller>,
 }
 
 impl Registered {
+    /// The caller identity of connection `sink` (read from the sink's peer credentials once).
+    pub fn caller(&mut self, ctx: &NodeContext, sink: &Arc<dyn ReplySink>) -> &Caller {
+        self.caller
+            .get_or_insert_with(|| Caller::new(ctx, sink.connection_id(), sink.peer()))
+    }
+
+    /// Instances this connection registered that still list it.
+    fn live(&self, ctx: &NodeContext, connection: u64) -> usize {
+        self.ids
+            .iter()
+            .filter(|i| {
+                ctx.instances
+                    .get(**i)
+                    .is_some_and(|inst| inst.connections.lock().contains(&connection))
+            })
+            .count()
+    }
+
     /// Records that `id` was registered over connection `connection`.
     pub fn add(&mut self, ctx: &NodeContext, connection: u64, id: u64) {
         if self.ids.insert(id) && self.ids.len() > ctx.config.limits.max_instances {
@@ -81,8 +101,16 @@ pub fn dispatch(
         let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
         return reply(ctx, sink, request_id, opcode, Response::error(&e));
     }
+    let caller = registered.caller(ctx, sink).clone();
     if let Request::Register(r) = &req {
-        return match ctx.register(r, sink.connection_id()) {
+        let max = ctx.config.limits.max_instances_per_connection;
+        if !registered.contains(r.instance_id) && registered.live(ctx, caller.connection) >= max {
+            let e = Error::limit(format!(
+                "this connection registered {max} instances (limit max_instances_per_connection)"
+            ));
+            return reply(ctx, sink, request_id, opcode, Response::error(&e));
+        }
+        return match ctx.register(r, &caller) {
             Ok(inst) => {
                 registered.add(ctx, sink.connection_id(), inst.id);
                 let fd = sink.can_pass_fd();
@@ -113,6 +141,9 @@ pub fn dispatch(
                 );
                 return reply(ctx, sink, request_id, opcode, Response::error(&e));
             };
+            if let Err(e) = caller.require_attached(&inst) {
+                return reply(ctx, sink, request_id, opcode, Response::error(&e));
+            }
             inst.touch(ctx.now_ms());
             let job = Job {
                 request_id,
@@ -128,7 +159,8 @@ pub fn dispatch(
             }
         }
         None => {
-            let resp = management::handle_inline(ctx, req).unwrap_or_else(|e| Response::error(&e));
+            let resp = management::handle_inline(ctx, &caller, req)
+                .unwrap_or_else(|e| Response::error(&e));
             reply(ctx, sink, request_id, opcode, resp);
         }
     }

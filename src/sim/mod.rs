@@ -448,8 +448,9 @@ mod tests {
             }) else {
                 continue;
             };
-            // Sabotage: a retrieve prepared for the worker behind the frontend's back.
-            let conn = sim.schedulers[0].clone();
+            // Sabotage: a retrieve prepared for the worker behind the frontend's back (over the
+            // frontend's own connection: any other connection is refused).
+            let conn = native::Conn::new(crate::lmcache::frontend::FRONTEND_CONNECTION_ID);
             let r = sim.native_call(
                 &conn,
                 crate::protocol::Request::PrepareRetrieve {
