@@ -308,10 +308,12 @@ fn socket_mode_flag() {
     }
 }
 
-/// A root node with `--socket-mode 0666` serves another user; with the default 0600 that user
-/// is told the permission was denied. Runs only as root (it needs setpriv to drop privileges).
+/// Another user gets in only when both the socket's mode and the `[access]` policy let it: a
+/// root node with `--socket-mode 0666` and `allow_uids = [65534]` serves `nobody`; with 0666
+/// alone the node refuses it (PermissionDenied, naming the uid); with the default 0600 the
+/// kernel refuses it (permission denied on the socket). Runs only as root (it needs setpriv).
 #[test]
-fn another_user_connects_only_when_the_mode_allows() {
+fn another_user_connects_only_when_the_mode_and_the_policy_allow() {
     let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
     if uid.ok() != Some(0) || !Path::new("/usr/bin/setpriv").exists() {
         eprintln!("skipped: needs root and setpriv");
@@ -325,8 +327,30 @@ fn another_user_connects_only_when_the_mode_allows() {
             .output()
             .unwrap()
     };
-    for (mode, ok) in [("0666", true), ("0600", false)] {
-        let node = NodeProc::start(&format!("cli-perm-{mode}"), &["--socket-mode", mode]);
+    let allow = std::env::temp_dir().join(format!("kvnode-allow-{}.toml", std::process::id()));
+    std::fs::write(&allow, "[access]\nallow_uids = [65534]\n").unwrap();
+    let allow_arg = allow.to_str().unwrap();
+    for (tag, args, ok, why) in [
+        (
+            "0666-allowed",
+            vec!["--socket-mode", "0666", "--config", allow_arg],
+            true,
+            "",
+        ),
+        (
+            "0666-policy",
+            vec!["--socket-mode", "0666"],
+            false,
+            "user 65534 may not use this node",
+        ),
+        (
+            "0600",
+            vec!["--socket-mode", "0600", "--config", allow_arg],
+            false,
+            "permission denied",
+        ),
+    ] {
+        let node = NodeProc::start(&format!("cli-perm-{tag}"), &args);
         // The test directory itself must let the other user reach the socket.
         std::fs::set_permissions(&node.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         let out = as_nobody(&node.socket);
@@ -341,18 +365,19 @@ fn another_user_connects_only_when_the_mode_allows() {
         assert_eq!(
             out.status.success(),
             ok,
-            "mode {mode}: {}",
+            "{tag}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         if !ok {
             let err = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                err.contains("permission denied") && err.contains(node.socket.to_str().unwrap()),
-                "{err}"
-            );
+            assert!(err.contains(why), "{tag}: {err}");
+            if why == "permission denied" {
+                assert!(err.contains(node.socket.to_str().unwrap()), "{err}");
+            }
             assert_no_kind_prefix(&err);
         }
     }
+    let _ = std::fs::remove_file(&allow);
 }
 
 /// Every `serve` and `lmcache-server` flag that has a default shows it in `--help`.

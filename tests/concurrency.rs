@@ -53,6 +53,8 @@ fn pipelined_bursts_on_one_instance_keep_order() {
     let socket = node.socket.clone();
     let noise = std::thread::spawn(move || {
         let mut c2 = kvnode::client::Client::connect(&socket).unwrap();
+        // A second connection of the same process joins the instance by registering it too.
+        c2.register(&reg(1)).unwrap();
         for i in 0..200u32 {
             let r = range(&tokens(50_000 + i, 1));
             let p = c2.prepare_store(1, &r).unwrap();

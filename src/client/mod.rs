@@ -286,6 +286,13 @@ impl Client {
     fn call_with_fd(&mut self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
         let id = self.send(req)?;
         let (got, resp, fd) = self.recv()?;
+        if got == 0 {
+            // Request id 0 is never used by a client: a connection-level answer (refused
+            // connection, unframeable request), after which the node closes the connection.
+            if let Response::Error { kind, message } = resp {
+                return Err(Error::new(ErrorKind::from_code(kind), message));
+            }
+        }
         if got != id {
             return Err(Error::internal(format!(
                 "response id {got} for request {id}"

@@ -134,11 +134,12 @@ pub struct NodeContext {
     pub shutting_down: AtomicBool,
     /// Who may connect and who may run admin operations.
     pub access: crate::access::AccessPolicy,
-    next_transfer: AtomicU64,
+    transfer_ids: super::transfer_ids::TransferIds,
     next_generation: AtomicU64,
     clock: Clock,
     release_hooks: parking_lot::RwLock<Vec<ReleaseHook>>,
     register_lock: Mutex<()>,
+    user_reserved: Mutex<HashMap<u32, Arc<AtomicU64>>>,
 }
 
 /// Called with every released instance (after its transfers were handed back), so layers above
@@ -201,11 +202,12 @@ impl NodeContext {
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
             access: crate::access::AccessPolicy::new(config.access.clone()),
-            next_transfer: AtomicU64::new(1),
+            transfer_ids: super::transfer_ids::TransferIds::random(),
             next_generation: AtomicU64::new(1),
             clock,
             release_hooks: parking_lot::RwLock::new(Vec::new()),
             register_lock: Mutex::new(()),
+            user_reserved: Mutex::new(HashMap::new()),
             pool,
             config,
         }
@@ -231,9 +233,15 @@ impl NodeContext {
         &self.clock
     }
 
-    /// A fresh, never-reused transfer id (never 0).
+    /// A fresh, never-reused, unguessable transfer id (never 0).
     pub fn next_transfer_id(&self) -> u64 {
-        self.next_transfer.fetch_add(1, Ordering::Relaxed)
+        self.transfer_ids.next()
+    }
+
+    /// Makes transfer ids a fixed function of `key` (the simulator: reproducible runs). Call
+    /// before any transfer is prepared.
+    pub fn use_transfer_key(&mut self, key: [u8; 32]) {
+        self.transfer_ids = super::transfer_ids::TransferIds::with_key(key);
     }
 
     /// The wire form of a layout.
@@ -340,6 +348,8 @@ impl NodeContext {
                 mailbox: ArrayQueue::new(self.config.limits.max_queued_per_instance),
                 scheduled: AtomicBool::new(false),
                 pending: parking_lot::Mutex::new(PendingTransfers::default()),
+                reserved_bytes: AtomicU64::new(0),
+                user_reserved: self.user_reserved_counter(caller),
             });
             // The layout reference is taken before the instance is visible: a release racing
             // right after the insert then drops exactly this reference.
@@ -390,6 +400,24 @@ impl NodeContext {
         Ok(inst)
     }
 
+    /// The shared counter of store bytes reserved by `caller`'s user (one per uid that ever
+    /// registered; unknown peers share one).
+    fn user_reserved_counter(&self, caller: &Caller) -> Arc<AtomicU64> {
+        let uid = caller.session_owner();
+        self.user_reserved.lock().entry(uid).or_default().clone()
+    }
+
+    /// The most pool bytes one instance may hold in uncommitted stores.
+    pub fn reserved_cap_per_instance(&self) -> u64 {
+        (self.storage.capacity() as f64 * self.config.limits.max_reserved_fraction_per_instance)
+            as u64
+    }
+
+    /// The most pool bytes one user's instances may hold in uncommitted stores.
+    pub fn reserved_cap_per_user(&self) -> u64 {
+        (self.storage.capacity() as f64 * self.config.limits.max_reserved_fraction_per_user) as u64
+    }
+
     /// Refuses a new instance when the caller's user already holds `max_instances_per_user`.
     /// Runs under the registration lock (no registration races it).
     fn check_user_quota(&self, caller: &Caller) -> Result<()> {
@@ -431,6 +459,7 @@ impl NodeContext {
             for id in stale_w {
                 if let Some(x) = p.writes.remove(&id) {
                     self.storage.abort_write(&x.items);
+                    inst.refund(x.charged);
                     w += 1;
                 }
             }
@@ -512,6 +541,7 @@ impl NodeContext {
         let mut out = Released::default();
         for (_, w) in pending.writes {
             self.storage.abort_write(&w.items);
+            inst.refund(w.charged);
             out.writes += 1;
         }
         for (_, r) in pending.reads {

@@ -25,6 +25,8 @@ pub struct Job {
 /// A prepared store: the exact `(key, grant)` pairs reserved for it.
 #[derive(Debug, Clone)]
 pub struct PendingWrite {
+    /// Pool bytes charged to the instance and its user for it (refunded when it ends).
+    pub charged: u64,
     /// Reserved objects, in chunk order.
     pub items: Vec<(StorageKey, Grant)>,
     /// Node-clock millisecond of the PREPARE (for the TTL safety net).
@@ -92,6 +94,12 @@ pub struct Instance {
     pub scheduled: AtomicBool,
     /// Prepared, uncommitted transfers.
     pub pending: Mutex<PendingTransfers>,
+    /// Pool bytes its prepared, uncommitted stores hold (bounded by
+    /// `max_reserved_fraction_per_instance`).
+    pub reserved_bytes: AtomicU64,
+    /// Pool bytes the uncommitted stores of every instance of its owner's user hold (shared by
+    /// those instances; bounded by `max_reserved_fraction_per_user`).
+    pub user_reserved: Arc<AtomicU64>,
 }
 
 impl Instance {
@@ -143,6 +151,42 @@ impl Instance {
             return !self.released.swap(true, Ordering::AcqRel);
         }
         false
+    }
+
+    /// Charges `bytes` of new store reservations to this instance and its user, unless that
+    /// would exceed `instance_cap` or `user_cap`: then nothing is charged and the error names the
+    /// limit that was hit. Paired with [`Instance::refund`] when the stores end.
+    pub fn charge(&self, bytes: u64, instance_cap: u64, user_cap: u64) -> Result<(), String> {
+        let mine = self.reserved_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        let users = self.user_reserved.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        if mine <= instance_cap && users <= user_cap {
+            return Ok(());
+        }
+        self.refund(bytes);
+        Err(if mine > instance_cap {
+            format!(
+                "instance {} would hold {mine} bytes in uncommitted stores (limit \
+                 max_reserved_fraction_per_instance = {instance_cap} bytes); commit or abort first",
+                self.id
+            )
+        } else {
+            format!(
+                "this user's instances would hold {users} bytes in uncommitted stores (limit \
+                 max_reserved_fraction_per_user = {user_cap} bytes); commit or abort first"
+            )
+        })
+    }
+
+    /// Returns `bytes` charged by [`Instance::charge`] (a store committed, aborted, expired or
+    /// handed back by a release).
+    pub fn refund(&self, bytes: u64) {
+        let was = self.reserved_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        debug_assert!(was >= bytes, "refund of {bytes} > {was} charged");
+        let was_user = self.user_reserved.fetch_sub(bytes, Ordering::AcqRel);
+        debug_assert!(
+            was_user >= bytes,
+            "user refund of {bytes} > {was_user} charged"
+        );
     }
 
     /// Whether the instance is gone.

@@ -11,6 +11,7 @@ pub mod management;
 pub mod shards;
 pub mod status;
 pub mod transfer;
+pub mod transfer_ids;
 
 pub use self::caller::Caller;
 pub use self::context::NodeContext;

@@ -187,6 +187,19 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
             "pool full of locked or in-flight objects: chunks not reserved"
         );
     }
+    let charged: u64 = items.iter().map(|(_, g)| g.slot.len).sum();
+    if let Err(why) = inst.charge(
+        charged,
+        ctx.reserved_cap_per_instance(),
+        ctx.reserved_cap_per_user(),
+    ) {
+        // Over its quota: nothing of this prepare is kept (the other engines' share of the
+        // pool stays theirs).
+        ctx.storage.abort_write(&items);
+        drop(pending);
+        ctx.storage.assert_consistent();
+        return Err(Error::limit(why));
+    }
     let slots = items.iter().map(|(_, s)| wire(s)).collect();
     let transfer_id = if items.is_empty() {
         0
@@ -195,6 +208,7 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
         pending.writes.insert(
             id,
             PendingWrite {
+                charged,
                 items,
                 created_ms: ctx.now_ms(),
             },
@@ -215,7 +229,9 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
 /// released meanwhile (its transfers were handed back), else `UnknownTransfer`.
 fn take_pending_write(inst: &Instance, transfer_id: u64) -> Result<PendingWrite> {
     let w = inst.pending.lock().writes.remove(&transfer_id);
-    w.ok_or_else(|| missing_transfer(inst, transfer_id))
+    let w = w.ok_or_else(|| missing_transfer(inst, transfer_id))?;
+    inst.refund(w.charged);
+    Ok(w)
 }
 
 fn count_ok<T, E>(results: &[std::result::Result<T, E>]) -> u32 {

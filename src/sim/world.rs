@@ -85,13 +85,16 @@ pub fn build_node(clock: &Clock) -> Arc<NodeContext> {
         cancel: None,
     })
     .expect("a small memfd pool for the simulator");
-    Arc::new(NodeContext::with_clock(
+    let mut ctx = NodeContext::with_clock(
         cfg,
         Arc::new(pool),
         Arc::new(Namespaces::default()),
         None,
         clock.clone(),
-    ))
+    );
+    // Transfer ids order the pending sweeps: a fixed key keeps runs reproducible.
+    ctx.use_transfer_key([0x5a; 32]);
+    Arc::new(ctx)
 }
 
 /// The prompts clients store and look up. Prompts of one family share their first chunks (a
