@@ -73,6 +73,7 @@ fn main() -> ExitCode {
     }
     let started = Instant::now();
     let (mut failed, mut steps, mut requests, mut sim_ms) = (Vec::new(), 0u64, 0u64, 0u64);
+    let mut intrusions = 0u64;
     for &seed in &seeds {
         let opts = SimOptions {
             steps: args.steps.unwrap_or(4000),
@@ -87,6 +88,7 @@ fn main() -> ExitCode {
                 steps += s.steps;
                 requests += s.requests;
                 sim_ms += s.sim_ms;
+                intrusions += s.intrusions;
             }
             Err(f) => {
                 if report_failure(&args, &f, &mut failed) {
@@ -96,8 +98,8 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "SIMULATE: {} seeds, {} failed{}, {steps} steps, {requests} requests, {:.0} simulated \
-         minutes, {:.1} s",
+        "SIMULATE: {} seeds, {} failed{}, {steps} steps, {requests} requests ({intrusions} \
+         intrusions refused), {:.0} simulated minutes, {:.1} s",
         seeds.len(),
         failed.len(),
         if failed.is_empty() {

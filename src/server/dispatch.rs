@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::access::Role;
 use crate::error::{Error, ErrorKind};
 use crate::modules::instances::Job;
 use crate::modules::{management, Caller, NodeContext};
@@ -102,6 +103,11 @@ pub fn dispatch(
         return reply(ctx, sink, request_id, opcode, Response::error(&e));
     }
     let caller = registered.caller(ctx, sink).clone();
+    if caller.role == Role::Refused {
+        // Transports refuse such peers at connect; this holds for any that does not.
+        let e = Error::denied("this user may not use the node ([access] allow_uids/allow_gids)");
+        return reply(ctx, sink, request_id, opcode, Response::error(&e));
+    }
     if let Request::Register(r) = &req {
         let max = ctx.config.limits.max_instances_per_connection;
         if !registered.contains(r.instance_id) && registered.live(ctx, caller.connection) >= max {

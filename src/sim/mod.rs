@@ -87,6 +87,8 @@ pub struct SimStats {
     pub disconnected: u64,
     /// CLEARs.
     pub clears: u64,
+    /// Requests naming what another client created (all refused or finding nothing).
+    pub intrusions: u64,
     /// Transfers whose TTL passed while the client held them.
     pub expired: u64,
     /// Silent workers replaced by a new process after their instance was reaped.
@@ -175,6 +177,8 @@ pub struct Sim {
     natives: Vec<native::NativeActor>,
     lms: Vec<lm::LmActor>,
     schedulers: Vec<native::Conn>,
+    /// A scheduler of another user (an allowed client, not an admin).
+    foreign: native::Conn,
     trace: VecDeque<String>,
     digest: xxhash_rust::xxh3::Xxh3,
     step: u64,
@@ -241,6 +245,7 @@ impl Sim {
             natives,
             lms,
             schedulers: Vec::new(),
+            foreign: native::foreign_conn(u64::MAX - 7),
             trace: VecDeque::new(),
             digest: xxhash_rust::xxh3::Xxh3::new(),
             step: 0,
@@ -318,6 +323,7 @@ impl Sim {
                 let i = self.rng.index(self.lms.len());
                 self.lm_step(i)?;
             }
+            2 if self.rng.chance(10) => self.foreign_step()?,
             2 => self.scheduler_step()?,
             3 => self.advance_clock(),
             4 => self.maintenance()?,

@@ -67,6 +67,10 @@ pub fn config() -> NodeConfig {
             max_chunks_per_request: 64,
             ..Limits::default()
         },
+        access: crate::access::AccessConfig {
+            allow_uids: vec![crate::sim::native::FOREIGN_UID],
+            ..Default::default()
+        },
         ..NodeConfig::default()
     }
 }

@@ -6,7 +6,10 @@
 //! This file holds the actors, the step dispatch, registration, unregistration, disconnects and
 //! the schedulers; `transfer` holds the workers' store and retrieve transfers.
 
+mod intrude;
 mod transfer;
+
+pub use intrude::{foreign_conn, worker_pid, FOREIGN_UID};
 
 use std::sync::Arc;
 
@@ -27,10 +30,18 @@ pub struct Conn {
 }
 
 impl Conn {
-    /// A new open connection with id `id`.
+    /// A new open connection with id `id` of a process of the node's own user.
     pub fn new(id: u64) -> Conn {
         Conn {
             sink: CaptureSink::new(id),
+            registered: Arc::default(),
+        }
+    }
+
+    /// A new open connection with id `id` whose peer is `peer`.
+    pub fn with_peer(id: u64, peer: kvnode_hw::PeerCred) -> Conn {
+        Conn {
+            sink: CaptureSink::with_peer(id, peer),
             registered: Arc::default(),
         }
     }
@@ -169,7 +180,7 @@ impl Sim {
             return Ok(());
         }
         if self.natives[i].conns.is_empty() {
-            let c = self.new_conn();
+            let c = self.worker_conn(i);
             self.natives[i].conns.push(c);
         }
         let registered = self.natives[i].reg.is_some();
@@ -189,12 +200,13 @@ impl Sim {
             2,  // 9 unregister
             2,  // 10 disconnect one connection
             1,  // 11 fall silent forever
+            3,  // 12 send a request for another worker's instance
         ];
         match self.rng.weighted(&weights) {
             0 => {
                 let second = self.natives[i].conns.len() < 2 && self.rng.chance(50);
                 if second {
-                    let c = self.new_conn();
+                    let c = self.worker_conn(i);
                     self.natives[i].conns.push(c);
                 }
                 let conn = self.natives[i].conns.len() - 1;
@@ -229,6 +241,7 @@ impl Sim {
             8 => self.native_bogus_commit(i),
             9 => self.native_unregister(i),
             10 => self.native_disconnect(i),
+            12 => self.native_intrude(i),
             _ => {
                 self.natives[i].dead = true;
                 let id = self.natives[i].id;
@@ -236,6 +249,19 @@ impl Sim {
                 Ok(())
             }
         }
+    }
+
+    /// A new connection of native worker `i`'s process.
+    fn worker_conn(&mut self, i: usize) -> Conn {
+        self.next_conn += 1;
+        Conn::with_peer(
+            self.next_conn,
+            kvnode_hw::PeerCred {
+                pid: Some(worker_pid(i)),
+                uid: kvnode_hw::effective_uid(),
+                gid: kvnode_hw::effective_gid(),
+            },
+        )
     }
 
     fn native_register(&mut self, i: usize, conn: usize, hidden: u32) -> Check {
