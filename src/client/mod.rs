@@ -227,13 +227,35 @@ fn seconds(d: Duration) -> String {
     }
 }
 
+/// Refuses a node that runs as neither this process's user nor root: whoever listens on the
+/// socket is identified by the kernel (`SO_PEERCRED`), so a socket another user planted at the
+/// path (a squatted `/tmp` name) is never sent requests or trusted with a pool fd.
+fn check_node_user(path: &Path, stream: &UnixStream) -> Result<()> {
+    let node = kvnode_hw::unix_peer_credentials(stream.as_fd())
+        .map_err(|e| Error::new(ErrorKind::Io, format!("{}: {e}", path.display())))?;
+    let me = kvnode_hw::effective_uid();
+    if node.uid == me || node.uid == 0 {
+        return Ok(());
+    }
+    Err(Error::denied(format!(
+        "the socket {} is served by user {} (pid {}), neither you (user {me}) nor root; \
+         refusing to trust it (someone else may have put a socket at that path)",
+        path.display(),
+        node.uid,
+        node.pid.map_or_else(|| "?".to_owned(), |p| p.to_string())
+    )))
+}
+
 impl Client {
     /// Connects to the node's Unix socket. Errors name the path and say why no node answered.
     /// Waits for a node whose accept queue is full as long as it takes; see
     /// [`Client::connect_timeout`] for a bounded wait.
+    /// The node must run as this process's user or as root (checked with `SO_PEERCRED`): a
+    /// socket another user put at the path is never trusted with requests or a pool fd.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let p = path.as_ref();
         let stream = UnixStream::connect(p).map_err(|e| connect_error(p, &e))?;
+        check_node_user(p, &stream)?;
         Ok(Client::over(stream))
     }
 
@@ -241,7 +263,9 @@ impl Client {
     /// connection (its accept queue is full: a hung or overloaded node), with an error naming
     /// the path. Replies are not bounded by it (see [`Client::set_timeout`]).
     pub fn connect_timeout(path: impl AsRef<Path>, timeout: Duration) -> Result<Client> {
-        Ok(Client::over(connect_bounded(path.as_ref(), timeout)?))
+        let stream = connect_bounded(path.as_ref(), timeout)?;
+        check_node_user(path.as_ref(), &stream)?;
+        Ok(Client::over(stream))
     }
 
     fn over(stream: UnixStream) -> Client {

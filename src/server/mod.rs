@@ -64,6 +64,12 @@ impl Node {
         let bound = if config.socket.as_os_str().is_empty() {
             None
         } else {
+            // The default directory is the node's own: created private if missing, and refused
+            // if someone else owns it or may write it. Other directories must exist.
+            let default_dir = crate::config::default_socket_dir();
+            if config.socket.parent() == Some(default_dir.as_path()) {
+                crate::config::ensure_private_dir(&default_dir)?;
+            }
             Some(uds::bind(&config.socket, config.socket_mode)?)
         };
         let (listener, socket) = match bound {
