@@ -15,7 +15,9 @@ pub const MAX_TTL_SECS: u64 = 30 * 24 * 3600;
 /// Longest liveness tick accepted.
 pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
 
-/// Hard limits the node enforces. Invariant: every field is > 0.
+/// Hard limits the node enforces. Invariant: every field is > 0, except `idle_timeout_secs`
+/// (0 = no idle deadline); `max_inflight_payload_bytes` is at least
+/// [`crate::protocol::MAX_PAYLOAD_BYTES`].
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
@@ -47,6 +49,28 @@ pub struct Limits {
     /// Share of the pool the instances of one user may hold reserved by prepared, uncommitted
     /// stores (0 < x <= 1).
     pub max_reserved_fraction_per_user: f64,
+    // Native protocol budgets in bytes and deadlines (issue 11), validated by
+    // `Limits::validate_native_budgets`.
+    /// Bytes all lookup sessions may hold together, counted by an upper bound per session
+    /// (its table slot, request id and the locks of its hit prefix). A new session evicts
+    /// others to fit (the largest owner's least recently used first); one larger than the
+    /// whole budget is refused with `LimitExceeded`.
+    pub max_session_bytes: u64,
+    /// Milliseconds a native frame may take to arrive once its first byte has: a client that
+    /// sends part of a header or payload and stalls is answered `LimitExceeded` and
+    /// disconnected (1 ..= 3 600 000). This includes any time the frame waits for room in
+    /// `max_inflight_payload_bytes`: every frame is received or refused within this time.
+    pub frame_timeout_ms: u64,
+    /// Seconds a native connection may stay silent between frames before it is closed, unless
+    /// an instance registered over it is still registered (those are watched by liveness:
+    /// `reap_timeout_secs` and `registration_grace_secs`). 0 = no idle deadline.
+    pub idle_timeout_secs: u64,
+    /// Payload bytes native connections may hold in receive buffers at once, node-wide, for
+    /// frames larger than the read buffer (64 KiB). A frame whose next bytes do not fit waits
+    /// (its connection is not read meanwhile) instead of failing, up to its frame deadline;
+    /// the waits never deadlock. At least the largest frame payload (16 MiB), so every frame
+    /// can complete.
+    pub max_inflight_payload_bytes: u64,
 }
 
 impl Default for Limits {
@@ -65,7 +89,54 @@ impl Default for Limits {
             max_instances_per_connection: 64,
             max_reserved_fraction_per_instance: 0.5,
             max_reserved_fraction_per_user: 0.75,
+            max_session_bytes: 256 << 20,
+            frame_timeout_ms: 10_000,
+            idle_timeout_secs: 600,
+            max_inflight_payload_bytes: 256 << 20,
         }
+    }
+}
+
+/// Longest frame deadline accepted (one hour).
+pub const MAX_FRAME_TIMEOUT_MS: u64 = 3_600_000;
+
+impl Limits {
+    /// Checks the native protocol's byte budgets and deadlines (see the fields).
+    fn validate_native_budgets(&self) -> Result<()> {
+        if self.max_session_bytes == 0 {
+            return Err(Error::invalid("limit max_session_bytes must be > 0"));
+        }
+        if !(1..=MAX_FRAME_TIMEOUT_MS).contains(&self.frame_timeout_ms) {
+            return Err(Error::invalid(format!(
+                "limit frame_timeout_ms = {} is outside 1..={MAX_FRAME_TIMEOUT_MS}",
+                self.frame_timeout_ms
+            )));
+        }
+        if self.idle_timeout_secs > MAX_TTL_SECS {
+            return Err(Error::invalid(format!(
+                "limit idle_timeout_secs = {} is beyond {MAX_TTL_SECS} s (0 turns it off)",
+                self.idle_timeout_secs
+            )));
+        }
+        let max_frame = u64::from(crate::protocol::MAX_PAYLOAD_BYTES);
+        if self.max_inflight_payload_bytes < max_frame {
+            return Err(Error::invalid(format!(
+                "limit max_inflight_payload_bytes = {} is below the largest frame payload \
+                 ({max_frame} bytes): such a frame could never be received",
+                self.max_inflight_payload_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The frame deadline.
+    pub fn frame_timeout(&self) -> Duration {
+        Duration::from_millis(self.frame_timeout_ms)
+    }
+
+    /// The idle deadline (`None`: off).
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_secs > 0).then(|| Duration::from_secs(self.idle_timeout_secs))
     }
 }
 
@@ -547,6 +618,7 @@ impl NodeConfig {
                 return Err(Error::invalid(format!("limit {name} must be > 0")));
             }
         }
+        l.validate_native_budgets()?;
         for (name, v) in [
             (
                 "max_reserved_fraction_per_instance",
@@ -700,6 +772,31 @@ mod tests {
             let e = c.validate().unwrap_err();
             assert!(e.context.contains("ttl_secs"), "{e}");
         }
+        // Native budgets and deadlines: named in the error.
+        let mut c = NodeConfig::default();
+        c.limits.max_inflight_payload_bytes = (16 << 20) - 1;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .context
+            .contains("max_inflight_payload_bytes"));
+        let mut c = NodeConfig::default();
+        c.limits.frame_timeout_ms = 0;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .context
+            .contains("frame_timeout_ms"));
+        let mut c = NodeConfig::default();
+        c.limits.max_session_bytes = 0;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .context
+            .contains("max_session_bytes"));
+        let mut c = NodeConfig::default();
+        c.limits.idle_timeout_secs = 0;
+        assert!(c.validate().is_ok(), "0 turns the idle deadline off");
         // The socket mode from a config file follows the flag's rules.
         for mode in [0, 0o400, 0o1777] {
             let c = NodeConfig {

@@ -134,6 +134,8 @@ pub struct NodeContext {
     pub shutting_down: AtomicBool,
     /// Who may connect and who may run admin operations.
     pub access: crate::access::AccessPolicy,
+    /// Payload bytes native connections are receiving (`limits.max_inflight_payload_bytes`).
+    pub payload_budget: Arc<crate::protocol::budget::PayloadBudget>,
     transfer_ids: super::transfer_ids::TransferIds,
     next_generation: AtomicU64,
     clock: Clock,
@@ -202,6 +204,9 @@ impl NodeContext {
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
             access: crate::access::AccessPolicy::new(config.access.clone()),
+            payload_budget: Arc::new(crate::protocol::budget::PayloadBudget::new(
+                config.limits.max_inflight_payload_bytes,
+            )),
             transfer_ids: super::transfer_ids::TransferIds::random(),
             next_generation: AtomicU64::new(1),
             clock,

@@ -1,13 +1,14 @@
 //! LOOKUP, FREE_LOOKUP_LOCKS and END_SESSION (LMCache section 4.5), with sessions kept per
 //! request id. Lookups lock the hit prefix for every rank so the retrieve that follows is
 //! guaranteed to find it; sessions expire after an idle time (not after creation, fixing W5).
+//! A session keeps only the locks of its hit prefix, and a complete miss keeps no session, so
+//! a session's memory follows what it hit, never the length of the prompt it was asked about.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::atomic::Ordering;
 
 use super::context::NodeContext;
+use super::sessions::{HeldLock, Session};
+pub use super::sessions::{SessionOwner, SessionTable, UNKNOWN_OWNER};
 use super::transfer::check_chunk_count;
 use crate::error::{Error, Result};
 use crate::hashing::ChunkHash;
@@ -25,28 +26,6 @@ pub fn extra_readers(tp_size: u32, world_size: u32) -> u32 {
     }
 }
 
-/// One key's share of a lookup's read locks.
-#[derive(Debug, Clone, Copy)]
-struct HeldLock {
-    key: StorageKey,
-    lease: u64,
-    /// Locks this session still holds on the key (starts at `1 + extra`; each retrieve that
-    /// relies on the session uses one up; FREE_LOOKUP_LOCKS releases the rest).
-    remaining: u32,
-}
-
-/// What a lookup remembers for its request. Invariant: `locked.len()` is the hit length in
-/// chunks, and every `HeldLock` with `remaining > 0` is backed by that many read locks taken by
-/// this session and not yet released by anyone.
-#[derive(Debug, Clone)]
-pub struct Session {
-    namespace: NamespaceId,
-    world_size: u32,
-    hashes: Vec<ChunkHash>,
-    locked: Vec<Vec<HeldLock>>,
-    last_used_ms: u64,
-}
-
 fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<StorageKey> {
     (0..world_size)
         .map(|rank| StorageKey {
@@ -58,122 +37,10 @@ fn chunk_keys(namespace: NamespaceId, world_size: u32, hash: &ChunkHash) -> Vec<
         .collect()
 }
 
-const SESSION_SHARDS: usize = 16;
-
-/// Who a session belongs to: the uid of the peer that ran the LOOKUP. Request ids are the
-/// clients' own names, so each user has its own name space: another user's LOOKUP, FREE, END or
-/// retrieve never sees (or replaces) a session it did not create.
-pub type SessionOwner = u32;
-
-/// The owner used for a peer whose credentials are unknown (never matches a real user's).
-pub const UNKNOWN_OWNER: SessionOwner = u32::MAX;
-
-type SessionKey = (SessionOwner, String);
-
-/// Sessions by (owner, request id). Invariant: at most `limit` sessions. Hash maps with
-/// randomly keyed SipHash (clients choose request ids: no hash flooding); every walk over them
-/// that acts on sessions (expiry) sorts first, so it runs in a deterministic order.
-pub struct SessionTable {
-    shards: Vec<Mutex<HashMap<SessionKey, Session>>>,
-    count: AtomicUsize,
-    limit: usize,
-}
-
-impl SessionTable {
-    /// An empty table holding at most `limit` sessions.
-    pub fn new(limit: usize) -> SessionTable {
-        SessionTable {
-            shards: (0..SESSION_SHARDS).map(|_| Mutex::default()).collect(),
-            count: AtomicUsize::new(0),
-            limit,
-        }
-    }
-
-    fn shard(&self, id: &str) -> &Mutex<HashMap<SessionKey, Session>> {
-        let h = blake3::hash(id.as_bytes());
-        &self.shards[h.as_bytes()[0] as usize % SESSION_SHARDS]
-    }
-
-    fn key(owner: SessionOwner, id: &str) -> SessionKey {
-        (owner, id.to_owned())
-    }
-
-    /// Number of live sessions.
-    pub fn len(&self) -> usize {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    /// Whether there are no sessions.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn insert(&self, owner: SessionOwner, id: &str, s: Session) -> Option<Session> {
-        let old = self.shard(id).lock().insert(Self::key(owner, id), s);
-        if old.is_none() {
-            self.count.fetch_add(1, Ordering::Relaxed);
-        }
-        old
-    }
-
-    fn remove(&self, owner: SessionOwner, id: &str) -> Option<Session> {
-        let old = self.shard(id).lock().remove(&Self::key(owner, id));
-        if old.is_some() {
-            self.count.fetch_sub(1, Ordering::Relaxed);
-        }
-        old
-    }
-
-    /// Every lock the sessions hold: `("owner:request id", key, lease, locks remaining)`, sorted
-    /// (the simulator's lock-ownership check). O(sessions x keys): never on a request path.
-    pub fn held_locks(&self) -> Vec<(String, StorageKey, u64, u32)> {
-        let mut out = Vec::new();
-        for shard in &self.shards {
-            for ((owner, id), s) in shard.lock().iter() {
-                for h in s.locked.iter().flatten() {
-                    out.push((format!("{owner}:{id}"), h.key, h.lease, h.remaining));
-                }
-            }
-        }
-        out.sort_unstable();
-        out
-    }
-
-    /// The namespace of every live session (the namespace reclaimer keeps them).
-    pub fn namespaces(&self) -> Vec<NamespaceId> {
-        let mut out: Vec<NamespaceId> = self
-            .shards
-            .iter()
-            .flat_map(|s| s.lock().values().map(|v| v.namespace).collect::<Vec<_>>())
-            .collect();
-        out.sort_unstable();
-        out.dedup();
-        out
-    }
-
-    /// Removes sessions idle since before `cutoff_ms` and returns them, so the caller releases
-    /// the locks they still hold (a retrieve that used them has already consumed its share).
-    pub fn expire(&self, cutoff_ms: u64) -> Vec<Session> {
-        let mut out = Vec::new();
-        for s in &self.shards {
-            let mut m = s.lock();
-            let mut stale: Vec<SessionKey> = m
-                .iter()
-                .filter(|(_, v)| v.last_used_ms < cutoff_ms)
-                .map(|(k, _)| k.clone())
-                .collect();
-            stale.sort_unstable();
-            out.extend(stale.iter().filter_map(|k| m.remove(k)));
-        }
-        self.count.fetch_sub(out.len(), Ordering::Relaxed);
-        out
-    }
-}
-
 /// Releases every lock a session still holds (session replaced, ended or expired): locks that
 /// nobody will retrieve or free any more must not wait for the TTL (LMCache leaked them, W7).
 pub fn release_session(ctx: &NodeContext, s: &Session) {
-    for held in s.locked.iter().flatten() {
+    for held in &s.locked {
         if held.remaining > 0 {
             ctx.storage
                 .finish_read(&[(held.key, held.lease)], held.remaining - 1);
@@ -183,7 +50,10 @@ pub fn release_session(ctx: &NodeContext, s: &Session) {
 
 /// LOOKUP: prefix hit count over all ranks, locking the hit prefix with `1 + extra` locks per key.
 /// A repeated lookup with the same request id replaces the session and releases the locks the
-/// old one still held (LMCache leaked them: W7).
+/// old one still held (LMCache leaked them: W7). A lookup that hits nothing keeps no session.
+/// Sessions stay within `limits.max_sessions` and `limits.max_session_bytes`: a new one evicts
+/// others ([`SessionTable::make_room`]: the largest owner's least recently used first), and one
+/// that alone exceeds the byte limit is refused with `LimitExceeded` (its locks released).
 pub fn lookup(
     ctx: &NodeContext,
     owner: SessionOwner,
@@ -209,19 +79,6 @@ pub fn lookup(
             range.chunk_hashes.len(),
             range.world_size,
             ctx.config.limits.max_chunks_per_request
-        )));
-    }
-    if ctx.sessions.len() >= ctx.sessions.limit
-        && ctx
-            .sessions
-            .shard(request_id)
-            .lock()
-            .get(&SessionTable::key(owner, request_id))
-            .is_none()
-    {
-        return Err(Error::limit(format!(
-            "{} lookup sessions open (limit)",
-            ctx.sessions.limit
         )));
     }
     let Some(namespace) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
@@ -252,30 +109,53 @@ pub fn lookup(
         },
     };
     let hit = locked.len() as u32;
-    let replaced = ctx.sessions.insert(
-        owner,
+    // Like any LOOKUP, this one ends the session of the same id (its locks are released).
+    if let Some(old) = ctx.sessions.remove(owner, request_id) {
+        release_session(ctx, &old);
+    }
+    if hit == 0 {
+        // A complete miss keeps nothing: no session.
+        return Ok(Response::LookupHits { chunks: 0 });
+    }
+    let session = Session::new(
+        namespace,
+        range.world_size,
+        locked
+            .into_iter()
+            .flatten()
+            .map(|(key, lease)| HeldLock {
+                key,
+                lease,
+                remaining: 1 + extra,
+            })
+            .collect(),
         request_id,
-        Session {
-            namespace,
-            world_size: range.world_size,
-            hashes: range.chunk_hashes.clone(),
-            locked: locked
-                .into_iter()
-                .map(|chunk| {
-                    chunk
-                        .into_iter()
-                        .map(|(key, lease)| HeldLock {
-                            key,
-                            lease,
-                            remaining: 1 + extra,
-                        })
-                        .collect()
-                })
-                .collect(),
-            last_used_ms: ctx.now_ms(),
-        },
+        ctx.now_ms(),
     );
-    if let Some(old) = replaced {
+    let max_bytes = usize::try_from(ctx.config.limits.max_session_bytes).unwrap_or(usize::MAX);
+    if session.bytes() > max_bytes {
+        release_session(ctx, &session);
+        return Err(Error::limit(format!(
+            "a lookup session of {hit} chunks x {} ranks takes {} bytes, more than all sessions \
+             may hold (limits.max_session_bytes = {max_bytes})",
+            range.world_size,
+            session.bytes()
+        )));
+    }
+    // Within the count and byte budgets: other sessions make room, the largest owner's least
+    // recently used first (their locks released, as expiry does).
+    let evicted = ctx.sessions.make_room(owner, session.bytes(), max_bytes);
+    if !evicted.is_empty() {
+        tracing::debug!(
+            sessions = evicted.len(),
+            "lookup sessions evicted to stay within limits.max_sessions and limits.max_session_bytes"
+        );
+    }
+    for s in &evicted {
+        release_session(ctx, s);
+    }
+    // A concurrent LOOKUP of the same id may have inserted meanwhile: the later one wins.
+    if let Some(old) = ctx.sessions.insert(owner, request_id, session) {
         release_session(ctx, &old);
     }
     Ok(Response::LookupHits { chunks: hit })
@@ -365,9 +245,9 @@ pub fn free_lookup_locks(
         return Ok(Response::Ok);
     };
     s.last_used_ms = ctx.now_ms();
-    let end = (end as usize).min(s.locked.len());
+    let end = (end as usize).min(s.hit_chunks());
     for c in (start as usize).min(end)..end {
-        for held in &mut s.locked[c] {
+        for held in s.chunk_mut(c) {
             if held.remaining > 0 {
                 ctx.storage
                     .finish_read(&[(held.key, held.lease)], held.remaining - 1);
@@ -400,9 +280,9 @@ pub fn adopt(
     for (i, key) in keys.iter().enumerate() {
         let c = first_chunk as usize + i;
         let Some(held) = s
-            .locked
-            .get_mut(c)
-            .and_then(|ks| ks.iter_mut().find(|h| h.key == *key && h.remaining > 0))
+            .chunk_mut(c)
+            .iter_mut()
+            .find(|h| h.key == *key && h.remaining > 0)
         else {
             continue;
         };
@@ -423,15 +303,11 @@ pub fn adopt(
 }
 
 /// END_SESSION: forgets the session, releases any lookup locks it still holds, and refreshes
-/// recency of all its chunks (every rank).
+/// recency of the chunks it hit (every rank; the chunks after the hit prefix were not found).
 pub fn end_session(ctx: &NodeContext, owner: SessionOwner, request_id: &str) -> Result<Response> {
     if let Some(s) = ctx.sessions.remove(owner, request_id) {
         release_session(ctx, &s);
-        let keys: Vec<StorageKey> = s
-            .hashes
-            .iter()
-            .flat_map(|h| chunk_keys(s.namespace, s.world_size, h))
-            .collect();
+        let keys: Vec<StorageKey> = s.locked.iter().map(|h| h.key).collect();
         ctx.storage.touch(&keys);
     }
     Ok(Response::Ok)

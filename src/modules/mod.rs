@@ -8,6 +8,7 @@ pub mod events;
 pub mod instances;
 pub mod lookup;
 pub mod management;
+pub mod sessions;
 pub mod shards;
 pub mod status;
 pub mod transfer;

@@ -119,6 +119,8 @@ pub struct StatusReport {
     pub size_classes: Vec<(u64, usize, usize)>,
     /// The L2 disk tier (`null` when not configured).
     pub l2: Option<crate::l2::L2SetStatus>,
+    /// Bytes the lookup sessions hold (an upper bound; at most `limits.max_session_bytes`).
+    pub session_bytes: usize,
 }
 
 /// Builds the report (runs memcheck; not for the hot path).
@@ -189,5 +191,6 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
         shard_executed: ctx.shards.executed(),
         size_classes: ctx.storage.class_stats(),
         l2: ctx.l2.as_ref().map(|l2| l2.status()),
+        session_bytes: ctx.sessions.bytes(),
     }
 }

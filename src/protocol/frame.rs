@@ -5,13 +5,10 @@
 //! 16 request_id u64     24 reserved u64 (zero)         32 payload (16-byte aligned in memory)
 //! ```
 //! Payloads are validated with bytecheck (`rkyv::from_bytes`) before use; anything corrupt,
-//! truncated, misaligned or oversized is a typed [`FrameError`], never a panic.
-
-use std::io::{self, Read};
-use std::os::fd::OwnedFd;
+//! truncated, misaligned or oversized is a typed [`FrameError`], never a panic. Frames are read
+//! from a stream by [`FrameReader`] (`super::reader`, re-exported here).
 
 use rkyv::rancor;
-use rkyv::util::AlignedVec;
 
 use super::messages::{Request, Response};
 
@@ -72,6 +69,39 @@ pub enum FrameError {
     /// The transport failed.
     #[error("i/o: {0}")]
     Io(String),
+    /// A frame's bytes did not all arrive within the frame deadline of its first byte (the
+    /// client sent part of a header or payload and stalled). `request_id` and `opcode` are
+    /// those of its header, or 0 when the header itself was incomplete.
+    #[error("frame not received within {limit_ms} ms of its first byte")]
+    Stalled {
+        /// Request id of the frame's header (0: header incomplete).
+        request_id: u64,
+        /// Opcode of the frame's header (0: header incomplete).
+        opcode: u16,
+        /// The deadline in milliseconds.
+        limit_ms: u64,
+    },
+    /// A frame's payload could not get room in the node-wide payload budget before its frame
+    /// deadline (other connections held it): the node is saturated, not necessarily the client
+    /// at fault.
+    #[error(
+        "frame not received within {limit_ms} ms of its first byte: the node's payload budget \
+         stayed full"
+    )]
+    BudgetTimeout {
+        /// Request id of the frame's header.
+        request_id: u64,
+        /// Opcode of the frame's header.
+        opcode: u16,
+        /// The frame deadline in milliseconds.
+        limit_ms: u64,
+    },
+    /// No frame began within the idle deadline (the connection is otherwise intact).
+    #[error("no request for {limit_ms} ms")]
+    Idle {
+        /// The deadline in milliseconds.
+        limit_ms: u64,
+    },
 }
 
 /// A decoded header. Invariant: produced only by [`FrameHeader::decode`] (validated) or by this
@@ -186,7 +216,7 @@ pub fn encode_response(
 }
 
 /// Validates and decodes a request payload; the header opcode must match the payload.
-/// `payload` must be 16-byte aligned (an [`AlignedVec`]); misaligned input is rejected.
+/// `payload` must be 16-byte aligned (an [`AlignedVec`](rkyv::util::AlignedVec)); misaligned input is rejected.
 pub fn decode_request(h: &FrameHeader, payload: &[u8]) -> Result<Request, FrameError> {
     if h.flags & FLAG_RESPONSE != 0 {
         return Err(FrameError::Payload("response flag set on a request".into()));
@@ -235,161 +265,17 @@ fn redact_addresses(msg: &str) -> String {
     out
 }
 
-/// A byte source that may also deliver a file descriptor (SCM_RIGHTS) with its bytes.
-pub trait FrameSource {
-    /// Reads some bytes (0 = end of stream) and any fd that arrived with them.
-    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)>;
-}
-
-/// Adapts any `Read` (no fd passing) into a [`FrameSource`].
-pub struct PlainSource<R>(pub R);
-
-impl<R: Read> FrameSource for PlainSource<R> {
-    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
-        Ok((self.0.read(buf)?, None))
-    }
-}
-
-/// Bytes a [`FrameReader`] asks the transport for at once: small frames (every control request)
-/// arrive in one system call together with their header, and pipelined frames share one.
-pub const READ_BUFFER_BYTES: usize = 64 << 10;
-
-/// Smallest step by which a payload buffer grows while its bytes arrive.
-const PAYLOAD_GROWTH_BYTES: usize = 64 << 10;
-/// Payload buffer capacity a connection keeps between frames (beyond: freed after the frame).
-const RETAINED_PAYLOAD_BYTES: usize = 1 << 20;
-
-/// Reads frames from a byte stream with one buffered receive per burst of small frames instead
-/// of one per header and one per payload. Invariant: `buf[start..end]` holds received bytes not
-/// yet returned; an fd that arrived is handed out only with the next frame whose header has
-/// `FLAG_FD`.
-pub struct FrameReader {
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-    fd: Option<OwnedFd>,
-}
-
-impl Default for FrameReader {
-    fn default() -> Self {
-        FrameReader {
-            buf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            fd: None,
-        }
-    }
-}
-
-/// A large frame went by: give its memory back rather than keep it per connection.
-#[cold]
-#[inline(never)]
-fn release_payload(payload: &mut AlignedVec<16>) {
-    *payload = AlignedVec::new();
-}
-
-impl FrameReader {
-    /// The rest of a payload larger than what was buffered with its header, received straight
-    /// into its final place. The buffer grows as bytes arrive (at most doubling), so a header
-    /// alone never commits the node to the payload size it declares. (Out of line: the common,
-    /// small frame stays on the short path.)
-    #[cold]
-    #[inline(never)]
-    fn read_large_payload<S: FrameSource>(
-        &mut self,
-        src: &mut S,
-        payload: &mut AlignedVec<16>,
-        len: usize,
-    ) -> Result<(), FrameError> {
-        let mut got = payload.len();
-        while got < len {
-            if got == payload.len() {
-                let next = len.min(got.max(PAYLOAD_GROWTH_BYTES).saturating_mul(2));
-                payload.resize(next, 0);
-            }
-            match src.recv(&mut payload.as_mut_slice()[got..]) {
-                Ok((0, _)) => return Err(FrameError::Truncated),
-                Ok((n, fd)) => {
-                    got += n;
-                    if fd.is_some() {
-                        self.fd = fd;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(FrameError::Io(e.to_string())),
-            }
-        }
-        Ok(())
-    }
-
-    /// Receives more bytes into the buffer; Ok(0) at end of stream.
-    fn fill<S: FrameSource>(&mut self, src: &mut S) -> Result<usize, FrameError> {
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-        }
-        loop {
-            match src.recv(&mut self.buf[self.end..]) {
-                Ok((n, fd)) => {
-                    if fd.is_some() {
-                        self.fd = fd;
-                    }
-                    self.end += n;
-                    return Ok(n);
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(FrameError::Io(e.to_string())),
-            }
-        }
-    }
-
-    /// Reads one frame: validates the header, copies the payload into `payload` (reused,
-    /// 16-byte aligned). Returns `Ok(None)` on a clean end of stream between frames.
-    #[inline]
-    pub fn read_frame<S: FrameSource>(
-        &mut self,
-        src: &mut S,
-        payload: &mut AlignedVec<16>,
-    ) -> Result<Option<(FrameHeader, Option<OwnedFd>)>, FrameError> {
-        while self.end - self.start < HEADER_BYTES {
-            if self.fill(src)? == 0 {
-                return if self.end == self.start {
-                    Ok(None)
-                } else {
-                    Err(FrameError::Truncated)
-                };
-            }
-        }
-        let hb: &[u8; HEADER_BYTES] = self.buf[self.start..self.start + HEADER_BYTES]
-            .try_into()
-            .expect("header length");
-        let h = FrameHeader::decode(hb)?;
-        self.start += HEADER_BYTES;
-        let len = h.payload_len as usize;
-        let buffered = (self.end - self.start).min(len);
-        if payload.capacity() > RETAINED_PAYLOAD_BYTES {
-            release_payload(payload);
-        }
-        payload.clear();
-        payload.extend_from_slice(&self.buf[self.start..self.start + buffered]);
-        self.start += buffered;
-        if payload.len() < len {
-            self.read_large_payload(src, payload, len)?;
-        }
-        // An fd belongs to the frame that announces it (FLAG_FD): one receive may return an
-        // earlier frame's bytes together with the fd of a later one.
-        let fd = if h.flags & FLAG_FD != 0 {
-            self.fd.take()
-        } else {
-            None
-        };
-        Ok(Some((h, fd)))
-    }
-}
+pub use super::reader::{
+    FrameReader, FrameSource, PlainSource, ReadLimits, ReadTimeout, READ_BUFFER_BYTES,
+};
 
 #[cfg(test)]
 mod tests {
+    use std::io;
+    use std::os::fd::OwnedFd;
+
+    use rkyv::util::AlignedVec;
+
     use super::*;
     use crate::protocol::messages::ChunkRange;
 

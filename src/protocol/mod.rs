@@ -1,7 +1,9 @@
 //! The native wire protocol: a fixed header plus rkyv-archived payloads.
 
+pub mod budget;
 pub mod frame;
 pub mod messages;
+pub mod reader;
 
 pub use self::frame::{FrameError, FrameHeader, MAX_PAYLOAD_BYTES};
 pub use self::messages::{

@@ -13,7 +13,7 @@ use crate::access::Role;
 use crate::error::ErrorKind;
 use crate::modules::NodeContext;
 use crate::protocol::frame::{
-    decode_request, encode_response, FrameError, FrameReader, FrameSource, PlainSource,
+    decode_request, encode_response, FrameError, FrameReader, FrameSource, PlainSource, ReadLimits,
 };
 use crate::protocol::Response;
 use crate::transport::uds::UdsReplySink;
@@ -66,9 +66,29 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
+/// Payload buffer capacity a connection keeps between frames. A larger buffer (a frame whose
+/// payload did not fit in the read buffer) is freed as soon as its frame is decoded, so a
+/// connection that once received 16 MiB does not keep them while it idles.
+pub const CONNECTION_RETAINED_PAYLOAD_BYTES: usize = 128 << 10;
+
+/// Whether an instance registered over connection `id` is still registered and still lists it.
+fn has_live_instances(ctx: &NodeContext, id: u64, registered: &dispatch::Registered) -> bool {
+    registered.ids().iter().any(|i| {
+        ctx.instances
+            .get(*i)
+            .is_some_and(|inst| inst.connections.lock().contains(&id))
+    })
+}
+
 /// The transport-independent connection loop: read frames from `src`, validate, dispatch, answer
 /// through `sink`; on close, release at once the instances registered over this connection.
 /// Any transport (Unix socket now, TCP or RDMA later) runs its connections through this.
+///
+/// Budgets: a frame must arrive within `limits.frame_timeout_ms` of its first byte (else the
+/// client is answered `LimitExceeded` and disconnected); a connection without live instances
+/// that sends nothing for `limits.idle_timeout_secs` is closed (one with instances is left to
+/// liveness); large payloads are received within the node-wide
+/// `limits.max_inflight_payload_bytes` (a frame that does not fit waits, within its deadline).
 pub fn serve_frames<S: FrameSource>(
     ctx: &Arc<NodeContext>,
     src: &mut S,
@@ -76,7 +96,12 @@ pub fn serve_frames<S: FrameSource>(
 ) {
     let id = sink.connection_id();
     let mut payload = AlignedVec::<16>::new();
-    let mut reader = FrameReader::default();
+    let limits = ReadLimits {
+        frame_timeout: Some(ctx.config.limits.frame_timeout()),
+        idle_timeout: ctx.config.limits.idle_timeout(),
+        retain_bytes: CONNECTION_RETAINED_PAYLOAD_BYTES,
+    };
+    let mut reader = FrameReader::new(limits, Some(Arc::clone(&ctx.payload_budget)));
     let mut registered = dispatch::Registered::default();
     tracing::debug!(connection = id, "client connected");
     loop {
@@ -85,20 +110,63 @@ pub fn serve_frames<S: FrameSource>(
         }
         match reader.read_frame(src, &mut payload) {
             Ok(None) => break,
-            Ok(Some((header, _))) => match decode_request(&header, &payload) {
-                Ok(req) => dispatch::dispatch(ctx, sink, header.request_id, req, &mut registered),
-                Err(e) => {
-                    // Framing is intact (the header was valid), so answer and keep going.
-                    tracing::warn!(connection = id, error = %e, "rejected request payload");
-                    ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    let resp = Response::Error {
-                        kind: ErrorKind::InvalidRequest.code(),
-                        message: e.to_string(),
-                    };
-                    sink.send(header.request_id, header.opcode, &resp, None);
+            Ok(Some((header, _))) => {
+                let decoded = decode_request(&header, &payload);
+                // The payload is no longer needed: its budget and a large buffer go back now,
+                // not after the request has run.
+                reader.finish(&mut payload);
+                match decoded {
+                    Ok(req) => {
+                        dispatch::dispatch(ctx, sink, header.request_id, req, &mut registered)
+                    }
+                    Err(e) => {
+                        // Framing is intact (the header was valid), so answer and keep going.
+                        tracing::warn!(connection = id, error = %e, "rejected request payload");
+                        ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        let resp = Response::Error {
+                            kind: ErrorKind::InvalidRequest.code(),
+                            message: e.to_string(),
+                        };
+                        sink.send(header.request_id, header.opcode, &resp, None);
+                    }
                 }
-            },
+            }
             Err(FrameError::Truncated) | Err(FrameError::Io(_)) => break,
+            Err(FrameError::Idle { limit_ms }) => {
+                if has_live_instances(ctx, id, &registered) {
+                    // Its instances' liveness (pings, reap timeout, registration grace) decides.
+                    continue;
+                }
+                tracing::info!(
+                    connection = id,
+                    idle_ms = limit_ms,
+                    "closing a connection without instances that sent nothing for \
+                     limits.idle_timeout_secs"
+                );
+                break;
+            }
+            Err(
+                e @ (FrameError::Stalled {
+                    request_id, opcode, ..
+                }
+                | FrameError::BudgetTimeout {
+                    request_id, opcode, ..
+                }),
+            ) => {
+                tracing::warn!(connection = id, request_id, error = %e, "closing a connection whose frame did not arrive in time");
+                ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+                let limits = if matches!(e, FrameError::BudgetTimeout { .. }) {
+                    "limits.frame_timeout_ms, limits.max_inflight_payload_bytes"
+                } else {
+                    "limits.frame_timeout_ms"
+                };
+                let resp = Response::Error {
+                    kind: ErrorKind::LimitExceeded.code(),
+                    message: format!("{e} ({limits}); closing connection"),
+                };
+                sink.send(request_id, opcode, &resp, None);
+                break;
+            }
             Err(
                 e @ FrameError::Oversized {
                     request_id, opcode, ..

@@ -47,7 +47,7 @@ pub struct SimOptions {
     /// Steps of history printed with a failure.
     pub trace: usize,
     /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
-    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`.
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`.
     pub skip: Vec<String>,
 }
 
@@ -99,6 +99,8 @@ pub struct SimStats {
     pub trace_digest: u64,
     /// Simulated milliseconds.
     pub sim_ms: u64,
+    /// Lookup sessions evicted to keep within the session count and byte limits.
+    pub sessions_evicted: u64,
 }
 
 /// A failed run: the first broken invariant, where, and the steps leading to it.
@@ -217,6 +219,7 @@ pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
         .counters
         .adopted_locks
         .load(std::sync::atomic::Ordering::Relaxed);
+    sim.stats.sessions_evicted = sim.ctx.sessions.evicted();
     Ok(sim.stats)
 }
 
@@ -388,6 +391,7 @@ mod tests {
                     total.adopted += s.adopted;
                     total.reaped += s.reaped;
                     total.lm_restarts += s.lm_restarts;
+                    total.sessions_evicted += s.sessions_evicted;
                 }
                 Err(f) => panic!("{f}"),
             }
@@ -396,6 +400,7 @@ mod tests {
         assert!(total.retrieves_hit >= 40 * SMOKE_SEEDS, "{total:?}");
         assert!(total.adopted >= 5 * SMOKE_SEEDS, "{total:?}");
         assert!(total.reaped > 0 && total.lm_restarts > 0, "{total:?}");
+        assert!(total.sessions_evicted > 0, "{total:?}");
     }
 
     /// A seed reproduces exactly (same steps, requests and simulated time).

@@ -312,6 +312,11 @@ impl Model {
                 }
             }
         }
+        // 4. Sessions: none for a complete miss, books balanced, within the count and bytes.
+        if on("sessions") {
+            let max = ctx.config.limits.max_session_bytes as usize;
+            ctx.sessions.audit(max)?;
+        }
         for (k, e) in snapshot.iter().filter(|_| on("locks")) {
             let c = claims.get(k).copied().unwrap_or(0);
             if c != u64::from(e.readers) {

@@ -39,6 +39,9 @@ pub const GRACE_MS: u64 = 30_000;
 pub const WRITE_TTL_MS: u64 = 20_000;
 /// Read TTL.
 pub const READ_TTL_MS: u64 = 8_000;
+/// Bytes the simulated node's lookup sessions may hold: about two sessions that hit a whole
+/// prompt ([`PROMPT_CHUNKS`] chunks, world size 1), so LOOKUPs evict sessions.
+pub const SESSION_BUDGET_BYTES: u64 = 2 << 10;
 /// Session idle TTL.
 pub const SESSION_TTL_MS: u64 = 15_000;
 /// A namespace untouched for this long and used by nothing must not be kept by the node after
@@ -65,6 +68,9 @@ pub fn config() -> NodeConfig {
             max_pending_transfers: 12,
             max_sessions: 64,
             max_chunks_per_request: 64,
+            // A few sessions' worth, so LOOKUPs evict sessions (whose locks the lock-ownership
+            // check then accounts for).
+            max_session_bytes: SESSION_BUDGET_BYTES,
             ..Limits::default()
         },
         access: crate::access::AccessConfig {
