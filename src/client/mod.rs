@@ -308,7 +308,17 @@ impl Client {
     }
 
     fn call_with_fd(&mut self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
-        let id = self.send(req)?;
+        let id = match self.send(req) {
+            Ok(id) => id,
+            Err(e) => {
+                // A node that refused the connection closed it after its answer: that answer
+                // says why, where the failed send would only say "broken pipe".
+                if let Ok((0, Response::Error { kind, message }, _)) = self.recv() {
+                    return Err(Error::new(ErrorKind::from_code(kind), message));
+                }
+                return Err(e);
+            }
+        };
         let (got, resp, fd) = self.recv()?;
         if got == 0 {
             // Request id 0 is never used by a client: a connection-level answer (refused

@@ -516,6 +516,14 @@ impl NodeContext {
     /// registered is released at once (a dead local engine leaks nothing and waits for no
     /// timeout). `registered` lists the instance ids registered over it.
     pub fn connection_closed(&self, connection: u64, registered: &[u64]) {
+        let sessions = super::lookup::connection_closed(self, connection);
+        if sessions > 0 {
+            tracing::debug!(
+                connection,
+                sessions,
+                "lookup sessions of a closed connection ended"
+            );
+        }
         for &iid in registered {
             if let Some(inst) = self.instances.get(iid) {
                 if inst.detach(connection) {

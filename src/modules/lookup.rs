@@ -57,6 +57,7 @@ pub fn release_session(ctx: &NodeContext, s: &Session) {
 pub fn lookup(
     ctx: &NodeContext,
     owner: SessionOwner,
+    connection: u64,
     request_id: &str,
     range: &ChunkRange,
     tp_size: u32,
@@ -80,6 +81,13 @@ pub fn lookup(
             range.world_size,
             ctx.config.limits.max_chunks_per_request
         )));
+    }
+    {
+        // A LOOKUP replaces the session of its id only if it is its creator's.
+        let shard = ctx.sessions.shard(request_id).lock();
+        if let Some(s) = shard.get(&SessionTable::key(owner, request_id)) {
+            check_creator(s, connection, request_id)?;
+        }
     }
     let Some(namespace) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
         // Interned names were validated then; an unknown pair is checked here, so a bad name
@@ -131,6 +139,7 @@ pub fn lookup(
             .collect(),
         request_id,
         ctx.now_ms(),
+        connection,
     );
     let max_bytes = usize::try_from(ctx.config.limits.max_session_bytes).unwrap_or(usize::MAX);
     if session.bytes() > max_bytes {
@@ -231,11 +240,33 @@ fn release(ctx: &NodeContext, entry: &[(StorageKey, Option<u64>)], extra: u32) {
     ctx.storage.finish_read(&taken, extra);
 }
 
+/// `Ok` when `connection` created session `s`: only it may free, end or replace the session.
+fn check_creator(s: &Session, connection: u64, request_id: &str) -> Result<()> {
+    if s.connection == connection {
+        return Ok(());
+    }
+    Err(Error::denied(format!(
+        "lookup session {request_id:?} belongs to another connection (only the connection whose \
+         LOOKUP created it may free, end or replace it)"
+    )))
+}
+
+/// Ends the sessions created over a closed connection, releasing their locks (a scheduler that
+/// died leaves no locks for the session TTL to find).
+pub fn connection_closed(ctx: &NodeContext, connection: u64) -> usize {
+    let gone = ctx.sessions.remove_of_connection(connection);
+    for s in &gone {
+        release_session(ctx, s);
+    }
+    gone.len()
+}
+
 /// FREE_LOOKUP_LOCKS: releases the session's locks on chunks `[start, end)` clipped to the hit
 /// length; each chunk at most once. Unknown sessions and empty ranges are no-ops.
 pub fn free_lookup_locks(
     ctx: &NodeContext,
     owner: SessionOwner,
+    connection: u64,
     request_id: &str,
     start: u32,
     end: u32,
@@ -244,6 +275,7 @@ pub fn free_lookup_locks(
     let Some(s) = shard.get_mut(&SessionTable::key(owner, request_id)) else {
         return Ok(Response::Ok);
     };
+    check_creator(s, connection, request_id)?;
     s.last_used_ms = ctx.now_ms();
     let end = (end as usize).min(s.hit_chunks());
     for c in (start as usize).min(end)..end {
@@ -304,7 +336,19 @@ pub fn adopt(
 
 /// END_SESSION: forgets the session, releases any lookup locks it still holds, and refreshes
 /// recency of the chunks it hit (every rank; the chunks after the hit prefix were not found).
-pub fn end_session(ctx: &NodeContext, owner: SessionOwner, request_id: &str) -> Result<Response> {
+pub fn end_session(
+    ctx: &NodeContext,
+    owner: SessionOwner,
+    connection: u64,
+    request_id: &str,
+) -> Result<Response> {
+    {
+        let shard = ctx.sessions.shard(request_id).lock();
+        if let Some(s) = shard.get(&SessionTable::key(owner, request_id)) {
+            check_creator(s, connection, request_id)?;
+        }
+    }
+    // Only its creator ends or replaces a session, and it does so one request at a time.
     if let Some(s) = ctx.sessions.remove(owner, request_id) {
         release_session(ctx, &s);
         let keys: Vec<StorageKey> = s.locked.iter().map(|h| h.key).collect();

@@ -49,7 +49,14 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
             request_id,
             range,
             tp_size,
-        } => lookup::lookup(ctx, caller.session_owner(), &request_id, &range, tp_size),
+        } => lookup::lookup(
+            ctx,
+            caller.session_owner(),
+            caller.connection,
+            &request_id,
+            &range,
+            tp_size,
+        ),
         Request::FreeLookupLocks {
             request_id,
             start_chunk,
@@ -57,12 +64,13 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
         } => lookup::free_lookup_locks(
             ctx,
             caller.session_owner(),
+            caller.connection,
             &request_id,
             start_chunk,
             end_chunk,
         ),
         Request::EndSession { request_id } => {
-            lookup::end_session(ctx, caller.session_owner(), &request_id)
+            lookup::end_session(ctx, caller.session_owner(), caller.connection, &request_id)
         }
         Request::Clear => {
             caller.require_admin("CLEAR")?;

@@ -32,6 +32,9 @@ pub struct Session {
     pub(super) world_size: u32,
     pub(super) locked: Vec<HeldLock>,
     pub(super) last_used_ms: u64,
+    /// The connection whose LOOKUP created it: only that connection may free, end or replace
+    /// it (retrieves of the same user may adopt its locks), and its close ends it.
+    pub(super) connection: u64,
     bytes: usize,
 }
 
@@ -48,6 +51,7 @@ impl Session {
         locked: Vec<HeldLock>,
         request_id: &str,
         now_ms: u64,
+        connection: u64,
     ) -> Session {
         debug_assert!(!locked.is_empty() && locked.len().is_multiple_of(world_size as usize));
         let mut s = Session {
@@ -55,6 +59,7 @@ impl Session {
             world_size,
             locked,
             last_used_ms: now_ms,
+            connection,
             bytes: 0,
         };
         s.bytes = s.heap_bytes(request_id);
@@ -263,12 +268,23 @@ impl SessionTable {
     /// Removes sessions idle since before `cutoff_ms` and returns them, so the caller releases
     /// the locks they still hold (a retrieve that used them has already consumed its share).
     pub fn expire(&self, cutoff_ms: u64) -> Vec<Session> {
+        self.remove_where(|v| v.last_used_ms < cutoff_ms)
+    }
+
+    /// Removes the sessions created over `connection` (it closed) and returns them, so the caller
+    /// releases their locks. O(sessions): runs once per closed connection.
+    pub fn remove_of_connection(&self, connection: u64) -> Vec<Session> {
+        self.remove_where(|v| v.connection == connection)
+    }
+
+    /// Removes (in key order per shard) and returns every session `doomed` selects.
+    fn remove_where(&self, doomed: impl Fn(&Session) -> bool) -> Vec<Session> {
         let mut out = Vec::new();
         for s in &self.shards {
             let mut m = s.lock();
             let mut stale: Vec<SessionKey> = m
                 .iter()
-                .filter(|(_, v)| v.last_used_ms < cutoff_ms)
+                .filter(|(_, v)| doomed(v))
                 .map(|(k, _)| k.clone())
                 .collect();
             stale.sort_unstable();
@@ -365,7 +381,7 @@ mod tests {
             };
             chunks
         ];
-        Session::new(NamespaceId(1), 1, locked, id, now)
+        Session::new(NamespaceId(1), 1, locked, id, now, 1)
     }
 
     #[test]

@@ -191,6 +191,9 @@ pub struct Sim {
     /// Recent lookups: (session id, model, salt, prompt, hit chunks), newest last (retrieves
     /// mostly follow one, as engines do).
     lookups: VecDeque<(String, &'static str, &'static str, usize, u32)>,
+    /// The scheduler connection whose LOOKUP created each live session `s*` (the node's own
+    /// user's name space); a session of another connection refuses FREE, END and LOOKUP.
+    session_creators: std::collections::BTreeMap<String, u64>,
     stats: SimStats,
 }
 
@@ -256,6 +259,7 @@ impl Sim {
             next_request: 1,
             named: HashMap::new(),
             lookups: VecDeque::new(),
+            session_creators: Default::default(),
             stats: SimStats::default(),
             opts,
         };

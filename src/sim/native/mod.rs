@@ -389,11 +389,30 @@ impl Sim {
         Ok(())
     }
 
-    /// A scheduler's action: LOOKUP, FREE_LOOKUP_LOCKS or END_SESSION.
+    /// A scheduler's action: LOOKUP, FREE_LOOKUP_LOCKS or END_SESSION (over either of two
+    /// connections, which use the same session ids: a session is its creating connection's),
+    /// or a scheduler that reconnects (its sessions end with the old connection).
     pub(super) fn scheduler_step(&mut self) -> Check {
-        let conn = self.schedulers[self.rng.index(2)].clone();
-        let session = self.session_id();
-        match self.rng.weighted(&[60, 20, 20]) {
+        let which = self.rng.index(2);
+        let conn = self.schedulers[which].clone();
+        let mut session = self.session_id();
+        let before = self.ctx.sessions.held_locks();
+        let action = self.rng.weighted(&[60, 20, 20, 2]);
+        if action == 0 && session.starts_with("lm-") {
+            // Never create a session under an LMCache worker's id (the frontend's LOOKUP of it
+            // would then be refused: it is another connection's).
+            session = format!("s{}", self.rng.index(8));
+        }
+        // Whether this connection may act on the session: refused exactly when a live session
+        // of that id was created over another connection.
+        let mine = format!("{}:{session}", kvnode_hw::effective_uid());
+        let exists = before.iter().any(|(s, ..)| *s == mine);
+        let expect_denied = exists
+            && match self.session_creators.get(&session) {
+                Some(&c) => c != conn.id(),
+                None => !session.starts_with('s'), // an LMCache worker's: the frontend's
+            };
+        let r = match action {
             0 => {
                 let salt = self.salt();
                 let model = world::MODELS[self.rng.index(2)];
@@ -411,11 +430,17 @@ impl Sim {
                 let r = self.no_intern("LOOKUP", |s| s.native_call(&conn, req))?;
                 if let Response::LookupHits { chunks } = r {
                     self.remember_lookup(session.clone(), model, salt, p, chunks);
+                    if chunks > 0 {
+                        self.session_creators.insert(session.clone(), conn.id());
+                    } else {
+                        self.session_creators.remove(&session);
+                    }
                 }
                 self.log(format!(
                     "LOOKUP {session} p{p} {model} salt {salt:?} tp {tp_size} -> {}",
                     short(&r)
                 ));
+                r
             }
             1 => {
                 let a = self.rng.index(PROMPT_CHUNKS + 1) as u32;
@@ -430,13 +455,54 @@ impl Sim {
                     "FREE_LOOKUP_LOCKS {session} [{a}..{b}) -> {}",
                     short(&r)
                 ));
+                r
             }
-            _ => {
+            2 => {
                 let req = Request::EndSession {
                     request_id: session.clone(),
                 };
                 let r = self.native_call(&conn, req);
                 self.log(format!("END_SESSION {session} -> {}", short(&r)));
+                if r == Response::Ok {
+                    self.session_creators.remove(&session);
+                }
+                r
+            }
+            _ => {
+                let registered = conn.registered.lock().ids();
+                self.ctx.connection_closed(conn.id(), &registered);
+                let left = self.ctx.sessions.remove_of_connection(conn.id());
+                if !left.is_empty() {
+                    return Err(format!(
+                        "{} lookup sessions outlived their connection {}",
+                        left.len(),
+                        conn.id()
+                    ));
+                }
+                self.session_creators.retain(|_, c| *c != conn.id());
+                self.schedulers[which] = self.new_conn();
+                self.log(format!("scheduler conn {} reconnects", conn.id()));
+                return Ok(());
+            }
+        };
+        let denied = matches!(&r, Response::Error { kind, .. } if *kind == ErrorKind::PermissionDenied.code());
+        if denied != expect_denied {
+            return Err(format!(
+                "session {session} over conn {}: refused {denied}, expected {expect_denied} \
+                 (created over {:?}): {r:?}",
+                conn.id(),
+                self.session_creators.get(&session)
+            ));
+        }
+        if let Response::Error { kind, .. } = &r {
+            if *kind == ErrorKind::PermissionDenied.code() {
+                // Another connection's session: refused, and nothing changed.
+                self.stats.intrusions += 1;
+                if self.ctx.sessions.held_locks() != before {
+                    return Err(format!(
+                        "a refused request for session {session} changed session locks"
+                    ));
+                }
             }
         }
         Ok(())
