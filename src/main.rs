@@ -26,9 +26,9 @@ struct Cli {
 enum Command {
     /// Run the node (embedded defaults; flags override the optional TOML config).
     Serve(ServeArgs),
-    /// Print the node's status report. The node runs its full consistency check (memcheck) for
-    /// it, which takes a while on a node holding millions of objects: `status` waits up to 60 s
-    /// by default (`--timeout`), then gives up.
+    /// Print the node's status report (counters only: cheap at any size; `memcheck` shows the
+    /// outcome of the last MEMCHECK). `status` waits up to 60 s by default (`--timeout`), then
+    /// gives up.
     Status {
         /// Node socket.
         #[arg(long, default_value_os_t = default_socket_path())]

@@ -218,14 +218,32 @@ impl NodeContext {
         }
     }
 
-    /// The consistency check of every tier: L1 (index vs allocator) and the L2 index.
+    /// The consistency check of every tier, as the wire's MEMCHECK runs it: L1 incrementally
+    /// (one index shard at a time, never stopping the hot path; see
+    /// [`crate::storage::StorageCore::memcheck_incremental`] for what it proves) and the L2
+    /// index. One check at a time node-wide (a second caller waits); STATUS shows the outcome.
     pub fn memcheck(&self) -> crate::storage::core::MemcheckReport {
-        let mut r = self.storage.memcheck();
-        if let Some(Err(p)) = self.l2.as_ref().map(|l2| l2.check()) {
-            r.ok = false;
-            r.problems.push(format!("L2 index: {p}"));
-        }
-        r
+        self.checked(|| self.storage.memcheck_incremental())
+    }
+
+    /// [`NodeContext::memcheck`] with the exact, stop-the-world L1 check (tests and tools that
+    /// need one consistent snapshot; never on the wire).
+    pub fn memcheck_exact(&self) -> crate::storage::core::MemcheckReport {
+        self.checked(|| self.storage.memcheck())
+    }
+
+    fn checked(
+        &self,
+        l1: impl FnOnce() -> crate::storage::core::MemcheckReport,
+    ) -> crate::storage::core::MemcheckReport {
+        self.storage.run_memcheck(|| {
+            let mut r = l1();
+            if let Some(Err(p)) = self.l2.as_ref().map(|l2| l2.check()) {
+                r.ok = false;
+                r.problems.push(format!("L2 index: {p}"));
+            }
+            r
+        })
     }
 
     /// Milliseconds on the node's clock (liveness, TTLs, sessions).

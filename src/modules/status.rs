@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::context::NodeContext;
 use super::events::EventBusStats;
-use crate::storage::core::EvictionCounters;
+use crate::storage::core::{EvictionCounters, MemcheckStatus};
 use crate::storage::ObjectCounts;
 
 /// One instance in the report.
@@ -91,10 +91,13 @@ pub struct StatusReport {
     pub evictions: u64,
     /// Eviction and TTL-expiry details.
     pub eviction_counters: EvictionCounters,
-    /// Whether the invariant check passed just now.
+    /// Whether the last MEMCHECK found nothing wrong (true when none has run since start-up).
+    /// STATUS never runs a check itself (it must not slow the hot path): see `memcheck`.
     pub memcheck_ok: bool,
-    /// Violations found by the check.
+    /// Violations the last MEMCHECK found.
     pub memcheck_problems: Vec<String>,
+    /// The memcheck record: whether one runs now, how many finished, the last one's age.
+    pub memcheck: MemcheckStatus,
     /// Liveness.
     pub liveness: LivenessStatus,
     /// Open lookup sessions.
@@ -123,7 +126,9 @@ pub struct StatusReport {
     pub session_bytes: usize,
 }
 
-/// Builds the report (runs memcheck; not for the hot path).
+/// Builds the report from counters: it takes no storage gate and no index shard lock (object
+/// counts come from the shards' counters, memcheck figures from the last check), so a client
+/// polling STATUS never holds up another's requests. Cost: O(instances + size classes).
 pub fn report(ctx: &NodeContext) -> StatusReport {
     let now = ctx.now_ms();
     let mut pending_writes = 0;
@@ -151,7 +156,7 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
             }
         })
         .collect();
-    let mem = ctx.memcheck();
+    let mem = ctx.storage.memcheck_status();
     let ev = ctx.storage.eviction_counters();
     StatusReport {
         version: env!("CARGO_PKG_VERSION"),
@@ -166,8 +171,9 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
         pending_reads,
         evictions: ev.sync_evictions + ev.background_evictions,
         eviction_counters: ev,
-        memcheck_ok: mem.ok,
-        memcheck_problems: mem.problems,
+        memcheck_ok: mem.last_ok,
+        memcheck_problems: mem.last_problems.clone(),
+        memcheck: mem,
         liveness: LivenessStatus {
             enabled: ctx.liveness.enabled(),
             reap_timeout_secs: ctx.config.reap_timeout_secs,

@@ -19,9 +19,13 @@ use crate::protocol::Response;
 use crate::transport::uds::UdsReplySink;
 use crate::transport::ReplySink;
 
-/// Longest a reply may block on a client that stopped reading; the connection is then closed
-/// (and its instances released) so one stalled engine can never freeze a worker shard.
-pub const REPLY_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most bytes of replies that may wait for one client to read them (replies are never written
+/// with a blocking send: what the socket does not take waits in the connection's queue). A
+/// client whose queue would pass it does not read its replies: its connection is closed and its
+/// instances released, so it can neither stall a worker shard nor hold unbounded memory. A
+/// single reply always fits an empty queue, whatever its size. Node-wide bound: this times
+/// `limits.max_connections`.
+pub const REPLY_QUEUE_BYTES: usize = 1 << 20;
 
 /// Answers a connection beyond the limit with a typed error and closes it.
 pub fn refuse(mut stream: UnixStream, limit: usize) {
@@ -37,17 +41,11 @@ pub fn refuse(mut stream: UnixStream, limit: usize) {
 /// Serves one Unix-socket connection: sets up its reply half, runs the frame loop, then releases
 /// the instances this connection registered.
 pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
-    let write_half = match stream
-        .try_clone()
-        .and_then(|s| s.set_write_timeout(Some(REPLY_SEND_TIMEOUT)).map(|()| s))
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "could not set up connection");
-            return;
-        }
-    };
-    let sink: Arc<dyn ReplySink> = Arc::new(UdsReplySink::new(write_half, id));
+    // One descriptor serves both halves: the reader below and the reply side (which writes
+    // without blocking, so no timeout is needed on it).
+    let stream = Arc::new(stream);
+    let sink: Arc<dyn ReplySink> =
+        Arc::new(UdsReplySink::new(stream.clone(), id, REPLY_QUEUE_BYTES));
     if ctx.access.role(sink.peer().as_ref()) == Role::Refused {
         // The socket's mode normally keeps other users out; this holds when it does not.
         tracing::warn!(connection = id, peer = ?sink.peer(), "refused a peer not allowed by [access]");
@@ -62,7 +60,7 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     }
-    serve_frames(ctx, &mut PlainSource(&stream), &sink);
+    serve_frames(ctx, &mut PlainSource(&*stream), &sink);
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 

@@ -285,10 +285,12 @@ impl Node {
     }
 }
 
-/// File descriptors one connection holds: its socket and the duplicate its replies go through.
-const FDS_PER_CONNECTION: u64 = 2;
+/// File descriptors one connection holds: its socket (the reader and the reply side share it),
+/// and at most `transport::uds::REPLY_QUEUE_FDS` duplicate of the pool's descriptor waiting in
+/// its reply queue.
+const FDS_PER_CONNECTION: u64 = 1 + crate::transport::uds::REPLY_QUEUE_FDS as u64;
 /// File descriptors kept for everything but connections (pool, L2 devices and their rings,
-/// listeners, the LMCache endpoint, logs).
+/// listeners, the LMCache endpoint, the reply flusher's epoll descriptor, logs).
 const RESERVED_FDS: u64 = 64;
 /// Back-off of a failing `accept` (e.g. EMFILE): from the first to the longest pause.
 const ACCEPT_BACKOFF: (std::time::Duration, std::time::Duration) = (

@@ -1,5 +1,6 @@
 //! Unix-domain-socket transport: socket file with restrictive permissions, one reader thread per
-//! connection, responses written under a per-connection lock, the pool fd passed with SCM_RIGHTS.
+//! connection, responses written without blocking and queued per connection when the client
+//! reads slowly (see `reply`), the pool fd passed with SCM_RIGHTS.
 //!
 //! The socket file is handled so that the node never removes, truncates or chmods anything it
 //! did not create: [`bind`] replaces only a stale *socket* (nobody accepting), refuses anything
@@ -10,18 +11,17 @@
 
 use std::fs::FileType;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
-use super::ReplySink;
 use crate::error::{Error, ErrorKind, Result};
-use crate::protocol::frame::encode_response;
-use crate::protocol::Response;
+
+mod reply;
+
+pub use reply::{UdsReplySink, REPLY_QUEUE_FDS};
 
 /// What a file system object is, in words for error messages ("a regular file", "a directory",
 /// "a symbolic link", "a fifo (named pipe)", ...). Invariant: total over every file type.
@@ -415,76 +415,10 @@ pub fn wake_acceptor(listener: impl AsFd) -> io::Result<()> {
     rustix::net::shutdown(listener, rustix::net::Shutdown::Read).map_err(io::Error::from)
 }
 
-/// The reply side of one Unix-socket connection.
-pub struct UdsReplySink {
-    stream: UnixStream,
-    write_lock: Mutex<()>,
-    id: u64,
-    peer: Option<kvnode_hw::PeerCred>,
-}
-
-impl UdsReplySink {
-    /// Wraps the write half (a `try_clone` of the connection, with a write timeout set) with
-    /// connection id `id`; the peer's credentials are read from the socket once, here.
-    pub fn new(stream: UnixStream, id: u64) -> UdsReplySink {
-        let peer = kvnode_hw::unix_peer_credentials(stream.as_fd()).ok();
-        UdsReplySink {
-            stream,
-            write_lock: Mutex::new(()),
-            id,
-            peer,
-        }
-    }
-}
-
-impl ReplySink for UdsReplySink {
-    fn send(&self, request_id: u64, opcode: u16, resp: &Response, fd: Option<BorrowedFd<'_>>) {
-        let frame = match encode_response(request_id, opcode, fd.is_some(), resp) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::error!(error = %e, "response could not be encoded; sending an error instead");
-                let err = Response::Error {
-                    kind: crate::error::ErrorKind::Internal.code(),
-                    message: format!("response could not be encoded: {e}"),
-                };
-                encode_response(request_id, opcode, false, &err).expect("small error frames encode")
-            }
-        };
-        let _g = self.write_lock.lock();
-        if let Err(e) = kvnode_hw::send_with_fd(self.stream.as_fd(), &frame, fd) {
-            if matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            ) {
-                // The client stopped reading: close the connection so its reader thread ends and
-                // its instances are released, rather than stalling the sender.
-                tracing::warn!(
-                    connection = self.id,
-                    "client not reading replies: closing connection"
-                );
-                let _ = self.stream.shutdown(std::net::Shutdown::Both);
-            } else {
-                tracing::debug!(connection = self.id, error = %e, "client went away before its reply");
-            }
-        }
-    }
-
-    fn connection_id(&self) -> u64 {
-        self.id
-    }
-
-    fn can_pass_fd(&self) -> bool {
-        true
-    }
-
-    fn peer(&self) -> Option<kvnode_hw::PeerCred> {
-        self.peer
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixStream;
 
     fn dir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("kvnode-uds-{}-{tag}", std::process::id()));

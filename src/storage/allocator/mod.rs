@@ -363,6 +363,18 @@ impl SlabAllocator {
         Ok(())
     }
 
+    /// Whether `slot` is a live allocation, exactly as handed out (offset and class). O(1).
+    pub fn is_live(&self, slot: &Slot) -> bool {
+        self.locate(slot).is_ok()
+    }
+
+    /// The allocator's internal consistency alone (page ownership, free runs, slabs, classes,
+    /// counters), without comparing its live set with a caller's: O(pages + slabs). Never
+    /// changes state.
+    pub fn check_structure(&self) -> Result<(), String> {
+        self.check_internal()
+    }
+
     /// Per-class stats for status reports: (class_bytes, live slots, slabs),
     /// sorted by class_bytes. Invariant: one entry per existing class; the sum
     /// of `class_bytes * live` over entries equals `allocated_bytes()`.

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::StorageCore;
+use super::{StorageCore, Tally};
 use crate::storage::allocator::{AllocError, Slot};
 use crate::storage::index::ObjectState;
 use crate::storage::key::StorageKey;
@@ -74,14 +74,15 @@ impl StorageCore {
             let Some((stamp, key)) = best else {
                 return false;
             };
-            let mut shard = self.shard(&key).lock();
+            let si = Self::shard_index(&key);
+            let mut shard = self.shards[si].lock();
             // Re-check under the lock: it may have been locked, touched, written or removed.
             match shard.map.get(&key) {
                 Some(e) if e.evictable() && e.stamp == stamp && e.unwritten == unwritten => {}
                 _ => continue,
             }
             let e = shard.remove(&key).expect("checked present");
-            self.release_slot(e.slot);
+            self.discard(si, e);
             let counter = if background {
                 &self.background_evictions
             } else {
@@ -152,10 +153,11 @@ impl StorageCore {
         let _g = self.gate.read();
         let mut n = 0;
         for k in keys {
-            let mut shard = self.shard(k).lock();
+            let si = Self::shard_index(k);
+            let mut shard = self.shards[si].lock();
             if shard.map.get(k).is_some_and(|e| e.evictable()) {
                 let e = shard.remove(k).expect("checked present");
-                self.release_slot(e.slot);
+                self.discard(si, e);
                 n += 1;
             }
         }
@@ -169,7 +171,7 @@ impl StorageCore {
     pub fn expire_locks(&self, now_ms: u64) -> (u64, u64) {
         let _g = self.gate.read();
         let (mut w, mut r) = (0, 0);
-        for shard in self.shards.iter() {
+        for (si, shard) in self.shards.iter().enumerate() {
             let mut shard = shard.lock();
             let stale: Vec<StorageKey> = shard
                 .map
@@ -184,12 +186,13 @@ impl StorageCore {
                 let e = shard.map.get_mut(&k).expect("listed");
                 if e.state == ObjectState::WriteReserved {
                     let e = shard.remove(&k).expect("present");
-                    self.release_slot(e.slot);
+                    self.discard(si, e);
                     w += 1;
                 } else {
+                    let before = Tally::of(e);
                     self.drop_expired_reads(e, now_ms);
                     r += 1;
-                    self.settle_released(&mut shard, &k);
+                    self.settle_released(si, &mut shard, &k, before);
                 }
             }
         }
@@ -202,19 +205,22 @@ impl StorageCore {
     pub fn clear(&self) -> (u64, u64) {
         let _g = self.gate.read();
         let (mut deleted, mut deferred) = (0, 0);
-        for shard in self.shards.iter() {
+        for (si, shard) in self.shards.iter().enumerate() {
             let mut shard = shard.lock();
             let keys: Vec<StorageKey> = shard.map.keys().copied().collect();
             for k in keys {
                 let e = shard.map.get_mut(&k).expect("listed");
                 if e.state == ObjectState::Ready && e.unheld() {
                     let e = shard.remove(&k).expect("present");
-                    self.release_slot(e.slot);
+                    self.discard(si, e);
                     deleted += 1;
                 } else if !e.doomed {
+                    let before = Tally::of(e);
                     e.doomed = true;
+                    let after = Tally::of(e);
                     deferred += 1;
                     shard.sync_recency(&k);
+                    self.tally(si, before, after);
                 }
             }
         }

@@ -7,12 +7,15 @@
 //! still be copying (W4); allocation evicts synchronously before failing (P6).
 //!
 //! Concurrency: each key operation locks one index shard; the allocator has its own short mutex.
-//! Lock order is always shard -> allocator. Batch operations hold `gate` in shared mode so that
-//! `memcheck` (exclusive) sees a consistent snapshot; no exclusive lock is held across a batch.
+//! Lock order is always shard -> allocator (several shards: in index order). Batch operations
+//! hold `gate` in shared mode so that the exact `memcheck` (exclusive) sees a consistent snapshot;
+//! no exclusive lock is held across a batch. Every change to an entry updates its shard's
+//! `ShardTally` under the shard's lock, so object counts are read without any lock.
 //!
 //! This file holds the types and the core's shared helpers; the operations are split by job:
 //! `write` (reserve, publish, abort), `read` (read locks, I/O holds, lookups), `evict`
-//! (eviction, expiry, CLEAR) and `check` (whole-index views and memcheck).
+//! (eviction, expiry, CLEAR), `check` (whole-index views and the exact memcheck), `tally` (the
+//! per-shard counters) and `incremental` (the memcheck that never stops the hot path).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -28,8 +31,14 @@ use super::key::StorageKey;
 
 mod check;
 mod evict;
+mod incremental;
 mod read;
+mod tally;
 mod write;
+
+pub use check::STRICT_CHECK_MAX_OBJECTS;
+pub use incremental::{MemcheckStatus, MEMCHECK_MAX_PROBLEMS};
+use tally::{ShardTally, Tally};
 
 /// Number of index shards (a power of two).
 pub const INDEX_SHARDS: usize = 64;
@@ -148,6 +157,10 @@ pub struct MemcheckReport {
 /// The shared storage core. See the module docs for the locking rules.
 pub struct StorageCore {
     shards: Box<[Mutex<Shard>]>,
+    /// Object counters per shard, changed only under that shard's lock (see `tally`).
+    tallies: Box<[ShardTally]>,
+    /// Serialises memchecks node-wide and remembers the last outcome (see `incremental`).
+    checks: incremental::CheckRecord,
     alloc: Mutex<SlabAllocator>,
     gate: RwLock<()>,
     stamp: AtomicU64,
@@ -178,6 +191,8 @@ impl StorageCore {
         );
         StorageCore {
             shards: (0..INDEX_SHARDS).map(|_| Mutex::default()).collect(),
+            tallies: (0..INDEX_SHARDS).map(|_| ShardTally::default()).collect(),
+            checks: incremental::CheckRecord::default(),
             alloc: Mutex::new(SlabAllocator::new(pool_bytes)),
             gate: RwLock::new(()),
             stamp: AtomicU64::new(1),
@@ -211,11 +226,16 @@ impl StorageCore {
         &self.config
     }
 
-    fn shard(&self, key: &StorageKey) -> &Mutex<Shard> {
+    /// The index shard `key` lives in, for life (a pure function of the key).
+    fn shard_index(key: &StorageKey) -> usize {
         let mut b = [0u8; 8];
         b.copy_from_slice(&key.chunk_hash[8..16]);
         let h = u64::from_le_bytes(b) ^ u64::from(key.kv_rank) ^ key.namespace.0;
-        &self.shards[(h as usize) & (INDEX_SHARDS - 1)]
+        (h as usize) & (INDEX_SHARDS - 1)
+    }
+
+    fn shard(&self, key: &StorageKey) -> &Mutex<Shard> {
+        &self.shards[Self::shard_index(key)]
     }
 
     fn next_stamps(&self, n: u64) -> u64 {
@@ -234,17 +254,27 @@ impl StorageCore {
         false
     }
 
-    /// After a read lock or an I/O hold on `key` was released: a temporary or doomed object
-    /// that nothing holds any more is deleted and freed, anything else goes back to its recency
-    /// list. Caller holds the key's shard.
-    fn settle_released(&self, shard: &mut Shard, key: &StorageKey) {
+    /// After a read lock or an I/O hold on `key` was released (its entry counted as `before`
+    /// until then): a temporary or doomed object that nothing holds any more is deleted and
+    /// freed, anything else goes back to its recency list. Caller holds shard `si`, the key's.
+    fn settle_released(&self, si: usize, shard: &mut Shard, key: &StorageKey, before: Tally) {
         let Some(e) = shard.map.get(key) else { return };
         if e.unheld() && (e.temporary || e.doomed) {
             let e = shard.remove(key).expect("present");
+            self.tally(si, before, Tally::ABSENT);
             self.release_slot(e.slot);
         } else {
+            let after = Tally::of(e);
             shard.sync_recency(key);
+            self.tally(si, before, after);
         }
+    }
+
+    /// Frees the slot of `e`, just removed from shard `si` (whose lock the caller holds), and
+    /// takes it out of the shard's counters.
+    fn discard(&self, si: usize, e: Entry) {
+        self.tally(si, Tally::of(&e), Tally::ABSENT);
+        self.release_slot(e.slot);
     }
 
     /// Pool capacity usable for objects.
@@ -266,3 +296,6 @@ impl StorageCore {
         self.object_count.fetch_sub(1, Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,7 @@
 //! The read path of [`StorageCore`]: read locks and their release, I/O holds, lock adoption by
 //! retrieves, prefix lookups, and lock-free presence queries.
 
-use super::{Grant, KeyError, StorageCore};
+use super::{Grant, KeyError, StorageCore, Tally};
 use crate::storage::index::ObjectState;
 use crate::storage::key::StorageKey;
 
@@ -13,7 +13,8 @@ impl StorageCore {
         let deadline = now.saturating_add(self.read_ttl_ms());
         keys.iter()
             .map(|k| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
                 if e.doomed {
                     return Err(KeyError::KeyNotExist);
@@ -21,6 +22,7 @@ impl StorageCore {
                 if e.state != ObjectState::Ready {
                     return Err(KeyError::KeyNotReadable);
                 }
+                let before = Tally::of(e);
                 self.drop_expired_reads(e, now);
                 // One deadline covers all of an entry's locks: the latest one's.
                 e.lock_deadline_ms = if e.readers == 0 {
@@ -33,7 +35,9 @@ impl StorageCore {
                     slot: e.slot,
                     lease: e.lease,
                 };
+                let after = Tally::of(e);
                 shard.sync_recency(k);
+                self.tally(si, before, after);
                 Ok(grant)
             })
             .collect()
@@ -46,7 +50,8 @@ impl StorageCore {
         let _g = self.gate.read();
         keys.iter()
             .map(|k| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
                 if e.doomed {
                     return Err(KeyError::KeyNotExist);
@@ -54,12 +59,15 @@ impl StorageCore {
                 if e.state != ObjectState::Ready {
                     return Err(KeyError::KeyNotReadable);
                 }
+                let before = Tally::of(e);
                 e.io_holds = e.io_holds.checked_add(1).ok_or(KeyError::KeyIsLocked)?;
                 let grant = Grant {
                     slot: e.slot,
                     lease: e.lease,
                 };
+                let after = Tally::of(e);
                 shard.sync_recency(k);
+                self.tally(si, before, after);
                 Ok(grant)
             })
             .collect()
@@ -73,13 +81,15 @@ impl StorageCore {
         items
             .iter()
             .map(|(k, grant)| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
                 if e.state != ObjectState::Ready || e.slot != grant.slot || e.io_holds == 0 {
                     return Err(KeyError::KeyInWrongState);
                 }
+                let before = Tally::of(e);
                 e.io_holds -= 1;
-                self.settle_released(&mut shard, k);
+                self.settle_released(si, &mut shard, k, before);
                 Ok(())
             })
             .collect()
@@ -95,7 +105,8 @@ impl StorageCore {
     pub fn adopt_read(&self, key: &StorageKey, lease: u64) -> Result<Grant, KeyError> {
         let _g = self.gate.read();
         let now = self.now_ms();
-        let mut shard = self.shard(key).lock();
+        let si = Self::shard_index(key);
+        let mut shard = self.shards[si].lock();
         let e = shard.map.get_mut(key).ok_or(KeyError::KeyNotExist)?;
         if e.doomed {
             return Err(KeyError::KeyNotExist);
@@ -103,8 +114,11 @@ impl StorageCore {
         if e.state != ObjectState::Ready {
             return Err(KeyError::KeyNotReadable);
         }
+        let before = Tally::of(e);
         if self.drop_expired_reads(e, now) {
+            let after = Tally::of(e);
             shard.sync_recency(key);
+            self.tally(si, before, after);
             return Err(KeyError::KeyInWrongState);
         }
         if e.lease != lease || e.readers == 0 {
@@ -159,7 +173,8 @@ impl StorageCore {
         items
             .iter()
             .map(|(k, lease)| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
                 if e.state != ObjectState::Ready || e.lease != *lease {
                     return Err(KeyError::KeyInWrongState);
@@ -167,8 +182,9 @@ impl StorageCore {
                 if e.readers == 0 {
                     return Err(KeyError::KeyNotReadable);
                 }
+                let before = Tally::of(e);
                 e.readers = e.readers.saturating_sub(1 + extra);
-                self.settle_released(&mut shard, k);
+                self.settle_released(si, &mut shard, k, before);
                 Ok(())
             })
             .collect()

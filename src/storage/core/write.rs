@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{Grant, KeyError, StorageCore};
+use super::{Grant, KeyError, StorageCore, Tally};
 use crate::storage::index::{Entry, ObjectState};
 use crate::storage::key::StorageKey;
 
@@ -90,7 +90,8 @@ impl StorageCore {
                 self.oom_keys.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            let mut shard = self.shard(&keys[i]).lock();
+            let si = Self::shard_index(&keys[i]);
+            let mut shard = self.shards[si].lock();
             if shard.map.contains_key(&keys[i]) {
                 // Lost a race with another writer between the check and the insert.
                 self.alloc.lock().free(slot).expect("fresh slot frees");
@@ -98,22 +99,21 @@ impl StorageCore {
                 continue;
             }
             let lease = self.next_stamps(1);
-            shard.map.insert(
-                keys[i],
-                Entry {
-                    slot,
-                    state: ObjectState::WriteReserved,
-                    readers: 0,
-                    io_holds: 0,
-                    temporary,
-                    doomed: false,
-                    layout: 0,
-                    unwritten: false,
-                    stamp: 0,
-                    lease,
-                    lock_deadline_ms: deadline,
-                },
-            );
+            let entry = Entry {
+                slot,
+                state: ObjectState::WriteReserved,
+                readers: 0,
+                io_holds: 0,
+                temporary,
+                doomed: false,
+                layout: 0,
+                unwritten: false,
+                stamp: 0,
+                lease,
+                lock_deadline_ms: deadline,
+            };
+            self.tally(si, Tally::ABSENT, Tally::of(&entry));
+            shard.map.insert(keys[i], entry);
             self.object_count.fetch_add(1, Ordering::Relaxed);
             results[i] = Ok(Grant { slot, lease });
         }
@@ -128,13 +128,15 @@ impl StorageCore {
         let deadline = now.saturating_add(self.read_ttl_ms());
         let mut pinned = Vec::new();
         for k in keys {
-            let mut shard = self.shard(k).lock();
+            let si = Self::shard_index(k);
+            let mut shard = self.shards[si].lock();
             let Some(e) = shard.map.get_mut(k) else {
                 continue;
             };
             if e.state != ObjectState::Ready || e.doomed {
                 continue;
             }
+            let before = Tally::of(e);
             self.drop_expired_reads(e, now);
             e.lock_deadline_ms = if e.readers == 0 {
                 deadline
@@ -143,7 +145,9 @@ impl StorageCore {
             };
             e.readers = e.readers.saturating_add(1);
             pinned.push((*k, e.lease));
+            let after = Tally::of(e);
             shard.sync_recency(k);
+            self.tally(si, before, after);
         }
         pinned
     }
@@ -184,7 +188,15 @@ impl StorageCore {
     /// (written, failed or skipped) or was never queued.
     pub fn clear_unwritten(&self, keys: &[StorageKey]) {
         for k in keys {
-            self.shard(k).lock().set_unwritten(k, false);
+            let si = Self::shard_index(k);
+            let mut shard = self.shards[si].lock();
+            let Some(before) = shard.map.get(k).map(Tally::of) else {
+                continue;
+            };
+            shard.set_unwritten(k, false);
+            if let Some(after) = shard.map.get(k).map(Tally::of) {
+                self.tally(si, before, after);
+            }
         }
     }
 
@@ -216,7 +228,8 @@ impl StorageCore {
             .iter()
             .enumerate()
             .map(|(i, (k, grant))| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get_mut(k).ok_or(KeyError::KeyNotExist)?;
                 if e.state != ObjectState::WriteReserved
                     || e.slot != grant.slot
@@ -227,9 +240,10 @@ impl StorageCore {
                 debug_assert_eq!(e.readers, 0, "write-reserved objects hold no read locks");
                 if e.doomed {
                     let e = shard.remove(k).expect("present");
-                    self.release_slot(e.slot);
+                    self.discard(si, e);
                     return Err(KeyError::KeyNotExist);
                 }
+                let before = Tally::of(e);
                 e.state = ObjectState::Ready;
                 e.lock_deadline_ms = 0;
                 if let Some(extra) = lock_extra {
@@ -240,7 +254,9 @@ impl StorageCore {
                 e.unwritten = unwritten;
                 e.layout = layout;
                 let lease = e.lease;
+                let after = Tally::of(e);
                 shard.sync_recency(k);
+                self.tally(si, before, after);
                 Ok(lease)
             })
             .collect()
@@ -253,7 +269,8 @@ impl StorageCore {
         items
             .iter()
             .map(|(k, grant)| {
-                let mut shard = self.shard(k).lock();
+                let si = Self::shard_index(k);
+                let mut shard = self.shards[si].lock();
                 let e = shard.map.get(k).ok_or(KeyError::KeyNotExist)?;
                 if e.state != ObjectState::WriteReserved
                     || e.slot != grant.slot
@@ -262,7 +279,7 @@ impl StorageCore {
                     return Err(KeyError::KeyInWrongState);
                 }
                 let e = shard.remove(k).expect("present");
-                self.release_slot(e.slot);
+                self.discard(si, e);
                 Ok(())
             })
             .collect()
