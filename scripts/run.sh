@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up and runs the node on embedded defaults (1 GiB pool, 256-token chunks,
-# socket in $XDG_RUNTIME_DIR or /tmp). Extra arguments go to `kvnode serve`, e.g.
+# socket in a private directory: $XDG_RUNTIME_DIR, /run/kvnode for root, else /tmp/kvnode-<uid>).
+# Extra arguments go to `kvnode serve`, e.g.
 #   scripts/run.sh --pool-size 4GiB --socket /run/kvnode.sock
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -170,3 +170,59 @@ fn the_default_socket_directory_is_private_and_never_a_squatted_one() {
         String::from_utf8_lossy(&ping.stderr)
     );
 }
+
+/// `scripts/run-tenants.sh` starts one node per tenant, each admitting only its own users:
+/// nobody reaches tenant a's node (allowed there) and is refused by tenant b's; the pools are
+/// separate processes. SIGTERM stops them all.
+#[test]
+fn one_node_per_tenant_admits_only_that_tenants_users() {
+    if !root_with_setpriv() {
+        return;
+    }
+    let dir = TestDir::new("access-tenants");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let list = dir.join("tenants");
+    std::fs::write(
+        &list,
+        "# name uids pool\na 65534 16MiB\nb 4242,4243 16MiB\n",
+    )
+    .unwrap();
+    let base = dir.join("run");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/run-tenants.sh");
+    let mut tenants = Command::new("bash")
+        .arg(&script)
+        .arg(&list)
+        .arg(&base)
+        .env("KVNODE_BIN", env!("CARGO_BIN_EXE_kvnode"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (a, b) = (base.join("a/kvnode.sock"), base.join("b/kvnode.sock"));
+    wait_for_socket(&a, &mut tenants);
+    wait_for_socket(&b, &mut tenants);
+    let ping = |sock: &Path| {
+        kvnode_as_nobody(&["ping", "--socket", sock.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let (pa, pb) = (ping(&a), ping(&b));
+    sigterm(&tenants);
+    let stopped = wait_exit(&mut tenants, Duration::from_secs(30));
+    assert!(
+        pa.status.success(),
+        "tenant a: {}",
+        String::from_utf8_lossy(&pa.stderr)
+    );
+    assert!(!pb.status.success());
+    assert!(
+        String::from_utf8_lossy(&pb.stderr).contains("user 65534 may not use this node"),
+        "{}",
+        String::from_utf8_lossy(&pb.stderr)
+    );
+    assert!(
+        stopped.is_some(),
+        "the tenants' nodes did not stop on SIGTERM"
+    );
+    assert!(!a.exists() && !b.exists(), "each node removed its socket");
+}
