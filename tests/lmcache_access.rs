@@ -367,12 +367,27 @@ fn probe_as_nobody_in(
 ) -> HashMap<String, String> {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = match netns {
+        // Entering a namespace needs root: the user is dropped after it, by setpriv.
         Some(ns) => {
             let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(&exe);
+            c.args([
+                "netns",
+                "exec",
+                ns,
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+            ])
+            .args(["--clear-groups", "--"])
+            .arg(&exe);
             c
         }
-        None => Command::new(&exe),
+        None => {
+            let mut c = Command::new(&exe);
+            // std drops the supplementary groups (setgroups(0)) when root sets a uid.
+            c.uid(NOBODY).gid(NOBODY);
+            c
+        }
     };
     cmd.args([
         "--exact",
@@ -388,8 +403,6 @@ fn probe_as_nobody_in(
     if hostile {
         cmd.env("KVNODE_LM_PROBE_UNREGISTER_ROOT", "1");
     }
-    // std drops the supplementary groups (setgroups(0)) when root sets a uid.
-    cmd.uid(NOBODY).gid(NOBODY);
     let mut child = cmd.spawn().expect("spawn the probe");
     let mut out = String::new();
     child
@@ -521,4 +534,115 @@ fn a_non_loopback_host_needs_allow_remote_and_local_peers_are_still_judged_by_ui
     assert_eq!(a["chunk_size"], "none", "{a:?}");
     assert_eq!(a["register_shm"], "", "{a:?}");
     root.assert_intact(&node);
+}
+
+/// Runs `kvnode args...` as nobody; returns whether it succeeded, and its output.
+fn kvnode_as_nobody(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+        .args(args)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .expect("run kvnode as nobody");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn serve_access_flags_let_a_listed_user_in() {
+    // A socket every user may open: only [access] keeps others out.
+    let open = common::NodeProc::start("serve-deny", &["--socket-mode", "0666"]);
+    let sock = open.socket.display().to_string();
+    let (ok, out) = kvnode_as_nobody(&["ping", "--socket", &sock]);
+    assert!(!ok, "{out}");
+    let log = open.log();
+    assert!(
+        log.contains("refused a peer not allowed by [access]"),
+        "{log}"
+    );
+    let allowed = common::NodeProc::start(
+        "serve-allow",
+        &["--socket-mode", "0666", "--allow-uid", "1,65534"],
+    );
+    let sock = allowed.socket.display().to_string();
+    let (ok, out) = kvnode_as_nobody(&["ping", "--socket", &sock]);
+    assert!(ok && out.contains("pong"), "{out}");
+}
+
+/// A network namespace joined to this one by a veth pair (`10.231.<n>.1` here, `.2` inside);
+/// deleted, with the pair, on drop.
+struct Netns {
+    name: String,
+    host_ip: String,
+}
+
+impl Netns {
+    fn new() -> Netns {
+        let n = std::process::id() % 250;
+        let name = format!("kvlmb{}", std::process::id());
+        let (vh, vn) = (format!("vkh{n}"), format!("vkn{n}"));
+        let host_ip = format!("10.231.{n}.1");
+        let ns = Netns {
+            name: name.clone(),
+            host_ip: host_ip.clone(),
+        };
+        let ip = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().expect("run ip");
+            assert!(st.success(), "ip {args:?} failed");
+        };
+        ip(&["netns", "add", &name]);
+        ip(&["link", "add", &vh, "type", "veth", "peer", "name", &vn]);
+        ip(&["link", "set", &vn, "netns", &name]);
+        ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &vh]);
+        ip(&["link", "set", &vh, "up"]);
+        let inside = |args: &[&str]| {
+            let mut a = vec!["netns", "exec", &name, "ip"];
+            a.extend_from_slice(args);
+            ip(&a);
+        };
+        inside(&["addr", "add", &format!("10.231.{n}.2/30"), "dev", &vn]);
+        inside(&["link", "set", &vn, "up"]);
+        inside(&["link", "set", "lo", "up"]);
+        ns
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+#[test]
+fn with_allow_remote_a_peer_of_another_network_namespace_is_a_client() {
+    let ns = Netns::new();
+    let node = start("netns", "0.0.0.0", &["--allow-remote"]);
+    let _root = RootWorker::start(&node);
+    // The probe runs in the other namespace: its socket is not in the node's socket table.
+    let a = probe_as_nobody_in(
+        &format!("tcp://{}:{}", ns.host_ip, node.port),
+        false,
+        Some(&ns.name),
+    );
+    assert_eq!(a["chunk_size"], "16", "{a:?}");
+    assert_eq!(a["register_shm"], node.shm, "{a:?}");
+    assert_eq!(a["prepare_slots"], "2", "the data path works: {a:?}");
+    let log = node.log();
+    assert!(
+        log.contains("LMCache request refused: user unknown may not run node-wide operations"),
+        "{log}"
+    );
+    // Its CLEARs were refused.
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(
+        num(&st, &["objects", "ready"]),
+        2,
+        "root's data survives: {st:#}"
+    );
 }
