@@ -268,8 +268,8 @@ fn run_io(
             // Drain what is there without blocking.
             for _ in 0..1024 {
                 match access::recv_request(&router) {
-                    Ok((frames, fd)) => {
-                        let peer = gate.peer(fd, frames.first().map_or(&[][..], Vec::as_slice));
+                    Ok((frames, source)) => {
+                        let peer = gate.peer(source);
                         accept(s, frames, &mut gate, peer)
                     }
                     Err(zmq::Error::EAGAIN) => break,
