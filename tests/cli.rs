@@ -308,8 +308,10 @@ fn socket_mode_flag() {
     }
 }
 
-/// A root node with `--socket-mode 0666` serves another user; with the default 0600 that user
-/// is told the permission was denied. Runs only as root (it needs setpriv to drop privileges).
+/// A root node with `--socket-mode 0666` serves another user that `--allow-uid` lets in; with
+/// the default 0600 that user is told the permission was denied (the socket's mode stops it
+/// before the node's access list is consulted). Runs only as root (it needs setpriv to drop
+/// privileges).
 #[test]
 fn another_user_connects_only_when_the_mode_allows() {
     let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
@@ -326,7 +328,10 @@ fn another_user_connects_only_when_the_mode_allows() {
             .unwrap()
     };
     for (mode, ok) in [("0666", true), ("0600", false)] {
-        let node = NodeProc::start(&format!("cli-perm-{mode}"), &["--socket-mode", mode]);
+        let node = NodeProc::start(
+            &format!("cli-perm-{mode}"),
+            &["--socket-mode", mode, "--allow-uid", "65534"],
+        );
         // The test directory itself must let the other user reach the socket.
         std::fs::set_permissions(&node.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         let out = as_nobody(&node.socket);
