@@ -95,6 +95,48 @@ struct ServeArgs {
     log: String,
     #[command(flatten)]
     l2: L2Args,
+    #[command(flatten)]
+    access: AccessArgs,
+}
+
+/// Who may use the node: the `[access]` table's lists as flags, shared by `serve` and
+/// `lmcache-server`. A list given here replaces the config file's.
+#[derive(clap::Args)]
+struct AccessArgs {
+    /// A user (numeric uid) that may use the node as a client, besides the node's own user and
+    /// root; repeat it or separate with commas [default: none, unless the config file sets
+    /// access.allow_uids].
+    #[arg(long, value_delimiter = ',', value_name = "UID")]
+    allow_uid: Vec<u32>,
+    /// A group (numeric gid) whose members may use the node as clients; repeat it or separate
+    /// with commas [default: none, unless the config file sets access.allow_gids].
+    #[arg(long, value_delimiter = ',', value_name = "GID")]
+    allow_gid: Vec<u32>,
+    /// A user (numeric uid) that may also run node-wide operations (CLEAR, MEMCHECK, the full
+    /// STATUS), like the node's own user and root; repeat it or separate with commas [default:
+    /// none, unless the config file sets access.admin_uids].
+    #[arg(long, value_delimiter = ',', value_name = "UID")]
+    admin_uid: Vec<u32>,
+    /// A group (numeric gid) whose members may also run node-wide operations; repeat it or
+    /// separate with commas [default: none, unless the config file sets access.admin_gids].
+    #[arg(long, value_delimiter = ',', value_name = "GID")]
+    admin_gid: Vec<u32>,
+}
+
+impl AccessArgs {
+    /// Applies the lists given on top of `cfg`.
+    fn apply(&self, cfg: &mut kvnode::access::AccessConfig) {
+        for (flag, list) in [
+            (&self.allow_uid, &mut cfg.allow_uids),
+            (&self.allow_gid, &mut cfg.allow_gids),
+            (&self.admin_uid, &mut cfg.admin_uids),
+            (&self.admin_gid, &mut cfg.admin_gids),
+        ] {
+            if !flag.is_empty() {
+                list.clone_from(flag);
+            }
+        }
+    }
 }
 
 /// The L2 disk tier flags, shared by `serve` and `lmcache-server`.
@@ -227,8 +269,16 @@ struct LmcacheArgs {
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, default_value = "info")]
     log: String,
+    /// Allow --host to be an address other machines can reach (not 127.0.0.0/8, ::1 or
+    /// localhost). kvnode identifies local peers by the owner of their socket, but cannot tell
+    /// who a peer on another machine is: such peers are served as clients (data path, never
+    /// CLEAR). Protect the port at the network level (firewall, private network) first.
+    #[arg(long)]
+    allow_remote: bool,
     #[command(flatten)]
     l2: L2Args,
+    #[command(flatten)]
+    access: AccessArgs,
 }
 
 fn init_logs(filter: &str) -> Result<(), String> {
@@ -319,23 +369,31 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
         }
     };
     a.l2.apply(&mut cfg.l2)?;
+    a.access.apply(&mut cfg.access);
     let handlers = cfg.worker_threads();
     let (signals, stop) = install_signals()?;
     // The port is checked before the pool is built: a second server on a busy port fails at once,
     // without pre-faulting memory or touching anything.
     let host = lmcache_bind_host(&a.host, a.port)?;
+    kvnode::lmcache::access::check_bind_host(&host, a.allow_remote)
+        .map_err(|e| format!("--host {}: {}", a.host, e.context))?;
     let node = Node::start_cancellable(cfg, Some(stop)).map_err(|e| e.to_string())?;
     let frontend = kvnode::lmcache::frontend::LmFrontend::new(node.context().clone());
-    let server = match kvnode::lmcache::server::LmServer::start(frontend, &host, a.port, handlers) {
-        Ok(s) => s,
-        Err(e) => {
-            node.shutdown();
-            return Err(format!(
-                "cannot serve LMCache clients on {}:{}: {e}",
-                a.host, a.port
-            ));
-        }
+    let access = kvnode::lmcache::access::LmAccessOptions {
+        policy: node.context().access.clone(),
+        allow_remote: a.allow_remote,
     };
+    let server =
+        match kvnode::lmcache::server::LmServer::start(frontend, &host, a.port, handlers, access) {
+            Ok(s) => s,
+            Err(e) => {
+                node.shutdown();
+                return Err(format!(
+                    "cannot serve LMCache clients on {}:{}: {e}",
+                    a.host, a.port
+                ));
+            }
+        };
     wait_for_signal(signals);
     server.shutdown();
     node.shutdown();
@@ -479,6 +537,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         cfg.workers = v;
     }
     args.l2.apply(&mut cfg.l2)?;
+    args.access.apply(&mut cfg.access);
     if cfg.reap_timeout_secs > 0.0 && cfg.reap_timeout_secs < 30.0 {
         tracing::warn!(
             reap_timeout_secs = cfg.reap_timeout_secs,

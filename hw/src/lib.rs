@@ -12,6 +12,9 @@
 //! * [`send_with_fd`] / [`recv_with_fd`] move the pool fd over `SCM_RIGHTS`.
 //! * [`MemoryAvailable`] tells whether a pool of a given size can fit before it is created.
 //! * [`interface_addresses`] lists a network interface's addresses (for binding it by name).
+//! * [`socket_inode`] / [`tcp_socket_addresses`] tell which socket is open at a descriptor
+//!   number another library owns (libzmq's connections, for the LMCache endpoint's access check);
+//!   [`tcp_socket_owner`] asks the kernel who owns a TCP socket (netlink `sock_diag`).
 
 #![cfg_attr(not(target_os = "linux"), allow(unused))]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -35,6 +38,8 @@ mod pool;
 mod pread_engine;
 mod region;
 mod shm;
+mod sockaddr;
+mod sockdiag;
 mod sys;
 mod uring;
 
@@ -59,6 +64,8 @@ pub use peer::{
 pub use pool::{PagePreference, PoolBacking, PoolOptions, SharedPool};
 pub use pread_engine::PreadEngine;
 pub use region::{PoolMapping, PoolRegion};
+pub use sockaddr::{socket_inode, tcp_socket_addresses};
+pub use sockdiag::tcp_socket_owner;
 pub use sys::{heap_in_use, hugepages_free_2m, process_cpu_seconds};
 pub use uring::UringEngine;
 

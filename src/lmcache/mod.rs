@@ -6,6 +6,7 @@
 //! LMCache request onto the native core (sessions and per-key pending transfers live here);
 //! `server` owns the ZMQ socket on one I/O thread and runs handlers on per-identity threads.
 
+pub mod access;
 pub mod bounded;
 pub mod frontend;
 pub mod pending;

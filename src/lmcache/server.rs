@@ -6,7 +6,9 @@
 //! like LMCache's affinity pool, and different clients run in parallel). Handlers decode the
 //! payload (never on the I/O thread: LMCache weak point P4), run the request, and queue the reply
 //! `[identity, uid, type, (payload)]`; a byte on a socket pair wakes the I/O thread, which is
-//! the only thread that writes to the ROUTER.
+//! the only thread that writes to the ROUTER. Before routing, the I/O thread checks who sent
+//! each request (`access`): refused peers, and clients asking for node-wide operations, get the
+//! operation's negative answer there.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -20,6 +22,7 @@ use std::time::Duration;
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 
+use super::access::{self, LmAccessOptions, LmPeer, PeerGate};
 use super::frontend::LmFrontend;
 use super::wire::{self, Op};
 use crate::error::{Error, Result};
@@ -81,6 +84,8 @@ pub struct FrontendStats {
     pub malformed: AtomicU64,
     /// Requests of operations kvnode does not serve (answered negatively).
     pub unsupported: AtomicU64,
+    /// Requests refused by the access check (answered negatively).
+    pub refused: AtomicU64,
 }
 
 struct Shared {
@@ -109,8 +114,17 @@ pub struct LmServer {
 }
 
 impl LmServer {
-    /// Binds a ROUTER on `tcp://host:port` and starts the I/O thread and `handlers` handler threads.
-    pub fn start(frontend: LmFrontend, host: &str, port: u16, handlers: usize) -> Result<LmServer> {
+    /// Binds a ROUTER on `tcp://host:port` and starts the I/O thread and `handlers` handler
+    /// threads; `access` decides who may use it. A `host` that is not loopback is refused
+    /// unless `access.allow_remote`.
+    pub fn start(
+        frontend: LmFrontend,
+        host: &str,
+        port: u16,
+        handlers: usize,
+        access: LmAccessOptions,
+    ) -> Result<LmServer> {
+        access::check_bind_host(host, access.allow_remote)?;
         let zctx = zmq::Context::new();
         let router = zctx
             .socket(zmq::ROUTER)
@@ -125,6 +139,21 @@ impl LmServer {
         router
             .bind(&endpoint)
             .map_err(|e| Error::new(crate::ErrorKind::Io, format!("binding {endpoint}: {e}")))?;
+        // The port actually bound (port 0 picks one).
+        let bound_port = match router.get_last_endpoint() {
+            Ok(Ok(e)) => e.rsplit(':').next().and_then(|p| p.parse().ok()),
+            _ => None,
+        }
+        .unwrap_or(port);
+        if access.allow_remote {
+            tracing::warn!(
+                %endpoint,
+                "--allow-remote: peers on other machines cannot be identified; they are served as \
+                 clients (data path, never CLEAR). Protect this port at the network level \
+                 (firewall, private network)"
+            );
+        }
+        let gate = PeerGate::new(access, bound_port);
         let (wake_rx, wake_tx) = UnixStream::pair()?;
         wake_rx.set_nonblocking(true)?;
         wake_tx.set_nonblocking(true)?;
@@ -154,7 +183,7 @@ impl LmServer {
         threads.push(
             thread::Builder::new()
                 .name("kvnode-lmcache-io".into())
-                .spawn(move || run_io(&s, router, wake_rx, zctx))?,
+                .spawn(move || run_io(&s, router, wake_rx, zctx, gate))?,
         );
         tracing::info!(%endpoint, handlers = shared.handlers.len(), "LMCache frontend listening");
         Ok(LmServer {
@@ -177,6 +206,7 @@ impl LmServer {
             requests = st.requests.load(Ordering::Relaxed),
             malformed = st.malformed.load(Ordering::Relaxed),
             unsupported = st.unsupported.load(Ordering::Relaxed),
+            refused = st.refused.load(Ordering::Relaxed),
             "LMCache frontend stopping"
         );
         for (op, t) in TIMED_OPS.iter().zip(&self.shared.stats.op_time) {
@@ -210,7 +240,13 @@ fn handler_for(identity: &[u8], n: usize) -> usize {
     (h.finish() % n as u64) as usize
 }
 
-fn run_io(s: &Shared, router: zmq::Socket, mut wake_rx: UnixStream, _zctx: zmq::Context) {
+fn run_io(
+    s: &Shared,
+    router: zmq::Socket,
+    mut wake_rx: UnixStream,
+    _zctx: zmq::Context,
+    mut gate: PeerGate,
+) {
     let wake_fd = wake_rx.as_raw_fd();
     let mut sink = [0u8; 256];
     while !s.stop.load(Ordering::Acquire) {
@@ -231,8 +267,11 @@ fn run_io(s: &Shared, router: zmq::Socket, mut wake_rx: UnixStream, _zctx: zmq::
         if readable {
             // Drain what is there without blocking.
             for _ in 0..1024 {
-                match router.recv_multipart(zmq::DONTWAIT) {
-                    Ok(frames) => accept(s, frames),
+                match access::recv_request(&router) {
+                    Ok((frames, source)) => {
+                        let peer = gate.peer(source);
+                        accept(s, frames, &mut gate, peer)
+                    }
                     Err(zmq::Error::EAGAIN) => break,
                     Err(e) => {
                         tracing::warn!(error = %e, "zmq receive failed");
@@ -249,9 +288,10 @@ fn run_io(s: &Shared, router: zmq::Socket, mut wake_rx: UnixStream, _zctx: zmq::
     }
 }
 
-/// Routes one multipart request: trivial SYNC requests are answered here, the rest go to the
-/// identity's handler thread.
-fn accept(s: &Shared, mut frames: Vec<Vec<u8>>) {
+/// Routes one multipart request from `peer`: requests `peer` may not make are answered
+/// negatively, trivial SYNC requests are answered here, the rest go to the identity's handler
+/// thread.
+fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPeer) {
     s.stats.requests.fetch_add(1, Ordering::Relaxed);
     if frames.len() < 3 {
         // Without uid and type frames there is nothing to echo: the client cannot be answered.
@@ -277,6 +317,13 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>) {
             return;
         }
     };
+    if !access::permits(peer.role, op) {
+        gate.note_refusal(&peer, &name);
+        s.stats.refused.fetch_add(1, Ordering::Relaxed);
+        let reply = access::refusal(op).unwrap_or_else(|| s.frontend.stateless_reply(op));
+        respond(s, identity, uid, typ, reply);
+        return;
+    }
     let quick = match op {
         Op::GetChunkSize | Op::Noop | Op::GetExperimental if payload.is_empty() => {
             s.frontend.stateless_reply(op)
