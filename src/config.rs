@@ -335,6 +335,8 @@ pub struct NodeConfig {
     pub l2: L2Config,
     /// Who may connect and who may run admin operations (`[access]` in TOML).
     pub access: crate::access::AccessConfig,
+    /// Budgets of the LMCache frontend (`[lmcache]` in TOML).
+    pub lmcache: crate::lmcache::frontend::LmLimits,
 }
 
 /// The default socket path: `$XDG_RUNTIME_DIR/kvnode.sock`, else `/tmp/kvnode.sock`.
@@ -366,6 +368,7 @@ impl Default for NodeConfig {
             limits: Limits::default(),
             l2: L2Config::default(),
             access: Default::default(),
+            lmcache: Default::default(),
         }
     }
 }
@@ -441,6 +444,7 @@ impl NodeConfig {
         self.page_preference()?;
         self.l2.validate()?;
         self.access.validate()?;
+        self.lmcache.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

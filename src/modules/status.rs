@@ -119,6 +119,10 @@ pub struct StatusReport {
     pub size_classes: Vec<(u64, usize, usize)>,
     /// The L2 disk tier (`null` when not configured).
     pub l2: Option<crate::l2::L2SetStatus>,
+    /// Parts added by components above the core, each under its own key (`lmcache`: the
+    /// LMCache frontend's budgets, state and refusals); absent when none is running.
+    #[serde(flatten)]
+    pub parts: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 /// Builds the report (runs memcheck; not for the hot path).
@@ -189,5 +193,6 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
         shard_executed: ctx.shards.executed(),
         size_classes: ctx.storage.class_stats(),
         l2: ctx.l2.as_ref().map(|l2| l2.status()),
+        parts: ctx.status_parts(),
     }
 }
