@@ -26,9 +26,10 @@ pub const DEFAULT_PREFETCH_BYTES: usize = 8 << 20;
 /// Default [`LmLimits::prefetch_bytes_per_client`].
 pub const DEFAULT_PREFETCH_BYTES_PER_CLIENT: usize = 1 << 20;
 /// Default [`LmLimits::session_bytes`].
-pub const DEFAULT_SESSION_BYTES: usize = 16 << 20;
-/// Default [`LmLimits::session_bytes_per_client`].
-pub const DEFAULT_SESSION_BYTES_PER_CLIENT: usize = 2 << 20;
+pub const DEFAULT_SESSION_BYTES: usize = 64 << 20;
+/// Default [`LmLimits::session_bytes_per_client`] (e.g. 512 open lookups of 128k-token
+/// prompts at 256-token chunks).
+pub const DEFAULT_SESSION_BYTES_PER_CLIENT: usize = 16 << 20;
 /// Default [`LmLimits::state_ttl_secs`] (LMCache's session TTL).
 pub const DEFAULT_STATE_TTL_SECS: u64 = 600;
 /// Longest [`LmLimits::state_ttl_secs`] accepted (30 days).
@@ -61,10 +62,11 @@ pub struct LmLimits {
     pub prefetch_bytes: usize,
     /// Bytes of unqueried LOOKUP results of one client.
     pub prefetch_bytes_per_client: usize,
-    /// Bytes of lookup-session bookkeeping, node-wide (beyond: the least recently used
-    /// session is ended, releasing its locks).
+    /// Bytes of lookup sessions (the hashes the node keeps for them and the frontend's
+    /// bookkeeping), node-wide (beyond: the least recently used session is ended, releasing
+    /// its locks).
     pub session_bytes: usize,
-    /// Bytes of lookup-session bookkeeping of one client.
+    /// Bytes of lookup sessions of one client.
     pub session_bytes_per_client: usize,
     /// Cached hashes, unqueried LOOKUP results and lookup sessions unused this long are
     /// dropped (seconds).

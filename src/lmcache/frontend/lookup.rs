@@ -48,18 +48,20 @@ impl LookupSessions {
         }
     }
 
-    /// Records that `client` opened a session for `request_id` that locked the chunks hashed
-    /// `locked`; returns the sessions dropped to stay within the budgets or because they
-    /// expired (the caller ends them on the node).
+    /// Records that `client` opened a session for `request_id` over `looked_up` chunks, which
+    /// locked the chunks hashed `locked`; returns the sessions dropped to stay within the
+    /// budgets or because they expired (the caller ends them on the node).
     fn opened(
         &mut self,
         client: &ClientId,
         request_id: &str,
+        looked_up: usize,
         locked: Vec<ChunkHash>,
         now_ms: u64,
     ) -> Vec<DroppedSession> {
-        // Bytes: the hashes, and the holders list's copy of the id and of the client.
-        let extra = locked.len() * 32 + request_id.len() + client.bytes() + 48;
+        // Bytes: what the node keeps for the session (at most every hash looked up), the locked
+        // hashes kept here, and the holders list's copy of the id and of the client.
+        let extra = (looked_up + locked.len()) * 32 + request_id.len() + client.bytes() + 48;
         let (kept, dropped) = self.map.insert(client, request_id, locked, extra, now_ms);
         for (c, r, _) in &dropped {
             self.forget_holder(c, r);
@@ -176,13 +178,16 @@ impl LmFrontend {
                     tp_size,
                 }) {
                     Response::LookupHits { chunks } => {
+                        let looked_up = hashes.len();
                         let mut locked = hashes;
                         locked.truncate(chunks as usize);
-                        let dropped =
-                            self.state
-                                .sessions
-                                .lock()
-                                .opened(client, &key.request_id, locked, now);
+                        let dropped = self.state.sessions.lock().opened(
+                            client,
+                            &key.request_id,
+                            looked_up,
+                            locked,
+                            now,
+                        );
                         self.end_dropped(dropped);
                         chunks
                     }
@@ -291,8 +296,8 @@ mod tests {
         let h = |b: u8| [b; 32];
         let t = vec![h(1), h(2), h(3)];
         let mut s = LookupSessions::new(budget());
-        assert!(s.opened(&sched_a, "r", t.clone(), 0).is_empty());
-        assert!(s.opened(&stranger, "r", t.clone(), 1).is_empty());
+        assert!(s.opened(&sched_a, "r", 3, t.clone(), 0).is_empty());
+        assert!(s.opened(&stranger, "r", 3, t.clone(), 1).is_empty());
         let retrieve = |s: &mut LookupSessions, first: usize, hs: &[[u8; 32]], now| {
             s.for_retrieve(&worker, "r", first, hs, now)
         };
@@ -313,16 +318,16 @@ mod tests {
         );
         assert_eq!(retrieve(&mut s, 0, &[h(1), h(9)], 2), None, "other tokens");
         // Another scheduler reused the id for other tokens: each retrieve finds its own.
-        s.opened(&sched_b, "r", vec![h(7), h(8)], 3);
+        s.opened(&sched_b, "r", 2, vec![h(7), h(8)], 3);
         assert_eq!(retrieve(&mut s, 0, &t[..2], 4), Some(sched_a.clone()));
         assert_eq!(retrieve(&mut s, 0, &[h(7), h(8)], 4), Some(sched_b.clone()));
-        s.opened(&sched_b, "r", t.clone(), 5);
+        s.opened(&sched_b, "r", 3, t.clone(), 5);
         assert_eq!(
             retrieve(&mut s, 0, &t, 5),
             Some(sched_b.clone()),
             "the latest"
         );
-        s.opened(&worker, "r", t.clone(), 5);
+        s.opened(&worker, "r", 3, t.clone(), 5);
         assert_eq!(retrieve(&mut s, 0, &t, 6), Some(worker.clone()), "its own");
         assert!(s.closed(&worker, "r"));
         assert!(!s.closed(&worker, "r"));
@@ -345,7 +350,7 @@ mod tests {
         });
         let mut dropped = Vec::new();
         for i in 0..10 {
-            dropped.extend(s.opened(&c, &format!("r{i:02}"), Vec::new(), 0));
+            dropped.extend(s.opened(&c, &format!("r{i:02}"), 0, Vec::new(), 0));
         }
         assert_eq!(dropped.len(), 7);
         assert_eq!(&*dropped[0].1, "r00", "the least recently used first");

@@ -38,7 +38,7 @@ pub use super::reply::{LmReply, Reply};
 use super::wire::{LmRequest, Op};
 use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
-use crate::protocol::{BlockAllocationRecord, RegisterRequest, Request, Response};
+use crate::protocol::{BlockAllocationRecord, Request, Response};
 use crate::server::dispatch;
 use crate::transport::ReplySink;
 
@@ -46,6 +46,7 @@ mod client;
 mod hashes;
 mod limits;
 mod lookup;
+mod owners;
 mod transfer;
 
 pub use self::client::ClientId;
@@ -53,6 +54,8 @@ pub use self::limits::*;
 
 use self::hashes::{DigestKey, HashEntry};
 use self::lookup::LookupSessions;
+pub use self::owners::LogLimit;
+use self::owners::Owner;
 
 /// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
 /// so these instances are released by UNREGISTER or by the reaper).
@@ -127,39 +130,6 @@ pub struct FrontendCounters {
     pub over_limit: AtomicU64,
     /// Bytes of requests waiting for the handler threads now (the server keeps it).
     pub queued_bytes: AtomicUsize,
-}
-
-/// Who registered an instance (see the module docs).
-#[derive(Debug, Clone)]
-struct Owner {
-    client: ClientId,
-    generation: u64,
-}
-
-/// Rate limit for a kind of refusal log line. Invariant: at most [`REFUSAL_LOGS_PER_SEC`]
-/// lines are allowed per second of the caller's clock; the others are counted.
-#[derive(Default)]
-pub struct LogLimit {
-    /// (second of the window, lines logged in it, lines suppressed since the last one).
-    state: Mutex<(u64, u64, u64)>,
-}
-
-impl LogLimit {
-    /// Whether to log now, with the number of lines suppressed before this one.
-    pub fn allow(&self, now_ms: u64) -> Option<u64> {
-        let mut s = self.state.lock();
-        let sec = now_ms / 1000;
-        if s.0 != sec {
-            *s = (sec, 0, s.2);
-        }
-        if s.1 < REFUSAL_LOGS_PER_SEC {
-            s.1 += 1;
-            Some(std::mem::take(&mut s.2))
-        } else {
-            s.2 += 1;
-            None
-        }
-    }
 }
 
 /// The frontend's state; shared with the release hook the node calls.
@@ -357,45 +327,6 @@ impl LmFrontend {
         u64::from(self.ctx.config.chunk_tokens)
     }
 
-    /// Logs a refused request (rate-limited: see [`REFUSAL_LOGS_PER_SEC`]).
-    fn refused(&self, client: &ClientId, op: &str, why: std::fmt::Arguments<'_>) {
-        if let Some(suppressed) = self.state.refusal_log.allow(self.ctx.now_ms()) {
-            tracing::warn!(%client, op, suppressed, "LMCache request refused: {why}");
-        }
-    }
-
-    /// The current registration of `instance_id` when `client` registered it; otherwise logs
-    /// why `op` is refused and returns `None`.
-    fn owned(&self, client: &ClientId, instance_id: u64, op: &str) -> Option<Arc<Instance>> {
-        let Some(inst) = self.ctx.instances.get(instance_id) else {
-            self.refused(
-                client,
-                op,
-                format_args!("instance {instance_id} is not registered"),
-            );
-            return None;
-        };
-        let owner = self.state.owners.lock().get(&instance_id).cloned();
-        match owner {
-            Some(o) if o.generation == inst.generation && o.client == *client => Some(inst),
-            _ => {
-                self.state
-                    .counters
-                    .not_owner
-                    .fetch_add(1, Ordering::Relaxed);
-                self.refused(
-                    client,
-                    op,
-                    format_args!(
-                        "instance {instance_id} was registered by another connection (only the \
-                         connection that registers an instance may use it)"
-                    ),
-                );
-                None
-            }
-        }
-    }
-
     /// The answer for `op` that needs no state: the full answer for the trivial operations
     /// (chunk size, NOOP, GET_EXPERIMENTAL), otherwise the well-typed negative answer (empty
     /// slots, a miss, `false`, `0`) used when a request fails or is not served: never silence.
@@ -475,29 +406,12 @@ impl LmFrontend {
             LmRequest::GetExperimental => LmReply::StrList(Vec::new()),
             LmRequest::Noop => LmReply::Str("OK".into()),
             LmRequest::Ping { instance_id } => {
-                // Only the owner keeps its instance alive; a ping of another connection's
-                // instance is answered (LMCache always answers true) and ignored.
-                let mine = instance_id.is_none_or(|id| {
-                    let o = self.state.owners.lock();
-                    o.get(&id).is_some_and(|w| w.client == *client)
-                });
-                if mine {
-                    self.call(Request::Ping { instance_id });
-                } else {
-                    self.state
-                        .counters
-                        .not_owner
-                        .fetch_add(1, Ordering::Relaxed);
-                }
+                self.ping(client, instance_id);
                 LmReply::Bool(true)
             }
             LmRequest::RegisterEngineDriven(p) => self.register(client, p),
             LmRequest::UnregisterEngineDriven { instance_id } => {
-                let _serial = self.state.registering.lock();
-                // The release hook drops what the frontend kept for the instance.
-                if self.owned(client, instance_id, "UNREGISTER").is_some() {
-                    self.call(Request::Unregister { instance_id });
-                }
+                self.unregister(client, instance_id);
                 LmReply::Nothing
             }
             LmRequest::PrepareStore { key, instance_id } => {
@@ -574,87 +488,6 @@ impl LmFrontend {
                      (LMCACHE_MP_TRANSFER_MODE=engine_driven)"
                 );
                 self.stateless(op)
-            }
-        }
-    }
-
-    fn register(&self, client: &ClientId, p: super::wire::RegisterPayload) -> LmReply {
-        let _serial = self.state.registering.lock();
-        let id = p.instance_id;
-        let current = self.ctx.instances.get(id).filter(|i| !i.is_released());
-        let owner = self.state.owners.lock().get(&id).cloned();
-        if let (Some(inst), Some(o)) = (&current, &owner) {
-            if o.generation == inst.generation && o.client != *client {
-                if !o.client.same_user(client) {
-                    self.state
-                        .counters
-                        .register_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.refused(
-                        client,
-                        "REGISTER",
-                        format_args!("instance {id} is registered by another user's connection"),
-                    );
-                    return self.stateless(Op::RegisterEngineDriven);
-                }
-                self.state
-                    .counters
-                    .takeovers
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    instance = id,
-                    %client,
-                    previous = %o.client,
-                    "LMCache instance registered again by another connection of the same user \
-                     (a restarted engine): it now owns the instance; the previous connection's \
-                     transfers are never paired with the new one's commits"
-                );
-            }
-        }
-        let resp = self.call(Request::Register(RegisterRequest {
-            instance_id: id,
-            model: p.model_name,
-            world_size: p.world_size,
-            block_size: p.block_size,
-            num_layers: p.num_layers,
-            hidden_dim: p.hidden_dim_size,
-            dtype: p.dtype_str,
-            use_mla: p.use_mla,
-        }));
-        match resp {
-            Response::Registered(r) => {
-                // A REGISTER is idempotent for the node (LMCache's rule: it refreshes liveness
-                // and keeps the registration), but ZMQ hides which process is asking: it may be
-                // a restarted worker reusing its id. So COMMITs are never paired with transfers
-                // prepared before it: those stay reserved (a live process may still be copying)
-                // until the node's write TTL or the instance's release, and are never published.
-                let current = self.ctx.instances.get(id);
-                let mut pending = self.state.pending.lock();
-                // Checked under the lock (as in `queue`): a release after this point runs the
-                // hook, which waits for the lock and then drops this epoch. An instance released
-                // already needs none (its hook drops what was kept for it).
-                if let Some(inst) = current.filter(|i| !i.is_released()) {
-                    pending.new_epoch(id, inst.generation);
-                    // Under the same lock, so the release hook (which takes `pending` first)
-                    // cannot run between the check and the insertion.
-                    self.state.owners.lock().insert(
-                        id,
-                        Owner {
-                            client: client.clone(),
-                            generation: inst.generation,
-                        },
-                    );
-                }
-                drop(pending);
-                self.state.pickle_instances.lock().remove(&id);
-                LmReply::Register {
-                    shm_name: r.shm_name,
-                    pool_bytes: r.pool_bytes,
-                }
-            }
-            other => {
-                tracing::warn!(instance = id, response = ?other, "LMCache registration refused");
-                self.stateless(Op::RegisterEngineDriven)
             }
         }
     }
