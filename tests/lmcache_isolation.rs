@@ -322,6 +322,67 @@ fn another_connection_cannot_commit_a_prepared_store() {
     assert_eq!(num(&status(&node), &["objects", "ready"]), 2);
 }
 
+/// Issue 11, LMCache ownership of instances: another connection could use, keep alive and
+/// unregister a worker's instance. Only the connection that registered it may now.
+#[test]
+fn another_connection_cannot_use_keep_alive_or_unregister_an_instance() {
+    let node = start("owner", "", &[]);
+    let mut a = Dealer::connect(node.port);
+    let mut b = Dealer::connect(node.port);
+    register(&mut a, 13);
+    let t: Vec<u32> = (0..32).collect();
+    assert!(
+        prepare_store(&mut b, 13, &t, 32, "b").is_empty(),
+        "nothing reserved for another connection"
+    );
+    assert_eq!(num(&status(&node), &["pending_writes"]), 0);
+    // Silence long enough to see whether a ping refreshes the instance.
+    let last_seen = |node: &LmNode| {
+        let st = status(node);
+        st["instances"][0]["last_seen_ms_ago"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{st:#}"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while last_seen(&node) < 500 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        b.call(Op::Ping, vec![wire::encode_uint(13)]),
+        Some(Value::Boolean(true))
+    );
+    assert!(
+        last_seen(&node) >= 500,
+        "another connection's ping keeps nothing alive"
+    );
+    assert_eq!(
+        b.call(Op::UnregisterEngineDriven, vec![wire::encode_uint(13)]),
+        None
+    );
+    let st = status(&node);
+    assert_eq!(
+        st["instances"].as_array().unwrap().len(),
+        1,
+        "still registered: {st:#}"
+    );
+    assert!(
+        num(&st, &["lmcache", "refused", "not_owner"]) >= 3,
+        "{st:#}"
+    );
+    // The owner's own requests work.
+    assert_eq!(prepare_store(&mut a, 13, &t, 32, "a").len(), 2);
+    assert_eq!(
+        commit_store(&mut a, 13, &t, 32, "a"),
+        Some(Value::Boolean(true))
+    );
+    assert_eq!(
+        a.call(Op::UnregisterEngineDriven, vec![wire::encode_uint(13)]),
+        None
+    );
+    assert!(status(&node)["instances"].as_array().unwrap().is_empty());
+}
+
 /// Issue 11, LMCache ownership: another connection consumed a scheduler's one-shot prefetch
 /// result (the scheduler then saw a miss). Results are kept per connection.
 #[test]

@@ -422,7 +422,7 @@ fn run_handler(s: &Shared, index: usize) {
             continue;
         };
         let started = std::time::Instant::now();
-        let client = ClientId::new(&req.identity, req.peer_uid);
+        let client = ClientId::from_shared(req.identity.clone(), req.peer_uid);
         let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
         let reply = match wire::decode_request_limited(req.op, &req.name, &payload, max_tokens) {
             Ok(r) => {

@@ -24,6 +24,11 @@ impl ClientId {
         }
     }
 
+    /// Like [`ClientId::new`], sharing the routing id the server already holds.
+    pub fn from_shared(identity: Arc<[u8]>, uid: Option<u32>) -> ClientId {
+        ClientId { identity, uid }
+    }
+
     /// The ZMQ routing id.
     pub fn identity(&self) -> &[u8] {
         &self.identity
