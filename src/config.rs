@@ -420,6 +420,8 @@ pub struct NodeConfig {
     pub l2: L2Config,
     /// Who may connect and who may run admin operations (`[access]` in TOML).
     pub access: crate::access::AccessConfig,
+    /// Budgets of the LMCache frontend (`[lmcache]` in TOML).
+    pub lmcache: crate::lmcache::frontend::LmLimits,
 }
 
 /// The default socket path: `kvnode.sock` in [`default_socket_dir`].
@@ -522,6 +524,7 @@ impl Default for NodeConfig {
             limits: Limits::default(),
             l2: L2Config::default(),
             access: Default::default(),
+            lmcache: Default::default(),
         }
     }
 }
@@ -597,6 +600,7 @@ impl NodeConfig {
         self.page_preference()?;
         self.l2.validate()?;
         self.access.validate()?;
+        self.lmcache.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

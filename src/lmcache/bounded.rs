@@ -1,91 +1,271 @@
-//! State the LMCache frontend may lose at a cost, bounded in bytes: inserting beyond the budget
-//! forgets the oldest entries. Used for the rolling-hash cache (lost = recomputed) and the
-//! prefetch results (lost = QUERY_PREFETCH_STATUS answers 0, a miss). Never for promises made
-//! to a client (see `pending`).
+//! State the LMCache frontend may lose at a cost, kept per client and bounded in bytes, with a
+//! time to live: inserting beyond a budget forgets the least recently used entries (of that
+//! client first, then node-wide), and entries unused for the TTL expire. Used for the
+//! rolling-hash cache (lost = recomputed), the prefetch results (lost = QUERY_PREFETCH_STATUS
+//! answers 0, a miss) and the lookup-session index (lost = the session is ended). Never for
+//! promises made to a client (see `pending`).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
-/// Per-entry bookkeeping bytes added to each estimate (map slot, order slot, allocation).
-pub const ENTRY_OVERHEAD_BYTES: usize = 96;
+use crate::lmcache::frontend::ClientId;
 
-/// An insertion-ordered string-keyed map whose estimated size never exceeds its budget.
-/// Invariant: `bytes` is the sum of the estimates of the entries in `map`, and `bytes <=
-/// budget` after every call.
-pub struct ByteBoundedMap<V> {
-    map: HashMap<String, (V, usize, u64)>,
-    /// (key, sequence) in insertion order; entries whose sequence no longer matches the map's
-    /// are stale and skipped.
-    order: VecDeque<(String, u64)>,
-    next_seq: u64,
-    bytes: usize,
-    budget: usize,
-    evicted: u64,
+/// Per-entry bookkeeping bytes added to each estimate (map slot, two order slots, allocation).
+pub const ENTRY_OVERHEAD_BYTES: usize = 160;
+
+/// The budgets of one [`ClientMap`].
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Estimated bytes held, all clients together.
+    pub total: usize,
+    /// Estimated bytes held for one client.
+    pub per_client: usize,
+    /// Entries not used for this long are dropped (milliseconds).
+    pub ttl_ms: u64,
 }
 
-impl<V> ByteBoundedMap<V> {
-    /// An empty map holding at most `budget` estimated bytes.
-    pub fn new(budget: usize) -> ByteBoundedMap<V> {
-        ByteBoundedMap {
-            map: HashMap::new(),
+struct Entry<V> {
+    value: V,
+    bytes: usize,
+    /// Sequence number of its latest use; order-list items with another one are stale.
+    seq: u64,
+    used_ms: u64,
+}
+
+struct ClientState<V> {
+    bytes: usize,
+    entries: HashMap<Arc<str>, Entry<V>>,
+    /// (key, sequence) by last use, oldest first; stale items are skipped.
+    order: VecDeque<(Arc<str>, u64)>,
+}
+
+impl<V> Default for ClientState<V> {
+    fn default() -> Self {
+        ClientState {
+            bytes: 0,
+            entries: HashMap::new(),
             order: VecDeque::new(),
+        }
+    }
+}
+
+/// An entry dropped to stay within a budget or because it expired.
+pub type Dropped<V> = (ClientId, Arc<str>, V);
+
+/// A map from (client, string key) to values whose estimated size stays within a node-wide
+/// and a per-client byte budget. Invariant: `bytes` is the sum of the estimates of the
+/// entries, each client's `bytes` the sum of its own, and after every call `bytes <=
+/// budget.total` and each client's `bytes <= budget.per_client`; a client without entries has
+/// no state; order lists hold every entry once under its current sequence (plus stale items,
+/// compacted when they dominate).
+pub struct ClientMap<V> {
+    clients: HashMap<ClientId, ClientState<V>>,
+    /// (client, key, sequence) by last use, oldest first.
+    order: VecDeque<(ClientId, Arc<str>, u64)>,
+    len: usize,
+    next_seq: u64,
+    bytes: usize,
+    budget: Budget,
+    evicted: u64,
+    expired: u64,
+}
+
+impl<V> ClientMap<V> {
+    /// An empty map with `budget`.
+    pub fn new(budget: Budget) -> ClientMap<V> {
+        ClientMap {
+            clients: HashMap::new(),
+            order: VecDeque::new(),
+            len: 0,
             next_seq: 0,
             bytes: 0,
             budget,
             evicted: 0,
+            expired: 0,
         }
     }
 
-    /// Inserts (or replaces) `key` with an entry of `value_bytes` estimated bytes, forgetting the
-    /// oldest entries until it fits. An entry larger than the whole budget is not kept.
-    pub fn insert(&mut self, key: String, value: V, value_bytes: usize) {
-        self.remove(&key);
-        let size = value_bytes + key.len() * 2 + ENTRY_OVERHEAD_BYTES;
-        if size > self.budget {
+    /// Inserts (or replaces) `key` of `client` with an entry of `value_bytes` estimated bytes,
+    /// used at `now_ms`. Entries that expired, then the client's least recently used ones, then
+    /// the node's, are dropped until it fits; they are returned (a replaced value is not). An
+    /// entry larger than a budget is not kept (`false`).
+    pub fn insert(
+        &mut self,
+        client: &ClientId,
+        key: &str,
+        value: V,
+        value_bytes: usize,
+        now_ms: u64,
+    ) -> (bool, Vec<Dropped<V>>) {
+        let mut dropped = self.expire(now_ms);
+        self.remove(client, key);
+        let size = value_bytes + key.len() + client.bytes() + ENTRY_OVERHEAD_BYTES;
+        if size > self.budget.per_client || size > self.budget.total {
             self.evicted += 1;
-            return;
+            return (false, dropped);
         }
-        while self.bytes + size > self.budget {
-            let Some((k, seq)) = self.order.pop_front() else {
-                break;
-            };
-            if self.map.get(&k).is_some_and(|e| e.2 == seq) {
-                let (_, b, _) = self.map.remove(&k).expect("present");
-                self.bytes -= b;
-                self.evicted += 1;
+        let before = dropped.len();
+        while self.client_bytes(client) + size > self.budget.per_client {
+            match self.pop_oldest_of(client) {
+                Some(d) => dropped.push(d),
+                None => break,
             }
         }
-        self.next_seq += 1;
-        self.order.push_back((key.clone(), self.next_seq));
-        self.map.insert(key, (value, size, self.next_seq));
-        self.bytes += size;
-        if self.order.len() > 2 * self.map.len() + 64 {
-            let map = &self.map;
-            self.order
-                .retain(|(k, seq)| map.get(k).is_some_and(|e| e.2 == *seq));
+        while self.bytes + size > self.budget.total {
+            match self.pop_oldest() {
+                Some(d) => dropped.push(d),
+                None => break,
+            }
         }
-        debug_assert!(self.bytes <= self.budget);
+        self.evicted += (dropped.len() - before) as u64;
+        let key: Arc<str> = key.into();
+        let seq = self.bump();
+        self.order.push_back((client.clone(), key.clone(), seq));
+        let c = self.clients.entry(client.clone()).or_default();
+        c.order.push_back((key.clone(), seq));
+        c.bytes += size;
+        c.entries.insert(
+            key,
+            Entry {
+                value,
+                bytes: size,
+                seq,
+                used_ms: now_ms,
+            },
+        );
+        self.bytes += size;
+        self.len += 1;
+        self.compact(client);
+        debug_assert!(self.bytes <= self.budget.total);
+        (true, dropped)
     }
 
-    /// The entry under `key`.
-    pub fn get(&self, key: &str) -> Option<&V> {
-        self.map.get(key).map(|e| &e.0)
+    fn bump(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
     }
 
-    /// Removes and returns the entry under `key`.
-    pub fn remove(&mut self, key: &str) -> Option<V> {
-        let (v, b, _) = self.map.remove(key)?;
-        self.bytes -= b;
-        Some(v)
+    /// The live entry `key` of `client` (an expired one is treated as absent).
+    pub fn get(&self, client: &ClientId, key: &str, now_ms: u64) -> Option<&V> {
+        let e = self.clients.get(client)?.entries.get(key)?;
+        (now_ms.saturating_sub(e.used_ms) < self.budget.ttl_ms).then_some(&e.value)
     }
 
-    /// Entries held.
+    /// Marks `key` of `client` used at `now_ms` (it is then the last to be dropped); `false`
+    /// when absent.
+    pub fn touch(&mut self, client: &ClientId, key: &str, now_ms: u64) -> bool {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let Some(c) = self.clients.get_mut(client) else {
+            return false;
+        };
+        let Some(k) = c.entries.get_key_value(key).map(|(k, _)| k.clone()) else {
+            return false;
+        };
+        let e = c.entries.get_mut(key).expect("checked");
+        e.seq = seq;
+        e.used_ms = e.used_ms.max(now_ms);
+        c.order.push_back((k.clone(), seq));
+        self.order.push_back((client.clone(), k, seq));
+        self.compact(client);
+        true
+    }
+
+    /// Removes and returns `key` of `client`.
+    pub fn remove(&mut self, client: &ClientId, key: &str) -> Option<V> {
+        let c = self.clients.get_mut(client)?;
+        let e = c.entries.remove(key)?;
+        c.bytes -= e.bytes;
+        if c.entries.is_empty() {
+            self.clients.remove(client);
+        }
+        self.bytes -= e.bytes;
+        self.len -= 1;
+        Some(e.value)
+    }
+
+    /// Removes `key` of `client` if its current sequence is `seq` (the item is not stale).
+    fn take_if_current(&mut self, client: &ClientId, key: &Arc<str>, seq: u64) -> Option<V> {
+        let current = self
+            .clients
+            .get(client)
+            .and_then(|c| c.entries.get(&**key))
+            .is_some_and(|e| e.seq == seq);
+        if current {
+            self.remove(client, key)
+        } else {
+            None
+        }
+    }
+
+    /// Drops the entries unused for the TTL (oldest first) and returns them.
+    pub fn expire(&mut self, now_ms: u64) -> Vec<Dropped<V>> {
+        let mut out = Vec::new();
+        while let Some((client, key, seq)) = self.order.front() {
+            let used = self
+                .clients
+                .get(client)
+                .and_then(|c| c.entries.get(&**key))
+                .filter(|e| e.seq == *seq)
+                .map(|e| e.used_ms);
+            if used.is_some_and(|u| now_ms.saturating_sub(u) < self.budget.ttl_ms) {
+                break;
+            }
+            let (client, key, seq) = self.order.pop_front().expect("front");
+            if let Some(v) = self.take_if_current(&client, &key, seq) {
+                self.expired += 1;
+                out.push((client, key, v));
+            }
+        }
+        out
+    }
+
+    fn pop_oldest(&mut self) -> Option<Dropped<V>> {
+        while let Some((client, key, seq)) = self.order.pop_front() {
+            if let Some(v) = self.take_if_current(&client, &key, seq) {
+                return Some((client, key, v));
+            }
+        }
+        None
+    }
+
+    fn pop_oldest_of(&mut self, client: &ClientId) -> Option<Dropped<V>> {
+        loop {
+            let (key, seq) = self.clients.get_mut(client)?.order.pop_front()?;
+            if let Some(v) = self.take_if_current(client, &key, seq) {
+                return Some((client.clone(), key, v));
+            }
+        }
+    }
+
+    /// Drops stale order items once they outnumber the live entries.
+    fn compact(&mut self, client: &ClientId) {
+        if self.order.len() > 2 * self.len + 64 {
+            let clients = &self.clients;
+            self.order.retain(|(c, k, seq)| {
+                clients
+                    .get(c)
+                    .and_then(|c| c.entries.get(&**k))
+                    .is_some_and(|e| e.seq == *seq)
+            });
+        }
+        if let Some(c) = self.clients.get_mut(client) {
+            if c.order.len() > 2 * c.entries.len() + 16 {
+                let entries = &c.entries;
+                c.order
+                    .retain(|(k, seq)| entries.get(&**k).is_some_and(|e| e.seq == *seq));
+            }
+        }
+    }
+
+    /// Entries held (expired ones not yet dropped included).
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
 
     /// Whether no entry is held.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len == 0
     }
 
     /// Estimated bytes held.
@@ -93,9 +273,29 @@ impl<V> ByteBoundedMap<V> {
         self.bytes
     }
 
-    /// Entries forgotten to stay within the budget so far.
+    /// Estimated bytes held for `client`.
+    pub fn client_bytes(&self, client: &ClientId) -> usize {
+        self.clients.get(client).map_or(0, |c| c.bytes)
+    }
+
+    /// Clients with entries.
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Entries dropped to stay within a budget so far.
     pub fn evicted(&self) -> u64 {
         self.evicted
+    }
+
+    /// Entries dropped because they expired so far.
+    pub fn expired(&self) -> u64 {
+        self.expired
+    }
+
+    /// The budgets.
+    pub fn budget(&self) -> Budget {
+        self.budget
     }
 }
 
@@ -103,35 +303,89 @@ impl<V> ByteBoundedMap<V> {
 mod tests {
     use super::*;
 
+    fn client(n: u8) -> ClientId {
+        ClientId::new(&[0, n], None)
+    }
+
+    fn entry_size(key: &str, value: usize) -> usize {
+        value + key.len() + client(0).bytes() + ENTRY_OVERHEAD_BYTES
+    }
+
     #[test]
-    fn stays_within_its_byte_budget_forgetting_the_oldest() {
-        let mut m = ByteBoundedMap::new(1_000);
-        for i in 0..100 {
-            m.insert(format!("k{i}"), i, 100);
-            assert!(m.bytes() <= 1_000);
+    fn each_client_stays_within_its_budget_and_the_node_within_its_own() {
+        let one = entry_size("k00", 100);
+        let mut m = ClientMap::new(Budget {
+            total: 10 * one,
+            per_client: 4 * one,
+            ttl_ms: 1_000_000,
+        });
+        for i in 0..20 {
+            m.insert(&client(1), &format!("k{i:02}"), i, 100, 0);
+            assert!(m.client_bytes(&client(1)) <= 4 * one);
         }
-        assert!(m.len() < 10, "about budget / entry size entries kept");
-        assert!(m.get("k99").is_some(), "the newest is kept");
-        assert!(m.get("k0").is_none(), "the oldest is forgotten");
-        assert_eq!(m.evicted(), 100 - m.len() as u64);
-        m.insert("huge".into(), 0, 5_000);
-        assert!(
-            m.get("huge").is_none(),
-            "an entry beyond the budget is not kept"
-        );
-        let before = m.bytes();
-        assert_eq!(m.remove("k99"), Some(99));
-        assert!(m.bytes() < before);
-        // Replacing keeps one entry and its accounting.
-        m.insert("a".into(), 1, 10);
-        m.insert("a".into(), 2, 10);
-        assert_eq!(m.get("a"), Some(&2));
-        for i in 0..10_000 {
-            m.insert("b".into(), i, 10);
+        assert_eq!(m.len(), 4, "client 1 keeps its newest four");
+        assert!(m.get(&client(1), "k19", 0).is_some());
+        assert!(m.get(&client(1), "k00", 0).is_none());
+        assert!(m.get(&client(2), "k19", 0).is_none(), "keys are per client");
+        for c in 2..6 {
+            for i in 0..4 {
+                m.insert(&client(c), &format!("k{i:02}"), i, 100, 0);
+            }
         }
+        assert!(m.bytes() <= 10 * one);
+        assert_eq!(m.len(), 10);
         assert!(
-            m.order.len() <= 2 * m.len() + 65,
-            "the order list is compacted"
+            m.get(&client(1), "k19", 0).is_none(),
+            "the node's oldest went first"
         );
+        assert!(m.get(&client(5), "k03", 0).is_some());
+        let (kept, _) = m.insert(&client(9), "huge", 0, 5 * one, 0);
+        assert!(!kept, "an entry beyond the per-client budget is not kept");
+    }
+
+    #[test]
+    fn entries_expire_unless_used_and_touching_keeps_them() {
+        let mut m = ClientMap::new(Budget {
+            total: 1 << 20,
+            per_client: 1 << 20,
+            ttl_ms: 100,
+        });
+        m.insert(&client(1), "a", 1, 10, 0);
+        m.insert(&client(1), "b", 2, 10, 50);
+        assert!(m.touch(&client(1), "a", 90));
+        assert_eq!(m.get(&client(1), "b", 149), Some(&2));
+        assert_eq!(
+            m.get(&client(1), "b", 150),
+            None,
+            "expired, even before it is dropped"
+        );
+        let gone = m.expire(160);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(&*gone[0].1, "b");
+        assert_eq!(m.get(&client(1), "a", 160), Some(&1), "touched at 90");
+        assert_eq!(m.expire(200).len(), 1);
+        assert!(m.is_empty());
+        assert_eq!(m.bytes(), 0);
+        assert_eq!(m.clients(), 0, "no state kept for clients without entries");
+        assert_eq!(m.expired(), 2);
+    }
+
+    #[test]
+    fn replacing_and_removing_keep_the_accounting_and_order_lists_stay_compact() {
+        let mut m = ClientMap::new(Budget {
+            total: 1 << 20,
+            per_client: 1 << 20,
+            ttl_ms: u64::MAX,
+        });
+        for i in 0..10_000u64 {
+            m.insert(&client(1), "a", i, 10, i);
+            m.touch(&client(1), "a", i);
+        }
+        assert_eq!(m.get(&client(1), "a", 0), Some(&9_999));
+        assert!(m.order.len() <= 2 * m.len() + 65);
+        assert!(m.clients[&client(1)].order.len() <= 2 + 17);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.remove(&client(1), "a"), Some(9_999));
+        assert_eq!(m.bytes(), 0);
     }
 }

@@ -3,8 +3,10 @@
 //! and retrieve through kvnode's core, with its storage, liveness and limits.
 //!
 //! `wire` decodes and encodes frames exactly as LMCache's msgspec does; `frontend` maps each
-//! LMCache request onto the native core (sessions and per-key pending transfers live here);
-//! `server` owns the ZMQ socket on one I/O thread and runs handlers on per-identity threads.
+//! LMCache request onto the native core (sessions and per-key pending transfers live here, per
+//! client connection); `server` owns the ZMQ socket on one I/O thread and runs handlers on
+//! threads chosen by the client's identity, where `turns` serves the clients sharing a handler
+//! in turn, within byte budgets.
 
 pub mod access;
 pub mod bounded;
@@ -12,6 +14,7 @@ pub mod frontend;
 pub mod pending;
 pub mod reply;
 pub mod server;
+pub mod turns;
 pub mod wire;
 
 /// Normalises an LMCache `--shm-name` the way LMCache does: strip leading `/`, add the

@@ -3,12 +3,18 @@
 //! One I/O thread owns the ROUTER socket: it receives multipart requests
 //! `[identity, uid, type, payload...]`, answers the trivial SYNC requests itself, and hands the
 //! rest to handler threads chosen by the peer identity (so one client's requests run in order,
-//! like LMCache's affinity pool, and different clients run in parallel). Handlers decode the
-//! payload (never on the I/O thread: LMCache weak point P4), run the request, and queue the reply
-//! `[identity, uid, type, (payload)]`; a byte on a socket pair wakes the I/O thread, which is
-//! the only thread that writes to the ROUTER. Before routing, the I/O thread checks who sent
-//! each request (`access`): refused peers, and clients asking for node-wide operations, get the
-//! operation's negative answer there.
+//! like LMCache's affinity pool, and different clients run in parallel). A handler serves the
+//! clients that share it in turn (`turns`: one request of each client with requests waiting,
+//! then the next), so a flooding client delays another by at most one request per request of
+//! the other's; what waits is bounded in bytes per client and per handler
+//! (`lmcache.queued_bytes_per_client`, `lmcache.queued_bytes_per_handler`), beyond which a
+//! request gets its well-typed negative answer at once. Handlers decode the payload (never on
+//! the I/O thread: LMCache weak point P4; a key with more than `lmcache.max_tokens_per_request`
+//! tokens is refused before its tokens are allocated), run the request as the client it came
+//! from, and queue the reply `[identity, uid, type, (payload)]`; a byte on a socket pair wakes
+//! the I/O thread, which is the only thread that writes to the ROUTER.
+//! Before routing, the I/O thread checks who sent each request (`access`): refused peers,
+//! and clients asking for node-wide operations, get the operation's negative answer there.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -20,10 +26,12 @@ use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::Duration;
 
-use crossbeam_queue::{ArrayQueue, SegQueue};
+use crossbeam_queue::SegQueue;
+use parking_lot::Mutex;
 
 use super::access::{self, LmAccessOptions, LmPeer, PeerGate};
-use super::frontend::LmFrontend;
+use super::frontend::{ClientId, LmFrontend, LogLimit};
+use super::turns::{QueuedBytes, Turns};
 use super::wire::{self, Op};
 use crate::error::{Error, Result};
 
@@ -42,13 +50,19 @@ pub const TIMED_OPS: [Op; 10] = [
 ];
 
 /// Requests waiting for one handler thread (beyond it, requests are answered negatively).
-pub const HANDLER_QUEUE: usize = 4096;
+pub use super::turns::HANDLER_QUEUE;
 /// Largest multipart request accepted (frames beyond it are refused, not decoded).
 pub const MAX_REQUEST_BYTES: usize = 64 << 20;
+/// Bookkeeping bytes counted per queued frame beyond its payload.
+pub const FRAME_OVERHEAD_BYTES: usize = 64;
 
 /// One received request, routed to a handler.
 struct Incoming {
-    identity: Vec<u8>,
+    /// The client connection's ZMQ routing id.
+    identity: Arc<[u8]>,
+    /// The peer's uid, when the I/O thread resolved it (it is part of the client's identity
+    /// for the frontend: see [`ClientId`]).
+    peer_uid: Option<u32>,
     uid: Vec<u8>,
     typ: Vec<u8>,
     op: Op,
@@ -56,8 +70,20 @@ struct Incoming {
     payload: Vec<Vec<u8>>,
 }
 
+impl QueuedBytes for Incoming {
+    fn queued_bytes(&self) -> usize {
+        let frames = self.payload.len() + 3;
+        self.identity.len()
+            + self.uid.len()
+            + self.typ.len()
+            + self.name.len()
+            + self.payload.iter().map(Vec::len).sum::<usize>()
+            + frames * FRAME_OVERHEAD_BYTES
+    }
+}
+
 struct Handler {
-    queue: ArrayQueue<Incoming>,
+    queue: Mutex<Turns<Incoming>>,
     thread: OnceLock<Thread>,
 }
 
@@ -95,9 +121,16 @@ struct Shared {
     handlers: Vec<Handler>,
     stop: AtomicBool,
     stats: FrontendStats,
+    /// Rate limit of the refusal log lines.
+    refusal_log: LogLimit,
+    started: std::time::Instant,
 }
 
 impl Shared {
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
     fn push_reply(&self, frames: Vec<Vec<u8>>) {
         self.replies.push(frames);
         // A full socket buffer means a wake-up is already pending: ignore WouldBlock.
@@ -157,18 +190,24 @@ impl LmServer {
         let (wake_rx, wake_tx) = UnixStream::pair()?;
         wake_rx.set_nonblocking(true)?;
         wake_tx.set_nonblocking(true)?;
+        let (per_client, per_handler) = (
+            frontend.limits().queued_bytes_per_client,
+            frontend.limits().queued_bytes_per_handler,
+        );
         let shared = Arc::new(Shared {
             frontend,
             replies: SegQueue::new(),
             wake_tx,
             handlers: (0..handlers.max(1))
                 .map(|_| Handler {
-                    queue: ArrayQueue::new(HANDLER_QUEUE),
+                    queue: Mutex::new(Turns::new(per_client, per_handler)),
                     thread: OnceLock::new(),
                 })
                 .collect(),
             stop: AtomicBool::new(false),
             stats: FrontendStats::default(),
+            refusal_log: LogLimit::default(),
+            started: std::time::Instant::now(),
         });
         let mut threads = Vec::new();
         for i in 0..shared.handlers.len() {
@@ -202,11 +241,20 @@ impl LmServer {
     /// operation.
     pub fn shutdown(self) {
         let st = &self.shared.stats;
+        let fc = self.shared.frontend.counters();
         tracing::info!(
             requests = st.requests.load(Ordering::Relaxed),
             malformed = st.malformed.load(Ordering::Relaxed),
             unsupported = st.unsupported.load(Ordering::Relaxed),
             refused = st.refused.load(Ordering::Relaxed),
+            queue_refused = fc.queue_refused.load(Ordering::Relaxed),
+            over_limit = fc.over_limit.load(Ordering::Relaxed),
+            not_owner = fc.not_owner.load(Ordering::Relaxed),
+            register_refused = fc.register_refused.load(Ordering::Relaxed),
+            takeovers = fc.takeovers.load(Ordering::Relaxed),
+            long_request_ids = fc.long_request_ids.load(Ordering::Relaxed),
+            sessions_dropped = fc.sessions_dropped.load(Ordering::Relaxed),
+            hash_mismatches = fc.hash_mismatches.load(Ordering::Relaxed),
             "LMCache frontend stopping"
         );
         for (op, t) in TIMED_OPS.iter().zip(&self.shared.stats.op_time) {
@@ -321,7 +369,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
         gate.note_refusal(&peer, &name);
         s.stats.refused.fetch_add(1, Ordering::Relaxed);
         let reply = access::refusal(op).unwrap_or_else(|| s.frontend.stateless_reply(op));
-        respond(s, identity, uid, typ, reply);
+        respond(s, identity.into(), uid, typ, reply);
         return;
     }
     let quick = match op {
@@ -337,26 +385,52 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
     if total > MAX_REQUEST_BYTES {
         tracing::warn!(op = %name, bytes = total, "LMCache request larger than the limit: refused");
         s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-        respond(s, identity, uid, typ, s.frontend.stateless_reply(op));
+        respond(s, identity.into(), uid, typ, s.frontend.stateless_reply(op));
         return;
     }
     let h = handler_for(&identity, s.handlers.len());
+    let identity: Arc<[u8]> = identity.into();
     let req = Incoming {
-        identity,
+        identity: identity.clone(),
+        // The kernel's owner of the peer's socket (`None`: a remote peer, not identified).
+        peer_uid: peer.uid,
         uid,
         typ,
         op,
         name,
         payload,
     };
-    match s.handlers[h].queue.push(req) {
+    let bytes = req.queued_bytes();
+    let queued = &s.frontend.counters().queued_bytes;
+    let pushed = {
+        // The gauge moves under the queue's lock, so it never runs below what is queued.
+        let mut q = s.handlers[h].queue.lock();
+        let r = q.push(&identity, req);
+        if r.is_ok() {
+            queued.fetch_add(bytes, Ordering::Relaxed);
+        }
+        r
+    };
+    match pushed {
         Ok(()) => {
             if let Some(t) = s.handlers[h].thread.get() {
                 t.unpark();
             }
         }
-        Err(req) => {
-            tracing::warn!(op = %req.name, "LMCache handler queue full: answering negatively");
+        Err((req, why)) => {
+            s.frontend
+                .counters()
+                .queue_refused
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = s.refusal_log.allow(s.now_ms()) {
+                tracing::warn!(
+                    op = %req.name,
+                    bytes = req.queued_bytes(),
+                    budget = why.budget(),
+                    suppressed,
+                    "LMCache request refused: its handler's queue is at a budget; answering negatively"
+                );
+            }
             respond(
                 s,
                 req.identity,
@@ -368,8 +442,8 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
     }
 }
 
-fn respond(s: &Shared, identity: Vec<u8>, uid: Vec<u8>, typ: Vec<u8>, reply: Option<Vec<u8>>) {
-    let mut frames = vec![identity, uid, typ];
+fn respond(s: &Shared, identity: Arc<[u8]>, uid: Vec<u8>, typ: Vec<u8>, reply: Option<Vec<u8>>) {
+    let mut frames = vec![identity.to_vec(), uid, typ];
     frames.extend(reply);
     s.push_reply(frames);
 }
@@ -377,24 +451,49 @@ fn respond(s: &Shared, identity: Vec<u8>, uid: Vec<u8>, typ: Vec<u8>, reply: Opt
 fn run_handler(s: &Shared, index: usize) {
     let h = &s.handlers[index];
     let _ = h.thread.set(thread::current());
+    let max_tokens = s.frontend.limits().max_tokens_per_request;
     while !s.stop.load(Ordering::Acquire) {
-        let Some(req) = h.queue.pop() else {
+        let next = {
+            let mut q = h.queue.lock();
+            let next = q.pop();
+            if let Some(r) = &next {
+                s.frontend
+                    .counters()
+                    .queued_bytes
+                    .fetch_sub(r.queued_bytes(), Ordering::Relaxed);
+            }
+            next
+        };
+        let Some(req) = next else {
             thread::park_timeout(Duration::from_millis(200));
             continue;
         };
         let started = std::time::Instant::now();
+        let client = ClientId::from_shared(req.identity.clone(), req.peer_uid);
         let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
-        let reply = match wire::decode_request(req.op, &req.name, &payload) {
+        let reply = match wire::decode_request_limited(req.op, &req.name, &payload, max_tokens) {
             Ok(r) => {
                 if matches!(r, wire::LmRequest::Unsupported { .. }) {
                     s.stats.unsupported.fetch_add(1, Ordering::Relaxed);
                 }
                 // A bug must not leave the client waiting for its whole timeout.
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.frontend.handle(r)))
-                    .unwrap_or_else(|_| {
-                        tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
-                        s.frontend.stateless_reply(req.op)
-                    })
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    s.frontend.handle(&client, r)
+                }))
+                .unwrap_or_else(|_| {
+                    tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
+                    s.frontend.stateless_reply(req.op)
+                })
+            }
+            Err(e @ wire::WireError::Limit { .. }) => {
+                s.frontend
+                    .counters()
+                    .over_limit
+                    .fetch_add(1, Ordering::Relaxed);
+                if let Some(suppressed) = s.refusal_log.allow(s.now_ms()) {
+                    tracing::warn!(op = %req.name, %client, error = %e, suppressed, "LMCache request over a limit: answering negatively");
+                }
+                s.frontend.stateless_reply(req.op)
             }
             Err(e) => {
                 tracing::warn!(op = %req.name, error = %e, "malformed LMCache request: answering negatively");
@@ -402,6 +501,7 @@ fn run_handler(s: &Shared, index: usize) {
                 s.frontend.stateless_reply(req.op)
             }
         };
+        drop(payload);
         respond(s, req.identity, req.uid, req.typ, reply);
         if let Some(i) = TIMED_OPS.iter().position(|o| *o == req.op) {
             let ns = started.elapsed().as_nanos() as u64;

@@ -142,12 +142,17 @@ pub struct NodeContext {
     release_hooks: parking_lot::RwLock<Vec<ReleaseHook>>,
     register_lock: Mutex<()>,
     user_reserved: Mutex<HashMap<u32, Arc<AtomicU64>>>,
+    status_parts: parking_lot::RwLock<Vec<(&'static str, StatusPart)>>,
 }
 
 /// Called with every released instance (after its transfers were handed back), so layers above
 /// the core (the LMCache frontend) forget what they kept for it. Must not call back into
 /// registration or release.
 pub type ReleaseHook = Box<dyn Fn(&Instance) + Send + Sync>;
+
+/// Builds a component's part of the status report (e.g. the LMCache frontend's budgets and
+/// counters). Must be cheap and must not call back into the node.
+pub type StatusPart = Box<dyn Fn() -> serde_json::Value + Send + Sync>;
 
 impl NodeContext {
     /// Builds the context around an already created pool. With an L2 tier, the last
@@ -213,6 +218,7 @@ impl NodeContext {
             release_hooks: parking_lot::RwLock::new(Vec::new()),
             register_lock: Mutex::new(()),
             user_reserved: Mutex::new(HashMap::new()),
+            status_parts: parking_lot::RwLock::new(Vec::new()),
             pool,
             config,
         }
@@ -528,6 +534,20 @@ impl NodeContext {
     /// Adds a hook run for every instance released from now on.
     pub fn on_release(&self, hook: ReleaseHook) {
         self.release_hooks.write().push(hook);
+    }
+
+    /// Adds `part` to the status report under the top-level key `name`.
+    pub fn add_status_part(&self, name: &'static str, part: StatusPart) {
+        self.status_parts.write().push((name, part));
+    }
+
+    /// The components' parts of the status report, by key.
+    pub fn status_parts(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        self.status_parts
+            .read()
+            .iter()
+            .map(|(name, part)| ((*name).to_owned(), part()))
+            .collect()
     }
 
     /// A connection closed: every instance it registered that no other open connection

@@ -124,6 +124,10 @@ pub struct StatusReport {
     pub l2: Option<crate::l2::L2SetStatus>,
     /// Bytes the lookup sessions hold (an upper bound; at most `limits.max_session_bytes`).
     pub session_bytes: usize,
+    /// Parts added by components above the core, each under its own key (`lmcache`: the
+    /// LMCache frontend's budgets, state and refusals); absent when none is running.
+    #[serde(flatten)]
+    pub parts: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 /// Builds the report from counters: it takes no storage gate and no index shard lock (object
@@ -198,5 +202,6 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
         size_classes: ctx.storage.class_stats(),
         l2: ctx.l2.as_ref().map(|l2| l2.status()),
         session_bytes: ctx.sessions.bytes(),
+        parts: ctx.status_parts(),
     }
 }

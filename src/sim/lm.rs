@@ -10,7 +10,7 @@ use super::model::{Grant, Transfer};
 use super::native::short;
 use super::world::{self, CHUNK_TOKENS, DTYPE, HIDDEN, NUM_LAYERS, PROMPT_CHUNKS};
 use super::{Check, Registration, Sim};
-use crate::lmcache::frontend::LmReply;
+use crate::lmcache::frontend::{ClientId, LmReply};
 use crate::lmcache::wire::{IpcKey, LmRequest, RegisterPayload};
 
 /// The model the LMCache workers serve.
@@ -35,6 +35,9 @@ pub struct LmActor {
     /// Node transfer ids a previous process of this worker left behind when it crashed and the
     /// new one registered the same id: nobody commits them; the node's TTL releases them.
     pub orphans: std::collections::BTreeSet<u64>,
+    /// The connection of its current process (a new process connects anew).
+    pub client: ClientId,
+    incarnation: u32,
 }
 
 impl LmActor {
@@ -47,7 +50,19 @@ impl LmActor {
             retrieves: BTreeMap::new(),
             dead: false,
             orphans: std::collections::BTreeSet::new(),
+            client: Self::connection(id, 0),
+            incarnation: 0,
         }
+    }
+
+    fn connection(id: u64, incarnation: u32) -> ClientId {
+        ClientId::new(format!("lm-worker-{id}-{incarnation}").as_bytes(), None)
+    }
+
+    /// A new process of this worker: a new connection.
+    fn reconnect(&mut self) {
+        self.incarnation += 1;
+        self.client = Self::connection(self.id, self.incarnation);
     }
 
     /// Forgets the transfers of a released registration.
@@ -61,6 +76,7 @@ impl LmActor {
         self.dead = false;
         self.forget();
         self.orphans.clear();
+        self.reconnect();
     }
 
     /// Prepared transfers this worker still expects to commit.
@@ -75,10 +91,18 @@ impl LmActor {
 
 const LM_SALTS: [&str; 4] = ["", "", "", "t1"];
 
+/// The connection of the engine's scheduler: LOOKUPs, prefetch queries, lock frees and
+/// session ends come from it (as in vLLM), while the workers' retrieves take its sessions'
+/// locks over.
+fn scheduler() -> ClientId {
+    ClientId::new(b"lm-scheduler", None)
+}
+
 impl Sim {
-    fn lm_call(&mut self, req: LmRequest) -> LmReply {
+    /// One request of `client` (a worker's connection, or [`scheduler`]'s).
+    fn lm_call(&mut self, client: &ClientId, req: LmRequest) -> LmReply {
         self.stats.requests += 1;
-        self.frontend.handle_typed(req)
+        self.frontend.handle_typed(client, req)
     }
 
     fn ipc_key(&self, p: usize, a: usize, b: usize, salt: &str, worker: Option<u32>) -> IpcKey {
@@ -147,9 +171,13 @@ impl Sim {
             1 => {
                 let id = self.lms[i].id;
                 self.touched(id, true);
-                let r = self.lm_call(LmRequest::Ping {
-                    instance_id: Some(id),
-                });
+                let c = self.lms[i].client.clone();
+                let r = self.lm_call(
+                    &c,
+                    LmRequest::Ping {
+                        instance_id: Some(id),
+                    },
+                );
                 self.log(format!("lm {id} PING -> {r:?}"));
                 Ok(())
             }
@@ -162,7 +190,7 @@ impl Sim {
                 let (p, a, b, salt) = self.lm_span();
                 let key = self.ipc_key(p, a, b, salt, None);
                 let r = self.no_intern("FREE_LOOKUP_LOCKS", |s| {
-                    s.lm_call(LmRequest::FreeLookupLocks { key, tp_size: 1 })
+                    s.lm_call(&scheduler(), LmRequest::FreeLookupLocks { key, tp_size: 1 })
                 })?;
                 self.log(format!(
                     "lm FREE_LOOKUP_LOCKS p{p}[{a}..{b}) {salt:?} -> {r:?}"
@@ -172,15 +200,19 @@ impl Sim {
             8 => {
                 let (p, _, _, salt) = self.lm_span();
                 let request_id = format!("lm-p{p}-{salt}");
-                let r = self.lm_call(LmRequest::EndSession {
-                    request_id: request_id.clone(),
-                });
+                let r = self.lm_call(
+                    &scheduler(),
+                    LmRequest::EndSession {
+                        request_id: request_id.clone(),
+                    },
+                );
                 self.log(format!("lm END_SESSION {request_id} -> {r:?}"));
                 Ok(())
             }
             9 => {
                 let id = self.lms[i].id;
-                let r = self.lm_call(LmRequest::UnregisterEngineDriven { instance_id: id });
+                let c = self.lms[i].client.clone();
+                let r = self.lm_call(&c, LmRequest::UnregisterEngineDriven { instance_id: id });
                 self.log(format!("lm {id} UNREGISTER -> {r:?}"));
                 let live = self.lms[i]
                     .reg
@@ -213,6 +245,7 @@ impl Sim {
         }
         self.model.release_instance(id);
         self.lms[i].forget();
+        self.lms[i].reconnect();
         self.stats.lm_restarts += 1;
         self.log(format!("lm {id} crashes and restarts under the same id"));
         self.lm_register(i)
@@ -221,16 +254,20 @@ impl Sim {
     fn lm_register(&mut self, i: usize) -> Check {
         let id = self.lms[i].id;
         self.named(LM_MODEL, "");
-        let r = self.lm_call(LmRequest::RegisterEngineDriven(RegisterPayload {
-            instance_id: id,
-            model_name: LM_MODEL.into(),
-            world_size: 1,
-            block_size: 16,
-            num_layers: NUM_LAYERS,
-            hidden_dim_size: HIDDEN,
-            dtype_str: DTYPE.into(),
-            use_mla: false,
-        }));
+        let c = self.lms[i].client.clone();
+        let r = self.lm_call(
+            &c,
+            LmRequest::RegisterEngineDriven(RegisterPayload {
+                instance_id: id,
+                model_name: LM_MODEL.into(),
+                world_size: 1,
+                block_size: 16,
+                num_layers: NUM_LAYERS,
+                hidden_dim_size: HIDDEN,
+                dtype_str: DTYPE.into(),
+                use_mla: false,
+            }),
+        );
         self.log(format!("lm {id} REGISTER -> {r:?}"));
         match r {
             LmReply::Register { pool_bytes, .. } if pool_bytes > 0 => {}
@@ -269,10 +306,14 @@ impl Sim {
         let key = self.ipc_key(p, a, b, salt, Some(0));
         self.named(LM_MODEL, salt);
         self.touched(id, false);
-        let r = self.lm_call(LmRequest::PrepareStore {
-            key,
-            instance_id: id,
-        });
+        let c = self.lms[i].client.clone();
+        let r = self.lm_call(
+            &c,
+            LmRequest::PrepareStore {
+                key,
+                instance_id: id,
+            },
+        );
         self.log(format!(
             "lm {id} PREPARE_STORE p{p}[{a}..{b}) {salt:?} -> {r:?}"
         ));
@@ -337,11 +378,15 @@ impl Sim {
             self.touched(id, false);
         }
         let key = self.ipc_key(p, a, b, salt, Some(0));
-        let r = self.lm_call(LmRequest::CommitStore {
-            key,
-            instance_id: id,
-            cpu_data: Vec::new(),
-        });
+        let c = self.lms[i].client.clone();
+        let r = self.lm_call(
+            &c,
+            LmRequest::CommitStore {
+                key,
+                instance_id: id,
+                cpu_data: Vec::new(),
+            },
+        );
         self.log(format!(
             "lm {id} COMMIT_STORE p{p}[{a}..{b}) {salt:?} -> {r:?}"
         ));
@@ -392,11 +437,15 @@ impl Sim {
         let key = self.ipc_key(p, a, b, salt, Some(0));
         self.named(LM_MODEL, salt);
         self.touched(id, false);
+        let c = self.lms[i].client.clone();
         let r = self.no_intern("LMCache PREPARE_RETRIEVE", |s| {
-            s.lm_call(LmRequest::PrepareRetrieve {
-                key,
-                instance_id: id,
-            })
+            s.lm_call(
+                &c,
+                LmRequest::PrepareRetrieve {
+                    key,
+                    instance_id: id,
+                },
+            )
         })?;
         self.log(format!(
             "lm {id} PREPARE_RETRIEVE p{p}[{a}..{b}) {salt:?} -> {}",
@@ -473,10 +522,14 @@ impl Sim {
             self.touched(id, false);
         }
         let key = self.ipc_key(p, a, b, salt, Some(0));
-        let r = self.lm_call(LmRequest::CommitRetrieve {
-            key,
-            instance_id: id,
-        });
+        let c = self.lms[i].client.clone();
+        let r = self.lm_call(
+            &c,
+            LmRequest::CommitRetrieve {
+                key,
+                instance_id: id,
+            },
+        );
         self.log(format!(
             "lm {id} COMMIT_RETRIEVE p{p}[{a}..{b}) {salt:?} -> {r:?}"
         ));
@@ -494,11 +547,14 @@ impl Sim {
         self.stats.lookups += 1;
         let tp_size = if self.rng.chance(25) { 2 } else { 1 };
         let r = self.no_intern("LMCache LOOKUP", |s| {
-            s.lm_call(LmRequest::Lookup { key, tp_size })
+            s.lm_call(&scheduler(), LmRequest::Lookup { key, tp_size })
         })?;
-        let hits = self.lm_call(LmRequest::QueryPrefetchStatus {
-            request_id: request_id.clone(),
-        });
+        let hits = self.lm_call(
+            &scheduler(),
+            LmRequest::QueryPrefetchStatus {
+                request_id: request_id.clone(),
+            },
+        );
         if let LmReply::Uint(n) = hits {
             self.remember_lookup(request_id.clone(), LM_MODEL, salt, p, n as u32);
         }

@@ -2,43 +2,64 @@
 //!
 //! Every LMCache request becomes one or more native requests executed through the same
 //! dispatcher as the Unix-socket protocol (same instance ordering, limits and liveness). State
-//! that LMCache keeps per key or per request id lives here, each part bounded in bytes:
-//! rolling-hash caches per request id (`bounded`, lost = recomputed), the transfers handed to
-//! workers and not yet committed (`pending`, a FIFO per key per registration, never evicted),
-//! and prefetch results (LOOKUP answers that QUERY_PREFETCH_STATUS hands out exactly once).
-//! What the frontend keeps for an instance is dropped when the node releases it (UNREGISTER,
-//! reaping, re-registration).
+//! that LMCache keeps per key or per request id lives here, per client connection
+//! ([`ClientId`]) and bounded in bytes (see [`LmLimits`]): rolling-hash caches per request id
+//! (`hashes`, lost = recomputed), the transfers handed to workers and not yet committed
+//! (`pending`, a FIFO per key per registration, never evicted), prefetch results (LOOKUP answers
+//! that QUERY_PREFETCH_STATUS hands out exactly once) and the lookup sessions each client opened
+//! (`lookup`). What the frontend keeps for an instance is dropped when the node releases it
+//! (UNREGISTER, reaping, re-registration).
 //!
-//! This file holds the frontend's state and request dispatch (with the stateless, REGISTER and
-//! LOOKUP answers); `hashes` the rolling-hash cache, `transfer` the store and retrieve requests.
+//! Ownership (issue 11): the connection that registers an instance owns it. Only the owner may
+//! prepare, commit, ping or unregister it; another connection of the same user may take it over
+//! by registering it again (a restarted engine process), which starts a new pairing epoch, so
+//! no commit of the new owner is ever paired with a transfer of the old one. Prefetch results,
+//! hash caches and lookup sessions are kept per (connection, request id): another connection
+//! cannot consume, replace, free or end them. The one legitimate crossing is vLLM's: the worker
+//! (its own connection) retrieves what the scheduler (another connection) looked up, taking over
+//! the session's read locks; it may do so only for a session of a connection of the same user,
+//! and only for the very objects its own tokens hash to (the node adopts a lock only on an
+//! identical key).
+//!
+//! This file holds the frontend's state, request dispatch and the stateless, REGISTER, PING and
+//! UNREGISTER answers; `hashes` the rolling-hash cache, `transfer` the store and retrieve
+//! requests, `lookup` LOOKUP and the session requests, `limits` the budgets, `client` the
+//! client identity.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::bounded::ByteBoundedMap;
+use super::bounded::{Budget, ClientMap};
 use super::pending::PendingTable;
 pub use super::reply::{LmReply, Reply};
-use super::wire::{IpcKey, LmRequest, Op};
+use super::wire::{LmRequest, Op};
 use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
-use crate::protocol::{BlockAllocationRecord, ChunkRange, RegisterRequest, Request, Response};
+use crate::protocol::{BlockAllocationRecord, Request, Response};
 use crate::server::dispatch;
 use crate::transport::ReplySink;
 
+mod client;
 mod hashes;
+mod limits;
+mod lookup;
+mod owners;
 mod transfer;
 
-use self::hashes::HashEntry;
+pub use self::client::ClientId;
+pub use self::limits::*;
+
+use self::hashes::{DigestKey, HashEntry};
+use self::lookup::LookupSessions;
+pub use self::owners::LogLimit;
+use self::owners::Owner;
 
 /// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
 /// so these instances are released by UNREGISTER or by the reaper).
 pub const FRONTEND_CONNECTION_ID: u64 = u64::MAX - 1;
-/// Bytes of rolling-hash caches kept (beyond: the oldest request ids are forgotten and their
-/// hashes recomputed when needed).
-pub const MAX_HASH_CACHE_BYTES: usize = 64 << 20;
 /// Bytes of pending-transfer bookkeeping (beyond: a new PREPARE is refused, never an older
 /// transfer dropped).
 pub const MAX_PENDING_BYTES: usize = 32 << 20;
@@ -47,9 +68,9 @@ pub const MAX_PENDING_BYTES: usize = 32 << 20;
 /// expired that wait for their COMMIT to be paired (they must stay queued: dropping one would
 /// pair a later COMMIT with a transfer still in flight).
 pub const PENDING_PER_REGISTRATION_FACTOR: usize = 2;
-/// Bytes of prefetch results kept (beyond: the oldest unqueried results are forgotten; their
-/// query answers 0, a miss).
-pub const MAX_PREFETCH_BYTES: usize = 8 << 20;
+/// Refusals of one kind logged per second at most (the rest are counted, and the count is
+/// logged with the next line).
+pub const REFUSAL_LOGS_PER_SEC: u64 = 10;
 
 /// Waits for the single response of one native request.
 struct WaitSink {
@@ -84,58 +105,153 @@ impl ReplySink for WaitSink {
     }
 }
 
-/// Counters of the frontend's bounded state.
+/// Counters of the frontend's bounded state and refusals.
 #[derive(Default)]
 pub struct FrontendCounters {
     /// PREPAREs refused because the pending bookkeeping was at its byte budget.
     pub pending_refused: AtomicU64,
     /// Cached hash lists that did not match the request's tokens (recomputed).
     pub hash_mismatches: AtomicU64,
+    /// Requests refused because the instance they name is registered by another connection.
+    pub not_owner: AtomicU64,
+    /// REGISTERs refused because another user's connection owns the instance.
+    pub register_refused: AtomicU64,
+    /// REGISTERs that took an instance over from another connection of the same user.
+    pub takeovers: AtomicU64,
+    /// Requests refused for a request id longer than `max_request_id_bytes`.
+    pub long_request_ids: AtomicU64,
+    /// Lookup sessions ended because their client was over its session budget, or unused
+    /// for the state TTL.
+    pub sessions_dropped: AtomicU64,
+    /// Requests refused because their handler's queue was at a budget (the server counts).
+    pub queue_refused: AtomicU64,
+    /// Requests refused while decoding for passing `max_tokens_per_request` (the server
+    /// counts).
+    pub over_limit: AtomicU64,
+    /// Bytes of requests waiting for the handler threads now (the server keeps it).
+    pub queued_bytes: AtomicUsize,
 }
 
 /// The frontend's state; shared with the release hook the node calls.
 struct State {
-    hashes: Mutex<ByteBoundedMap<HashEntry>>,
+    limits: LmLimits,
+    hashes: Mutex<ClientMap<HashEntry>>,
+    digest_key: DigestKey,
     pending: Mutex<PendingTable>,
-    prefetch: Mutex<ByteBoundedMap<u32>>,
+    prefetch: Mutex<ClientMap<u32>>,
+    sessions: Mutex<LookupSessions>,
+    /// Instance id -> the connection that registered it.
+    owners: Mutex<HashMap<u64, Owner>>,
+    /// Serialises REGISTER and UNREGISTER (ownership check, native call, owner update).
+    registering: Mutex<()>,
     /// Instances (id -> generation) that sent pickled tensors (they could not open the
     /// segment): their retrieves are answered as misses, since they would look for the bytes
     /// inline.
     pickle_instances: Mutex<HashMap<u64, u64>>,
     counters: FrontendCounters,
+    refusal_log: LogLimit,
 }
 
 impl State {
+    /// The status report's `lmcache` part: budgets, what is held, refusals.
+    fn status(&self) -> serde_json::Value {
+        let c = &self.counters;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (pending_bytes, pending_transfers) = {
+            let p = self.pending.lock();
+            (p.bytes(), p.len())
+        };
+        serde_json::json!({
+            "limits": &self.limits,
+            "queued_bytes": c.queued_bytes.load(Ordering::Relaxed),
+            "hash_cache_bytes": self.hashes.lock().bytes(),
+            "prefetch_bytes": self.prefetch.lock().bytes(),
+            "session_bytes": self.sessions.lock().bytes(),
+            "pending_bytes": pending_bytes,
+            "pending_transfers": pending_transfers,
+            "owned_instances": self.owners.lock().len(),
+            "refused": {
+                "queue_budget": n(&c.queue_refused),
+                "max_tokens_per_request": n(&c.over_limit),
+                "max_request_id_bytes": n(&c.long_request_ids),
+                "not_owner": n(&c.not_owner),
+                "register_other_user": n(&c.register_refused),
+                "pending_budget": n(&c.pending_refused),
+            },
+            "takeovers": n(&c.takeovers),
+            "sessions_dropped": n(&c.sessions_dropped),
+            "hash_mismatches": n(&c.hash_mismatches),
+        })
+    }
+
     fn forget(&self, inst: &Instance) {
         self.pending.lock().forget(inst.id, Some(inst.generation));
         let mut p = self.pickle_instances.lock();
         if p.get(&inst.id) == Some(&inst.generation) {
             p.remove(&inst.id);
         }
+        drop(p);
+        let mut o = self.owners.lock();
+        if o.get(&inst.id)
+            .is_some_and(|w| w.generation == inst.generation)
+        {
+            o.remove(&inst.id);
+        }
     }
 }
 
-/// The LMCache semantics layer. Invariant: every piece of state is bounded in bytes (see the
-/// `MAX_*_BYTES` constants), and a transfer handed to a worker is ended only by that worker's
-/// COMMIT (paired FIFO per key) or by the node releasing the instance.
+/// The LMCache semantics layer. Invariant: every piece of state is bounded in bytes (see
+/// [`LmLimits`] and [`MAX_PENDING_BYTES`]), state kept per request id is kept per client
+/// connection, and a transfer handed to a worker is ended only by that worker's COMMIT (paired
+/// FIFO per key per registration, from the connection owning the instance) or by the node
+/// releasing the instance.
 pub struct LmFrontend {
     ctx: Arc<NodeContext>,
     state: Arc<State>,
 }
 
 impl LmFrontend {
-    /// A frontend over a running node's context. It registers a release hook with the node, so
-    /// what it keeps for an instance goes when the node releases that instance.
+    /// A frontend over a running node's context, with the budgets of its configuration
+    /// (`[lmcache]`). It registers a release hook with the node, so what it keeps for an
+    /// instance goes when the node releases that instance.
     pub fn new(ctx: Arc<NodeContext>) -> LmFrontend {
+        let limits = ctx.config.lmcache.clone();
+        LmFrontend::with_limits(ctx, limits)
+    }
+
+    /// A frontend over a running node's context with the budgets `limits` (valid: see
+    /// [`LmLimits::validate`]) instead of its configuration's.
+    pub fn with_limits(ctx: Arc<NodeContext>, limits: LmLimits) -> LmFrontend {
+        let ttl_ms = limits.state_ttl_ms();
+        let budget = |total, per_client| Budget {
+            total,
+            per_client,
+            ttl_ms,
+        };
         let state = Arc::new(State {
-            hashes: Mutex::new(ByteBoundedMap::new(MAX_HASH_CACHE_BYTES)),
+            hashes: Mutex::new(ClientMap::new(budget(
+                limits.hash_cache_bytes,
+                limits.hash_cache_bytes_per_client,
+            ))),
+            digest_key: DigestKey::random(),
             pending: Mutex::new(PendingTable::new(
                 MAX_PENDING_BYTES,
                 PENDING_PER_REGISTRATION_FACTOR * ctx.config.limits.max_pending_transfers,
             )),
-            prefetch: Mutex::new(ByteBoundedMap::new(MAX_PREFETCH_BYTES)),
+            prefetch: Mutex::new(ClientMap::new(budget(
+                limits.prefetch_bytes,
+                limits.prefetch_bytes_per_client,
+            ))),
+            sessions: Mutex::new(LookupSessions::new(budget(
+                limits.session_bytes,
+                limits.session_bytes_per_client,
+            ))),
+            owners: Mutex::default(),
+            registering: Mutex::new(()),
             pickle_instances: Mutex::default(),
             counters: FrontendCounters::default(),
+            refusal_log: LogLimit::default(),
+            limits,
         });
         let weak: Weak<State> = Arc::downgrade(&state);
         ctx.on_release(Box::new(move |inst| {
@@ -143,7 +259,20 @@ impl LmFrontend {
                 s.forget(inst);
             }
         }));
+        let weak: Weak<State> = Arc::downgrade(&state);
+        ctx.add_status_part(
+            "lmcache",
+            Box::new(move || {
+                weak.upgrade()
+                    .map_or(serde_json::Value::Null, |s| s.status())
+            }),
+        );
         LmFrontend { ctx, state }
+    }
+
+    /// The budgets in force.
+    pub fn limits(&self) -> &LmLimits {
+        &self.state.limits
     }
 
     /// Counters of the bounded state.
@@ -162,8 +291,18 @@ impl LmFrontend {
         self.state.pending.lock().ids(instance)
     }
 
+    /// Estimated bytes of (cached hashes, prefetch results, session bookkeeping) held.
+    pub fn state_bytes(&self) -> (usize, usize, usize) {
+        (
+            self.state.hashes.lock().bytes(),
+            self.state.prefetch.lock().bytes(),
+            self.state.sessions.lock().bytes(),
+        )
+    }
+
     /// Runs one native request through the dispatcher and waits for its response. Never called
-    /// with a frontend lock held (a release inside it runs the release hook, which takes them).
+    /// with a frontend lock held (a release inside it runs the release hook, which takes them),
+    /// except `registering`, which the hook does not take.
     fn call(&self, req: Request) -> Response {
         let sink = Arc::new(WaitSink {
             slot: Mutex::new(None),
@@ -216,75 +355,98 @@ impl LmFrontend {
         }
     }
 
-    /// Executes one decoded request and returns its reply frame.
-    pub fn handle(&self, req: LmRequest) -> Reply {
-        self.handle_typed(req).encode()
+    /// Executes one decoded request of `client` and returns its reply frame.
+    pub fn handle(&self, client: &ClientId, req: LmRequest) -> Reply {
+        self.handle_typed(client, req).encode()
     }
 
-    /// Executes one decoded request and returns its typed reply.
-    pub fn handle_typed(&self, req: LmRequest) -> LmReply {
+    /// The request id `req` carries, if any, with its op.
+    fn request_id(req: &LmRequest) -> Option<(Op, &str)> {
+        Some(match req {
+            LmRequest::PrepareStore { key, .. } => (Op::PrepareStore, &key.request_id),
+            LmRequest::CommitStore { key, .. } => (Op::CommitStore, &key.request_id),
+            LmRequest::PrepareRetrieve { key, .. } => (Op::PrepareRetrieve, &key.request_id),
+            LmRequest::CommitRetrieve { key, .. } => (Op::CommitRetrieve, &key.request_id),
+            LmRequest::Lookup { key, .. } => (Op::Lookup, &key.request_id),
+            LmRequest::FreeLookupLocks { key, .. } => (Op::FreeLookupLocks, &key.request_id),
+            LmRequest::QueryPrefetchStatus { request_id } => (Op::QueryPrefetchStatus, request_id),
+            LmRequest::WaitPrefetchStatus { request_id, .. } => {
+                (Op::WaitPrefetchStatus, request_id)
+            }
+            LmRequest::QueryPrefetchLookupHits { request_id } => {
+                (Op::QueryPrefetchLookupHits, request_id)
+            }
+            LmRequest::EndSession { request_id } => (Op::EndSession, request_id),
+            _ => return None,
+        })
+    }
+
+    /// Executes one decoded request of `client` and returns its typed reply.
+    pub fn handle_typed(&self, client: &ClientId, req: LmRequest) -> LmReply {
+        if let Some((op, id)) = Self::request_id(&req) {
+            let max = self.state.limits.max_request_id_bytes;
+            if id.len() > max {
+                self.state
+                    .counters
+                    .long_request_ids
+                    .fetch_add(1, Ordering::Relaxed);
+                self.refused(
+                    client,
+                    &format!("{op:?}"),
+                    format_args!(
+                        "request id of {} bytes exceeds lmcache.max_request_id_bytes = {max}",
+                        id.len()
+                    ),
+                );
+                return self.stateless(op);
+            }
+        }
         match req {
             LmRequest::GetChunkSize => LmReply::Uint(self.chunk()),
             LmRequest::GetExperimental => LmReply::StrList(Vec::new()),
             LmRequest::Noop => LmReply::Str("OK".into()),
             LmRequest::Ping { instance_id } => {
-                self.call(Request::Ping { instance_id });
+                self.ping(client, instance_id);
                 LmReply::Bool(true)
             }
-            LmRequest::RegisterEngineDriven(p) => self.register(p),
+            LmRequest::RegisterEngineDriven(p) => self.register(client, p),
             LmRequest::UnregisterEngineDriven { instance_id } => {
-                // The release hook drops what the frontend kept for the instance.
-                self.call(Request::Unregister { instance_id });
+                self.unregister(client, instance_id);
                 LmReply::Nothing
             }
-            LmRequest::PrepareStore { key, instance_id } => self.prepare_store(&key, instance_id),
+            LmRequest::PrepareStore { key, instance_id } => {
+                self.prepare_store(client, &key, instance_id)
+            }
             LmRequest::CommitStore {
                 key,
                 instance_id,
                 cpu_data,
-            } => self.commit_store(&key, instance_id, &cpu_data),
+            } => self.commit_store(client, &key, instance_id, &cpu_data),
             LmRequest::PrepareRetrieve { key, instance_id } => {
-                self.prepare_retrieve(&key, instance_id)
+                self.prepare_retrieve(client, &key, instance_id)
             }
             LmRequest::CommitRetrieve { key, instance_id } => {
-                self.commit_retrieve(&key, instance_id);
+                self.commit_retrieve(client, &key, instance_id);
                 LmReply::Bool(true)
             }
             LmRequest::Lookup { key, tp_size } => {
-                self.lookup(&key, tp_size);
+                self.lookup(client, &key, tp_size);
                 LmReply::Nothing
             }
             LmRequest::QueryPrefetchStatus { request_id }
             | LmRequest::WaitPrefetchStatus { request_id, .. } => {
                 // Lookups complete synchronously: the job is ready, handed out once.
-                let hits = self.state.prefetch.lock().remove(&request_id).unwrap_or(0);
-                LmReply::Uint(u64::from(hits))
+                LmReply::Uint(u64::from(self.take_prefetch(client, &request_id)))
             }
             LmRequest::QueryPrefetchLookupHits { request_id } => {
-                let hits = self
-                    .state
-                    .prefetch
-                    .lock()
-                    .get(&request_id)
-                    .copied()
-                    .unwrap_or(0);
-                LmReply::Uint(u64::from(hits))
+                LmReply::Uint(u64::from(self.peek_prefetch(client, &request_id)))
             }
             LmRequest::FreeLookupLocks { key, .. } => {
-                let c = self.chunk();
-                // Both ends round down, like LMCache: vLLM frees up to its own block-aligned hit,
-                // and the chunk straddling that boundary stays locked for the retrieve.
-                let clamp = |v: u64| (v / c).min(u64::from(u32::MAX)) as u32;
-                self.call(Request::FreeLookupLocks {
-                    request_id: key.request_id.clone(),
-                    start_chunk: clamp(key.start),
-                    end_chunk: clamp(key.end),
-                });
+                self.free_lookup_locks(client, &key);
                 LmReply::Nothing
             }
             LmRequest::EndSession { request_id } => {
-                self.state.hashes.lock().remove(&request_id);
-                self.call(Request::EndSession { request_id });
+                self.end_session(client, &request_id);
                 LmReply::Nothing
             }
             LmRequest::ReportBlockAllocation {
@@ -328,97 +490,5 @@ impl LmFrontend {
                 self.stateless(op)
             }
         }
-    }
-
-    fn register(&self, p: super::wire::RegisterPayload) -> LmReply {
-        let resp = self.call(Request::Register(RegisterRequest {
-            instance_id: p.instance_id,
-            model: p.model_name,
-            world_size: p.world_size,
-            block_size: p.block_size,
-            num_layers: p.num_layers,
-            hidden_dim: p.hidden_dim_size,
-            dtype: p.dtype_str,
-            use_mla: p.use_mla,
-        }));
-        match resp {
-            Response::Registered(r) => {
-                // A REGISTER is idempotent for the node (LMCache's rule: it refreshes liveness
-                // and keeps the registration), but ZMQ hides which process is asking: it may be
-                // a restarted worker reusing its id. So COMMITs are never paired with transfers
-                // prepared before it: those stay reserved (a live process may still be copying)
-                // until the node's write TTL or the instance's release, and are never published.
-                let current = self.ctx.instances.get(p.instance_id);
-                let mut pending = self.state.pending.lock();
-                // Checked under the lock (as in `queue`): a release after this point runs the
-                // hook, which waits for the lock and then drops this epoch. An instance released
-                // already needs none (its hook drops what was kept for it).
-                if let Some(inst) = current.filter(|i| !i.is_released()) {
-                    pending.new_epoch(p.instance_id, inst.generation);
-                }
-                drop(pending);
-                self.state.pickle_instances.lock().remove(&p.instance_id);
-                LmReply::Register {
-                    shm_name: r.shm_name,
-                    pool_bytes: r.pool_bytes,
-                }
-            }
-            other => {
-                tracing::warn!(instance = p.instance_id, response = ?other, "LMCache registration refused");
-                self.stateless(Op::RegisterEngineDriven)
-            }
-        }
-    }
-
-    fn lookup(&self, key: &IpcKey, tp_size: u32) {
-        // LMCache answers 0 when no worker of this (model, world size) registered a layout.
-        let hits = if self
-            .ctx
-            .layouts
-            .get(&key.model_name, key.world_size)
-            .is_none()
-        {
-            // Like any LOOKUP, it replaces the session of its request id: release that one's
-            // locks now rather than at its idle expiry.
-            self.call(Request::EndSession {
-                request_id: key.request_id.clone(),
-            });
-            0
-        } else {
-            let entry = HashEntry::compute(&key.token_ids, self.ctx.config.chunk_tokens);
-            let hashes = entry.hashes.clone();
-            if hashes.is_empty() {
-                0
-            } else {
-                let bytes = entry.bytes();
-                self.state
-                    .hashes
-                    .lock()
-                    .insert(key.request_id.clone(), entry, bytes);
-                let range = ChunkRange {
-                    model: key.model_name.clone(),
-                    world_size: key.world_size,
-                    worker_id: None,
-                    cache_salt: key.cache_salt.clone(),
-                    first_chunk: 0,
-                    chunk_hashes: hashes,
-                };
-                match self.call(Request::Lookup {
-                    request_id: key.request_id.clone(),
-                    range,
-                    tp_size,
-                }) {
-                    Response::LookupHits { chunks } => chunks,
-                    other => {
-                        tracing::warn!(response = ?other, "LOOKUP failed");
-                        0
-                    }
-                }
-            }
-        };
-        self.state
-            .prefetch
-            .lock()
-            .insert(key.request_id.clone(), hits, 4);
     }
 }

@@ -1,11 +1,12 @@
 //! Store and retrieve requests of the frontend: PREPARE hands a native transfer to the worker
 //! and queues it under its key, COMMIT pairs with the oldest queued transfer (FIFO per key per
-//! registration) and ends it on the node.
+//! registration) and ends it on the node. Only the connection that registered the instance may
+//! do either (checked before anything is hashed or cached).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{LmFrontend, LmReply, MAX_PENDING_BYTES};
+use super::{ClientId, LmFrontend, LmReply, MAX_PENDING_BYTES};
 use crate::hashing::ChunkHash;
 use crate::lmcache::pending::{KeyId, Kind, PendingFull};
 use crate::lmcache::wire::{IpcKey, Op, SlotDesc};
@@ -95,8 +96,16 @@ impl LmFrontend {
             .collect()
     }
 
-    pub(super) fn prepare_store(&self, key: &IpcKey, instance_id: u64) -> LmReply {
-        let (first, hashes) = match self.range_hashes(key) {
+    pub(super) fn prepare_store(
+        &self,
+        client: &ClientId,
+        key: &IpcKey,
+        instance_id: u64,
+    ) -> LmReply {
+        let Some(inst) = self.owned(client, instance_id, "PREPARE_STORE") else {
+            return self.stateless(Op::PrepareStore);
+        };
+        let (first, hashes) = match self.range_hashes(client, key) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_STORE refused");
@@ -106,13 +115,6 @@ impl LmFrontend {
         if hashes.is_empty() {
             return LmReply::PrepareStore(Some((Vec::new(), Vec::new())));
         }
-        let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(
-                instance = instance_id,
-                "PREPARE_STORE for an unregistered instance"
-            );
-            return self.stateless(Op::PrepareStore);
-        };
         let id = Self::key_id(key, &hashes);
         let range = Self::worker_range(key, first, hashes);
         let epoch = self.state.pending.lock().epoch(instance_id);
@@ -140,10 +142,15 @@ impl LmFrontend {
         }
     }
 
-    /// The oldest transfer of `kind` the current registration of `instance_id` holds for `key`.
-    fn take(&self, key: &IpcKey, instance_id: u64, kind: Kind) -> Option<u64> {
-        let (_, hashes) = self.range_hashes(key).ok()?;
-        let inst = self.ctx.instances.get(instance_id)?;
+    /// The oldest transfer of `kind` the current registration of `instance_id` holds for `key`,
+    /// when `client` registered the instance.
+    fn take(&self, client: &ClientId, key: &IpcKey, instance_id: u64, kind: Kind) -> Option<u64> {
+        let op = match kind {
+            Kind::Store => "COMMIT_STORE",
+            Kind::Retrieve => "COMMIT_RETRIEVE",
+        };
+        let inst = self.owned(client, instance_id, op)?;
+        let (_, hashes) = self.range_hashes(client, key).ok()?;
         self.state.pending.lock().pop(
             instance_id,
             inst.generation,
@@ -152,8 +159,14 @@ impl LmFrontend {
         )
     }
 
-    pub(super) fn commit_store(&self, key: &IpcKey, instance_id: u64, cpu_data: &[u8]) -> LmReply {
-        let pending = self.take(key, instance_id, Kind::Store);
+    pub(super) fn commit_store(
+        &self,
+        client: &ClientId,
+        key: &IpcKey,
+        instance_id: u64,
+        cpu_data: &[u8],
+    ) -> LmReply {
+        let pending = self.take(client, key, instance_id, Kind::Store);
         if !cpu_data.is_empty() {
             tracing::warn!(
                 instance = instance_id,
@@ -167,7 +180,7 @@ impl LmFrontend {
                     transfer_id: t,
                 });
             }
-            if let Some(inst) = self.ctx.instances.get(instance_id) {
+            if let Some(inst) = self.owned(client, instance_id, "COMMIT_STORE") {
                 let mut pickle = self.state.pickle_instances.lock();
                 // Checked under the lock the release hook takes (as in `queue`).
                 if !inst.is_released() {
@@ -189,23 +202,29 @@ impl LmFrontend {
         LmReply::Bool(ok)
     }
 
-    pub(super) fn prepare_retrieve(&self, key: &IpcKey, instance_id: u64) -> LmReply {
-        let (first, hashes) = match self.range_hashes(key) {
+    pub(super) fn prepare_retrieve(
+        &self,
+        client: &ClientId,
+        key: &IpcKey,
+        instance_id: u64,
+    ) -> LmReply {
+        let Some(inst) = self.owned(client, instance_id, "PREPARE_RETRIEVE") else {
+            return self.stateless(Op::PrepareRetrieve);
+        };
+        let (first, hashes) = match self.range_hashes(client, key) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(instance = instance_id, error = %e, "PREPARE_RETRIEVE refused");
                 return self.stateless(Op::PrepareRetrieve);
             }
         };
-        let generation = self.ctx.instances.get(instance_id).map(|i| i.generation);
-        if generation.is_some()
-            && self
-                .state
-                .pickle_instances
-                .lock()
-                .get(&instance_id)
-                .copied()
-                == generation
+        if self
+            .state
+            .pickle_instances
+            .lock()
+            .get(&instance_id)
+            .copied()
+            == Some(inst.generation)
         {
             tracing::warn!(
                 instance = instance_id,
@@ -216,20 +235,14 @@ impl LmFrontend {
         if hashes.is_empty() {
             return LmReply::PrepareRetrieve(Some(Vec::new()));
         }
-        let Some(inst) = self.ctx.instances.get(instance_id) else {
-            tracing::warn!(
-                instance = instance_id,
-                "PREPARE_RETRIEVE for an unregistered instance"
-            );
-            return self.stateless(Op::PrepareRetrieve);
-        };
         let id = Self::key_id(key, &hashes);
+        let lookup_session = self.retrieve_session(client, &key.request_id, first, &hashes);
         let range = Self::worker_range(key, first, hashes);
         let epoch = self.state.pending.lock().epoch(instance_id);
         match self.call(Request::PrepareRetrieve {
             instance_id,
             range,
-            lookup_session: Some(key.request_id.clone()),
+            lookup_session,
         }) {
             Response::RetrievePrepared {
                 hit: true,
@@ -255,8 +268,8 @@ impl LmFrontend {
         }
     }
 
-    pub(super) fn commit_retrieve(&self, key: &IpcKey, instance_id: u64) {
-        if let Some(transfer_id) = self.take(key, instance_id, Kind::Retrieve) {
+    pub(super) fn commit_retrieve(&self, client: &ClientId, key: &IpcKey, instance_id: u64) {
+        if let Some(transfer_id) = self.take(client, key, instance_id, Kind::Retrieve) {
             self.call(Request::CommitRetrieve {
                 instance_id,
                 transfer_id,

@@ -15,6 +15,21 @@ pub fn decode_request(
     name: &str,
     payload: &[&[u8]],
 ) -> std::result::Result<LmRequest, WireError> {
+    decode_request_limited(op, name, payload, usize::MAX)
+}
+
+/// [`decode_request`] refusing a key of more than `max_tokens` tokens, and a block-allocation
+/// report of more than `max_tokens` ids in all, with [`WireError::Limit`] (naming
+/// `max_tokens_per_request`) as soon as the array header announces them, before anything is
+/// allocated for them.
+pub fn decode_request_limited(
+    op: Op,
+    name: &str,
+    payload: &[&[u8]],
+    max_tokens: usize,
+) -> std::result::Result<LmRequest, WireError> {
+    let decode_key = |r: &mut Reader<'_>| decode_key(r, max_tokens);
+    let decode_records = |r: &mut Reader<'_>| decode_records(r, max_tokens);
     let n = payload.len();
     let count_err = |expected: &str| WireError::FrameCount {
         op: name.to_string(),
@@ -155,7 +170,14 @@ fn missing(field: &str) -> WireError {
     field_err(field, "missing required field")
 }
 
-fn decode_key(r: &mut Reader<'_>) -> Result<IpcKey> {
+fn over_limit(field: &str, detail: String) -> WireError {
+    WireError::Limit {
+        field: field.to_string(),
+        detail,
+    }
+}
+
+fn decode_key(r: &mut Reader<'_>, max_tokens: usize) -> Result<IpcKey> {
     let n = r.read_map_len("key")?;
     let mut model_name = None;
     let mut world_size = None;
@@ -173,6 +195,12 @@ fn decode_key(r: &mut Reader<'_>) -> Result<IpcKey> {
             b"token_ids" => {
                 let field = "key.token_ids";
                 let len = r.read_array_len(field)?;
+                if len as usize > max_tokens {
+                    return Err(over_limit(
+                        field,
+                        format!("{len} tokens: more than max_tokens_per_request = {max_tokens}"),
+                    ));
+                }
                 let mut v = Vec::with_capacity(r.cap(len));
                 for i in 0..len {
                     match r.next()? {
@@ -272,8 +300,20 @@ fn decode_register_payload(r: &mut Reader<'_>) -> Result<RegisterPayload> {
     })
 }
 
-fn decode_records(r: &mut Reader<'_>) -> Result<Vec<BlockRecord>> {
+/// Block-allocation records; `max_ids` bounds the records plus all their ids together.
+fn decode_records(r: &mut Reader<'_>, max_ids: usize) -> Result<Vec<BlockRecord>> {
     let n = r.read_array_len("records")?;
+    let mut left = max_ids;
+    let mut take = |field: &str, k: usize| -> Result<()> {
+        left = left.checked_sub(k).ok_or_else(|| {
+            over_limit(
+                field,
+                format!("more records and ids than max_tokens_per_request = {max_ids}"),
+            )
+        })?;
+        Ok(())
+    };
+    take("records", n as usize)?;
     let mut out = Vec::with_capacity(r.cap(n));
     for i in 0..n {
         let path = |f: &str| format!("records[{i}]{f}");
@@ -284,8 +324,18 @@ fn decode_records(r: &mut Reader<'_>) -> Result<Vec<BlockRecord>> {
         for _ in 0..fields {
             match r.read_key(&path(""))? {
                 b"req_id" => req_id = Some(r.read_str(&path(".req_id"))?),
-                b"new_block_ids" => new_block_ids = Some(r.read_u64_list(&path(".new_block_ids"))?),
-                b"new_token_ids" => new_token_ids = Some(r.read_u64_list(&path(".new_token_ids"))?),
+                b"new_block_ids" => {
+                    let f = path(".new_block_ids");
+                    let len = r.read_array_len(&f)?;
+                    take(&f, len as usize)?;
+                    new_block_ids = Some(read_u64s(r, &f, len)?);
+                }
+                b"new_token_ids" => {
+                    let f = path(".new_token_ids");
+                    let len = r.read_array_len(&f)?;
+                    take(&f, len as usize)?;
+                    new_token_ids = Some(read_u64s(r, &f, len)?);
+                }
                 _ => r.skip_value()?,
             }
         }
@@ -296,4 +346,13 @@ fn decode_records(r: &mut Reader<'_>) -> Result<Vec<BlockRecord>> {
         });
     }
     Ok(out)
+}
+
+/// The `len` integers of an array whose header was read.
+fn read_u64s(r: &mut Reader<'_>, field: &str, len: u32) -> Result<Vec<u64>> {
+    let mut v = Vec::with_capacity(r.cap(len));
+    for _ in 0..len {
+        v.push(r.read_u64(field)?);
+    }
+    Ok(v)
 }

@@ -28,7 +28,7 @@ mod reader;
 #[cfg(test)]
 mod tests;
 
-pub use decode::decode_request;
+pub use decode::{decode_request, decode_request_limited};
 pub use encode::{
     encode_bin_bool, encode_bool, encode_key, encode_op, encode_prepare_retrieve_reply,
     encode_prepare_store_reply, encode_register_payload, encode_register_reply, encode_str,
@@ -57,6 +57,15 @@ pub enum WireError {
         expected: String,
         /// Number of payload frames received.
         got: usize,
+    },
+    /// A well-formed request beyond a configured limit (e.g. more tokens than
+    /// `max_tokens_per_request`), refused before what it announces is allocated.
+    #[error("field {field}: {detail}")]
+    Limit {
+        /// Dotted path of the offending field.
+        field: String,
+        /// The size seen and the limit, named.
+        detail: String,
     },
     /// Well-formed msgpack whose value does not fit the expected schema (wrong type, missing
     /// required field, out-of-range or invalid value).

@@ -333,15 +333,6 @@ impl<'a> Reader<'a> {
             )),
         }
     }
-
-    pub(super) fn read_u64_list(&mut self, field: &str) -> Result<Vec<u64>> {
-        let n = self.read_array_len(field)?;
-        let mut v = Vec::with_capacity(self.cap(n));
-        for _ in 0..n {
-            v.push(self.read_u64(field)?);
-        }
-        Ok(v)
-    }
 }
 
 fn type_err(field: &str, expected: &str, got: &Tok<'_>) -> WireError {
