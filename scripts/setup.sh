@@ -17,7 +17,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null;
 
 # 1. System packages (compilers and tools the build and tests use).
 need_pkgs=()
-for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv; do
+for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv iproute2 util-linux; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need_pkgs+=("$p")
 done
 if [ "${KVNODE_SKIP_APT:-0}" != 1 ] && [ ${#need_pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null; then

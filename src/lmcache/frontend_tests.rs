@@ -363,7 +363,10 @@ fn a_connection_over_its_session_budget_ends_its_oldest_sessions() {
     });
     lm.prepare_store(0, 1);
     assert_eq!(lm.commit_store(0, 1), LmReply::Bool(true));
-    let (flood, calm) = (ClientId::new(b"f", None), ClientId::new(b"c", None));
+    let (flood, calm) = (
+        ClientId::new(b"f", Some(1001)),
+        ClientId::new(b"c", Some(1002)),
+    );
     let lookup = |c: &ClientId, id: &str| {
         lm.fe.handle_typed(
             c,

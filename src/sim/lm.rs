@@ -56,7 +56,10 @@ impl LmActor {
     }
 
     fn connection(id: u64, incarnation: u32) -> ClientId {
-        ClientId::new(format!("lm-worker-{id}-{incarnation}").as_bytes(), None)
+        ClientId::new(
+            format!("lm-worker-{id}-{incarnation}").as_bytes(),
+            Some(kvnode_hw::effective_uid()),
+        )
     }
 
     /// A new process of this worker: a new connection.
@@ -95,7 +98,7 @@ const LM_SALTS: [&str; 4] = ["", "", "", "t1"];
 /// session ends come from it (as in vLLM), while the workers' retrieves take its sessions'
 /// locks over.
 fn scheduler() -> ClientId {
-    ClientId::new(b"lm-scheduler", None)
+    ClientId::new(b"lm-scheduler", Some(kvnode_hw::effective_uid()))
 }
 
 impl Sim {

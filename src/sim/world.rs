@@ -74,7 +74,8 @@ pub fn config() -> NodeConfig {
             ..Limits::default()
         },
         access: crate::access::AccessConfig {
-            allow_uids: vec![crate::sim::native::FOREIGN_UID],
+            // The foreign scheduler, and the users of the LMCache frontend's unit tests.
+            allow_uids: vec![crate::sim::native::FOREIGN_UID, 1000, 1001, 1002],
             ..Default::default()
         },
         ..NodeConfig::default()

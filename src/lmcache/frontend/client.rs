@@ -39,13 +39,14 @@ impl ClientId {
         self.uid
     }
 
-    /// Whether both clients run as the same user (or either user is unknown): the trust
-    /// domain within which a worker may take over the lookup locks of another connection's
-    /// session, and a restarted engine process may re-register an instance.
+    /// Whether both clients are known to run as the same user: the trust domain within which
+    /// a worker may take over the lookup locks of another connection's session, and a
+    /// restarted engine process may re-register an instance. An unidentified (remote) client
+    /// is nobody's same user, not even another unidentified one's.
     pub fn same_user(&self, other: &ClientId) -> bool {
         match (self.uid, other.uid) {
             (Some(a), Some(b)) => a == b,
-            _ => true,
+            _ => false,
         }
     }
 
@@ -97,6 +98,11 @@ mod tests {
         assert_eq!(a.tag(), "u1000.0001020304");
         assert!(a.same_user(&b));
         assert!(!a.same_user(&c));
-        assert!(ClientId::new(&[7], None).same_user(&c), "unknown user");
+        assert!(
+            !ClientId::new(&[7], None).same_user(&c),
+            "an unknown user is nobody's"
+        );
+        let r = ClientId::new(&[8], None);
+        assert!(!r.same_user(&r.clone()), "not even another unknown one's");
     }
 }

@@ -76,6 +76,30 @@ pub const REFUSAL_LOGS_PER_SEC: u64 = 10;
 struct WaitSink {
     slot: Mutex<Option<Response>>,
     ready: Condvar,
+    /// The LMCache client's uid this request acts for (`None`: unidentified, e.g. remote).
+    acting_uid: Option<u32>,
+}
+
+thread_local! {
+    /// The uid of the LMCache client whose request this handler thread is running (set by
+    /// [`LmFrontend::handle_typed`] for its duration): native requests made for it count
+    /// against that user's instance and reservation quotas and its session name space.
+    static ACTING_UID: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// Restores the previous acting uid when a request ends (also on unwind).
+struct ActingAs(Option<u32>);
+
+impl ActingAs {
+    fn set(uid: Option<u32>) -> ActingAs {
+        ActingAs(ACTING_UID.with(|c| c.replace(uid)))
+    }
+}
+
+impl Drop for ActingAs {
+    fn drop(&mut self) {
+        ACTING_UID.with(|c| c.set(self.0));
+    }
 }
 
 impl ReplySink for WaitSink {
@@ -95,12 +119,18 @@ impl ReplySink for WaitSink {
     fn can_pass_fd(&self) -> bool {
         false
     }
-    /// The frontend acts inside the node (it checks its own peers before it gets here).
+    /// The frontend acts inside the node (its I/O thread checked the peer before): as the
+    /// client's uid when it is known, so the core's per-user quotas and session name spaces
+    /// apply to LMCache users too; as the node's own user for unidentified (remote) peers.
     fn peer(&self) -> Option<kvnode_hw::PeerCred> {
+        let (uid, gid) = match self.acting_uid {
+            Some(u) => (u, u32::MAX),
+            None => (kvnode_hw::effective_uid(), kvnode_hw::effective_gid()),
+        };
         Some(kvnode_hw::PeerCred {
             pid: Some(std::process::id() as i32),
-            uid: kvnode_hw::effective_uid(),
-            gid: kvnode_hw::effective_gid(),
+            uid,
+            gid,
         })
     }
 }
@@ -307,6 +337,7 @@ impl LmFrontend {
         let sink = Arc::new(WaitSink {
             slot: Mutex::new(None),
             ready: Condvar::new(),
+            acting_uid: ACTING_UID.with(|c| c.get()),
         });
         let dyn_sink: Arc<dyn ReplySink> = sink.clone();
         dispatch::dispatch(
@@ -383,6 +414,7 @@ impl LmFrontend {
 
     /// Executes one decoded request of `client` and returns its typed reply.
     pub fn handle_typed(&self, client: &ClientId, req: LmRequest) -> LmReply {
+        let _acting = ActingAs::set(client.uid());
         if let Some((op, id)) = Self::request_id(&req) {
             let max = self.state.limits.max_request_id_bytes;
             if id.len() > max {
@@ -454,6 +486,13 @@ impl LmFrontend {
                 model_name,
                 records,
             } => {
+                // A report refreshes the instance's liveness: only its owner may send one.
+                if self
+                    .owned(client, instance_id, "REPORT_BLOCK_ALLOCATION")
+                    .is_none()
+                {
+                    return LmReply::Nothing;
+                }
                 let records = records
                     .into_iter()
                     .map(|r| BlockAllocationRecord {
