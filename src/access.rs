@@ -91,7 +91,19 @@ impl AccessPolicy {
     /// user's supplementary groups from the user database.
     pub fn role_of(&self, uid: u32, gid: u32) -> Role {
         let c = &self.config;
-        let own = uid == self.node_uid || uid == 0;
+        // The common cases decide without the user database (whose lookups may go to NSS
+        // services): the node's own user and root, and listed uids.
+        if uid == self.node_uid || uid == 0 || c.admin_uids.contains(&uid) {
+            return Role::Admin;
+        }
+        if !c.uses_groups() {
+            return if c.allow_uids.contains(&uid) {
+                Role::Client
+            } else {
+                Role::Refused
+            };
+        }
+        let own = false;
         let groups = if c.uses_groups() {
             let mut g = kvnode_hw::user_groups(uid);
             g.push(gid);

@@ -133,8 +133,13 @@ pub fn find_socket_owner(table: &str, local: SocketAddr, remote: SocketAddr) -> 
         let (Some(_slot), Some(l), Some(r)) = (f.next(), f.next(), f.next()) else {
             continue;
         };
-        // st, tx:rx, tr:when, retrnsmt, then uid.
-        let Some(uid) = f.nth(4).and_then(|u| u.parse::<u32>().ok()) else {
+        // st, tx:rx, tr:when, retrnsmt, then uid. A TIME_WAIT socket (st 06) is a kernel
+        // leftover listed with uid 0: it has no owner and must never pass for root.
+        let Some(state) = f.next() else { continue };
+        if state == "06" {
+            continue;
+        }
+        let Some(uid) = f.nth(3).and_then(|u| u.parse::<u32>().ok()) else {
             continue;
         };
         let (Some(l), Some(r)) = (parse_proc_addr(l), parse_proc_addr(r)) else {
@@ -234,6 +239,15 @@ mod tests {
         let peer: SocketAddr = "127.0.0.1:54321".parse().unwrap();
         assert_eq!(find_socket_owner(t, peer, node), Some(1000));
         assert_eq!(find_socket_owner(t, node, peer), Some(0));
+        let time_wait = t.replace(
+            " 01 00000000:00000000 00:00000000 00000000  1000",
+            " 06 00000000:00000000 00:00000000 00000000     0",
+        );
+        assert_eq!(
+            find_socket_owner(&time_wait, peer, node),
+            None,
+            "no owner, never root"
+        );
     }
 
     #[test]

@@ -199,6 +199,11 @@ fn parse_reply(mut b: &[u8], l: SocketAddr, r: SocketAddr) -> std::io::Result<Op
                 if id[..36] != want[..36] {
                     return Err(bad());
                 }
+                // A TIME_WAIT socket is a kernel leftover listed with uid 0: it has no owner,
+                // and must never pass for root.
+                if body.get(1) == Some(&TCP_TIME_WAIT) {
+                    return Ok(None);
+                }
                 let uid = u32_at(body, MSG_UID).ok_or_else(bad)?;
                 let inode = u32_at(body, MSG_UID + 4).ok_or_else(bad)?;
                 return Ok(Some((uid, inode)));
@@ -211,6 +216,9 @@ fn parse_reply(mut b: &[u8], l: SocketAddr, r: SocketAddr) -> std::io::Result<Op
     }
     Ok(None)
 }
+
+/// `idiag_state` of a socket in TIME_WAIT (`TCP_TIME_WAIT` in the kernel's `tcp_states.h`).
+const TCP_TIME_WAIT: u8 = 6;
 
 #[cfg(test)]
 mod tests {

@@ -552,9 +552,15 @@ impl NodeContext {
 
     /// A connection closed: every instance it registered that no other open connection
     /// registered is released at once (a dead local engine leaks nothing and waits for no
-    /// timeout). `registered` lists the instance ids registered over it.
-    pub fn connection_closed(&self, connection: u64, registered: &[u64]) {
-        let sessions = super::lookup::connection_closed(self, connection);
+    /// timeout), and when it ran LOOKUPs (`looked_up`), the sessions it created end (their
+    /// locks released; a walk over the session table, so only for such connections).
+    /// `registered` lists the instance ids registered over it.
+    pub fn connection_closed(&self, connection: u64, registered: &[u64], looked_up: bool) {
+        let sessions = if looked_up {
+            super::lookup::connection_closed(self, connection)
+        } else {
+            0
+        };
         if sessions > 0 {
             tracing::debug!(
                 connection,

@@ -96,7 +96,11 @@ pub fn lookup(
         crate::storage::key::validate_salt(&range.cache_salt)?;
         // Nothing is stored under this (model, salt): a miss, never an insertion. Like any
         // LOOKUP, it replaces a session of the same id (whose locks are released).
-        if let Some(old) = ctx.sessions.remove(owner, request_id) {
+        let old = ctx
+            .sessions
+            .remove_if_created_by(owner, request_id, connection)
+            .map_err(|()| not_creator(request_id))?;
+        if let Some(old) = old {
             release_session(ctx, &old);
         }
         return Ok(Response::LookupHits { chunks: 0 });
@@ -118,8 +122,17 @@ pub fn lookup(
     };
     let hit = locked.len() as u32;
     // Like any LOOKUP, this one ends the session of the same id (its locks are released).
-    if let Some(old) = ctx.sessions.remove(owner, request_id) {
-        release_session(ctx, &old);
+    match ctx
+        .sessions
+        .remove_if_created_by(owner, request_id, connection)
+    {
+        Ok(Some(old)) => release_session(ctx, &old),
+        Ok(None) => {}
+        Err(()) => {
+            // Another connection created it while this one was locking: its own locks go.
+            release_locked(ctx, &locked, extra);
+            return Err(not_creator(request_id));
+        }
     }
     if hit == 0 {
         // A complete miss keeps nothing: no session.
@@ -163,9 +176,18 @@ pub fn lookup(
     for s in &evicted {
         release_session(ctx, s);
     }
-    // A concurrent LOOKUP of the same id may have inserted meanwhile: the later one wins.
-    if let Some(old) = ctx.sessions.insert(owner, request_id, session) {
-        release_session(ctx, &old);
+    // A concurrent LOOKUP of the same id may have inserted meanwhile: over the same
+    // connection the later one wins; over another, this one is refused (its locks released).
+    match ctx
+        .sessions
+        .insert_unless_foreign(owner, request_id, session)
+    {
+        Ok(Some(old)) => release_session(ctx, &old),
+        Ok(None) => {}
+        Err(mine) => {
+            release_session(ctx, &mine);
+            return Err(not_creator(request_id));
+        }
     }
     Ok(Response::LookupHits { chunks: hit })
 }
@@ -232,6 +254,12 @@ fn lock_prefix_tiered(
         .collect()
 }
 
+/// Releases the `1 + extra` locks a lookup took on each key of `locked`.
+fn release_locked(ctx: &NodeContext, locked: &[Vec<(StorageKey, u64)>], extra: u32) {
+    let flat: Vec<(StorageKey, u64)> = locked.iter().flatten().copied().collect();
+    ctx.storage.finish_read(&flat, extra);
+}
+
 fn release(ctx: &NodeContext, entry: &[(StorageKey, Option<u64>)], extra: u32) {
     let taken: Vec<(StorageKey, u64)> = entry
         .iter()
@@ -245,10 +273,14 @@ fn check_creator(s: &Session, connection: u64, request_id: &str) -> Result<()> {
     if s.connection == connection {
         return Ok(());
     }
-    Err(Error::denied(format!(
+    Err(not_creator(request_id))
+}
+
+fn not_creator(request_id: &str) -> Error {
+    Error::denied(format!(
         "lookup session {request_id:?} belongs to another connection (only the connection whose \
          LOOKUP created it may free, end or replace it)"
-    )))
+    ))
 }
 
 /// Ends the sessions created over a closed connection, releasing their locks (a scheduler that
@@ -342,14 +374,12 @@ pub fn end_session(
     connection: u64,
     request_id: &str,
 ) -> Result<Response> {
-    {
-        let shard = ctx.sessions.shard(request_id).lock();
-        if let Some(s) = shard.get(&SessionTable::key(owner, request_id)) {
-            check_creator(s, connection, request_id)?;
-        }
-    }
-    // Only its creator ends or replaces a session, and it does so one request at a time.
-    if let Some(s) = ctx.sessions.remove(owner, request_id) {
+    // Only its creator ends a session (checked and removed in one step).
+    let removed = ctx
+        .sessions
+        .remove_if_created_by(owner, request_id, connection)
+        .map_err(|()| not_creator(request_id))?;
+    if let Some(s) = removed {
         release_session(ctx, &s);
         let keys: Vec<StorageKey> = s.locked.iter().map(|h| h.key).collect();
         ctx.storage.touch(&keys);

@@ -92,6 +92,7 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
             if caller.role < Role::Admin {
                 // A client sees the node's totals and its own user's instances only.
                 let uid = caller.session_owner();
+                report.parts.clear();
                 report.instances.retain(|i| {
                     ctx.instances
                         .get(i.id)

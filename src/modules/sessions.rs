@@ -175,7 +175,30 @@ impl SessionTable {
         self.bytes.fetch_sub(s.bytes, Ordering::Relaxed);
     }
 
+    /// Inserts `s` unless a session of the same `(owner, id)` created over another connection
+    /// is there (then `s` comes back as `Err`, for the caller to release); returns the session
+    /// it replaced (the caller releases its locks).
+    pub(super) fn insert_unless_foreign(
+        &self,
+        owner: SessionOwner,
+        id: &str,
+        s: Session,
+    ) -> Result<Option<Session>, Session> {
+        let mut m = self.shard(id).lock();
+        let key = Self::key(owner, id);
+        if m.get(&key).is_some_and(|o| o.connection != s.connection) {
+            return Err(s);
+        }
+        self.added(&s);
+        let old = m.insert(key, s);
+        if let Some(o) = &old {
+            self.removed(o);
+        }
+        Ok(old)
+    }
+
     /// Inserts `s`; returns the session it replaced (the caller releases its locks).
+    #[cfg(test)]
     pub(super) fn insert(&self, owner: SessionOwner, id: &str, s: Session) -> Option<Session> {
         let mut m = self.shard(id).lock();
         self.added(&s);
@@ -187,12 +210,37 @@ impl SessionTable {
     }
 
     /// Removes and returns the session `(owner, id)`, if any.
+    #[cfg(test)]
     pub(super) fn remove(&self, owner: SessionOwner, id: &str) -> Option<Session> {
         let old = self.shard(id).lock().remove(&Self::key(owner, id));
         if let Some(o) = &old {
             self.removed(o);
         }
         old
+    }
+
+    /// Removes and returns the session `(owner, id)` if it was created over `connection`
+    /// (checked and removed under one shard lock); `Err(())` when it exists and belongs to
+    /// another connection (left in place).
+    pub(super) fn remove_if_created_by(
+        &self,
+        owner: SessionOwner,
+        id: &str,
+        connection: u64,
+    ) -> Result<Option<Session>, ()> {
+        let mut m = self.shard(id).lock();
+        let key = Self::key(owner, id);
+        match m.get(&key) {
+            Some(s) if s.connection != connection => return Err(()),
+            None => return Ok(None),
+            Some(_) => {}
+        }
+        let old = m.remove(&key);
+        drop(m);
+        if let Some(o) = &old {
+            self.removed(o);
+        }
+        Ok(old)
     }
 
     /// Every lock the sessions hold: `("owner:request id", key, lease, locks remaining)`, sorted

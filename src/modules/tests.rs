@@ -480,7 +480,7 @@ fn concurrent_registration_and_close_never_hand_out_a_released_instance() {
                         !inst.is_released(),
                         "connection {conn} was handed a released instance"
                     );
-                    ctx.connection_closed(conn, &[42]);
+                    ctx.connection_closed(conn, &[42], false);
                 }
             });
         }

@@ -163,6 +163,16 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
         return Err(not_registered(inst.id));
     }
     check_pending_room(ctx, pending.writes.len() + pending.reads.len())?;
+    // The quota is charged for every key before anything is reserved (a reservation may evict
+    // other clients' objects: an over-quota request must not get that far), and what was not
+    // reserved is refunded below.
+    let upper = keys.len() as u64 * inst.layout.object_bytes();
+    inst.charge(
+        upper,
+        ctx.reserved_cap_per_instance(),
+        ctx.reserved_cap_per_user(),
+    )
+    .map_err(Error::limit)?;
     let results = ctx
         .storage
         .reserve_write(&keys, inst.layout.object_bytes(), false);
@@ -188,18 +198,8 @@ fn prepare_store(ctx: &NodeContext, inst: &Instance, range: &ChunkRange) -> Resu
         );
     }
     let charged: u64 = items.iter().map(|(_, g)| g.slot.len).sum();
-    if let Err(why) = inst.charge(
-        charged,
-        ctx.reserved_cap_per_instance(),
-        ctx.reserved_cap_per_user(),
-    ) {
-        // Over its quota: nothing of this prepare is kept (the other engines' share of the
-        // pool stays theirs).
-        ctx.storage.abort_write(&items);
-        drop(pending);
-        ctx.storage.assert_consistent();
-        return Err(Error::limit(why));
-    }
+    debug_assert!(charged <= upper);
+    inst.refund(upper - charged);
     let slots = items.iter().map(|(_, s)| wire(s)).collect();
     let transfer_id = if items.is_empty() {
         0

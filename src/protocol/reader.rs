@@ -277,8 +277,13 @@ impl FrameReader {
         payload: &mut AlignedVec<16>,
     ) -> Result<(), FrameError> {
         let len = h.payload_len as usize;
-        if let Some(b) = &self.budget {
-            self.charge = Some(b.begin(len as u64));
+        // Payloads no larger than the read buffer (small frames that happened to straddle it)
+        // are not charged: a client holding the budget with large frames never makes another's
+        // small requests wait (each connection keeps at most its retained buffer for them).
+        if len > READ_BUFFER_BYTES {
+            if let Some(b) = &self.budget {
+                self.charge = Some(b.begin(len as u64));
+            }
         }
         let mut got = payload.len();
         while got < len {

@@ -25,7 +25,7 @@ use crate::transport::ReplySink;
 /// instances released, so it can neither stall a worker shard nor hold unbounded memory. A
 /// single reply always fits an empty queue, whatever its size. Node-wide bound: this times
 /// `limits.max_connections`.
-pub const REPLY_QUEUE_BYTES: usize = 1 << 20;
+pub const REPLY_QUEUE_BYTES: usize = 4 << 20;
 
 /// Answers a connection beyond the limit with a typed error and closes it.
 pub fn refuse(mut stream: UnixStream, limit: usize) {
@@ -194,6 +194,6 @@ pub fn serve_frames<S: FrameSource>(
             }
         }
     }
-    ctx.connection_closed(id, &registered.ids());
+    ctx.connection_closed(id, &registered.ids(), registered.looked_up());
     tracing::debug!(connection = id, "client disconnected");
 }

@@ -20,6 +20,7 @@ use crate::transport::ReplySink;
 pub struct Registered {
     ids: HashSet<u64>,
     caller: Option<Caller>,
+    looked_up: bool,
 }
 
 impl Registered {
@@ -27,6 +28,11 @@ impl Registered {
     pub fn caller(&mut self, ctx: &NodeContext, sink: &Arc<dyn ReplySink>) -> &Caller {
         self.caller
             .get_or_insert_with(|| Caller::new(ctx, sink.connection_id(), sink.peer()))
+    }
+
+    /// Whether this connection ran a LOOKUP (so it may own lookup sessions).
+    pub fn looked_up(&self) -> bool {
+        self.looked_up
     }
 
     /// Instances this connection registered that still list it.
@@ -103,6 +109,9 @@ pub fn dispatch(
         return reply(ctx, sink, request_id, opcode, Response::error(&e));
     }
     let caller = registered.caller(ctx, sink).clone();
+    if matches!(req, Request::Lookup { .. }) {
+        registered.looked_up = true;
+    }
     if caller.role == Role::Refused {
         // Transports refuse such peers at connect; this holds for any that does not.
         let e = Error::denied("this user may not use the node ([access] allow_uids/allow_gids)");

@@ -53,7 +53,7 @@ impl Sim {
             let conns = a.revive();
             for c in conns {
                 let registered = c.registered.lock().ids();
-                self.ctx.connection_closed(c.id(), &registered);
+                self.ctx.connection_closed(c.id(), &registered, true);
             }
         } else {
             let a = self.lms.iter_mut().find(|a| a.id == id).expect("actor");

@@ -355,7 +355,7 @@ impl Sim {
         let k = self.rng.index(self.natives[i].conns.len());
         let conn = self.natives[i].conns.remove(k);
         let registered = conn.registered.lock().ids();
-        self.ctx.connection_closed(conn.id(), &registered);
+        self.ctx.connection_closed(conn.id(), &registered, true);
         let Some(reg) = self.natives[i].reg.as_mut() else {
             self.log(format!(
                 "native {id} closes conn {} (not registered)",
@@ -470,7 +470,7 @@ impl Sim {
             }
             _ => {
                 let registered = conn.registered.lock().ids();
-                self.ctx.connection_closed(conn.id(), &registered);
+                self.ctx.connection_closed(conn.id(), &registered, true);
                 let left = self.ctx.sessions.remove_of_connection(conn.id());
                 if !left.is_empty() {
                     return Err(format!(
