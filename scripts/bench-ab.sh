@@ -4,7 +4,7 @@
 # makes figures from different days incomparable). Prints, per configuration, the median of each
 # binary's ratios to its own same-run baselines, and B/A.
 #
-# Usage: scripts/bench-ab.sh OLD_KVNODE NEW_KVNODE      RUNS=3 DURATION=3
+# Usage: scripts/bench-ab.sh OLD_KVNODE NEW_KVNODE      RUNS=3 DURATION=3 ONLY="names..."
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${1:?old kvnode binary}
@@ -30,6 +30,8 @@ matrix=(
 for entry in "${matrix[@]}"; do
   name=${entry%%|*}
   args=${entry#*|}
+  # ONLY="a b": run just these configurations.
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then continue; fi
   for r in $(seq 1 "$RUNS"); do
     for side in A B; do
       bin=$A; [ "$side" = B ] && bin=$B
