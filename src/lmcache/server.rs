@@ -402,7 +402,12 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
     };
     let bytes = req.queued_bytes();
     let queued = &s.frontend.counters().queued_bytes;
-    let pushed = {
+    // Only this (the I/O) thread adds to the gauge, so the check and the add below cannot be
+    // overtaken: the node-wide bound holds whatever the number of handlers.
+    let over_node = queued.load(Ordering::Relaxed) + bytes > s.frontend.limits().queued_bytes_total;
+    let pushed = if over_node {
+        Err((req, super::turns::Refusal::NodeBytes))
+    } else {
         // The gauge moves under the queue's lock, so it never runs below what is queued.
         let mut q = s.handlers[h].queue.lock();
         let r = q.push(&identity, req);

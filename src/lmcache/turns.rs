@@ -30,6 +30,8 @@ pub enum Refusal {
     ClientBytes,
     /// The handler's queued bytes would pass its budget.
     HandlerBytes,
+    /// The bytes queued for all handlers together would pass the node-wide budget.
+    NodeBytes,
 }
 
 impl Refusal {
@@ -39,6 +41,7 @@ impl Refusal {
             Refusal::Full => "the handler queue length (4096 requests)",
             Refusal::TooLarge | Refusal::ClientBytes => "lmcache.queued_bytes_per_client",
             Refusal::HandlerBytes => "lmcache.queued_bytes_per_handler",
+            Refusal::NodeBytes => "lmcache.queued_bytes_total",
         }
     }
 }

@@ -17,6 +17,8 @@ pub const DEFAULT_MAX_REQUEST_ID_BYTES: usize = 4096;
 pub const DEFAULT_QUEUED_BYTES_PER_CLIENT: usize = 64 << 20;
 /// Default [`LmLimits::queued_bytes_per_handler`].
 pub const DEFAULT_QUEUED_BYTES_PER_HANDLER: usize = 256 << 20;
+/// Default [`LmLimits::queued_bytes_total`]: two handlers' worth, whatever the handler count.
+pub const DEFAULT_QUEUED_BYTES_TOTAL: usize = 512 << 20;
 /// Default [`LmLimits::hash_cache_bytes`].
 pub const DEFAULT_HASH_CACHE_BYTES: usize = 64 << 20;
 /// Default [`LmLimits::hash_cache_bytes_per_client`].
@@ -52,6 +54,9 @@ pub struct LmLimits {
     pub queued_bytes_per_client: usize,
     /// Bytes of requests waiting for one handler thread, all clients together.
     pub queued_bytes_per_handler: usize,
+    /// Bytes of requests waiting for all handler threads together (the node-wide bound,
+    /// whatever the number of handlers).
+    pub queued_bytes_total: usize,
     /// Bytes of cached rolling hashes, node-wide (beyond: the oldest are forgotten and
     /// recomputed when needed).
     pub hash_cache_bytes: usize,
@@ -80,6 +85,7 @@ impl Default for LmLimits {
             max_request_id_bytes: DEFAULT_MAX_REQUEST_ID_BYTES,
             queued_bytes_per_client: DEFAULT_QUEUED_BYTES_PER_CLIENT,
             queued_bytes_per_handler: DEFAULT_QUEUED_BYTES_PER_HANDLER,
+            queued_bytes_total: DEFAULT_QUEUED_BYTES_TOTAL,
             hash_cache_bytes: DEFAULT_HASH_CACHE_BYTES,
             hash_cache_bytes_per_client: DEFAULT_HASH_CACHE_BYTES_PER_CLIENT,
             prefetch_bytes: DEFAULT_PREFETCH_BYTES,
@@ -99,6 +105,7 @@ impl LmLimits {
             ("max_request_id_bytes", self.max_request_id_bytes),
             ("queued_bytes_per_client", self.queued_bytes_per_client),
             ("queued_bytes_per_handler", self.queued_bytes_per_handler),
+            ("queued_bytes_total", self.queued_bytes_total),
             ("hash_cache_bytes", self.hash_cache_bytes),
             (
                 "hash_cache_bytes_per_client",
@@ -119,6 +126,12 @@ impl LmLimits {
                 "queued_bytes_per_handler",
                 self.queued_bytes_per_client,
                 self.queued_bytes_per_handler,
+            ),
+            (
+                "queued_bytes_per_handler",
+                "queued_bytes_total",
+                self.queued_bytes_per_handler,
+                self.queued_bytes_total,
             ),
             (
                 "hash_cache_bytes_per_client",
