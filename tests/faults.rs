@@ -18,10 +18,9 @@ use rkyv::util::AlignedVec;
 /// Child role: register, PREPARE_STORE 5 chunks, write half of the first slot, announce
 /// `CHILD-PREPARED`, then wait forever (the parent SIGKILLs it before COMMIT_STORE).
 #[test]
+#[ignore = "child role, run by sigkill_between_prepare_and_commit_leaks_nothing"]
 fn child_prepare_then_hang() {
-    let Ok(socket) = std::env::var("KVNODE_KILL_SOCKET") else {
-        return;
-    };
+    let socket = std::env::var("KVNODE_KILL_SOCKET").expect("run by its parent test");
     let mut c = kvnode::client::Client::connect(&socket).unwrap();
     c.register(&reg(77)).unwrap();
     let p = c.prepare_store(77, &range(&tokens(77, 5))).unwrap();

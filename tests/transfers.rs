@@ -14,10 +14,9 @@ use kvnode::ErrorKind;
 /// shared conversation 0 (overlapping with every other child), then read both back and verify
 /// every byte. Prints `CHILD-OK <written>` on success.
 #[test]
+#[ignore = "child role, run by its parent test"]
 fn child_store_and_verify() {
-    let Ok(socket) = std::env::var("KVNODE_CHILD_SOCKET") else {
-        return; // only runs as a child process
-    };
+    let socket = std::env::var("KVNODE_CHILD_SOCKET").expect("run by its parent test");
     let instance: u64 = std::env::var("KVNODE_CHILD_INSTANCE")
         .unwrap()
         .parse()

@@ -367,7 +367,16 @@ pub fn payloads(r: &ChunkRange, len: usize) -> Vec<Vec<u8>> {
 /// Runs this test binary again as a child process executing the test named `name`, with `env`.
 pub fn spawn_child(name: &str, env: &[(&str, String)]) -> Child {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", name, "--nocapture", "--test-threads", "1"]);
+    // Child roles are `#[ignore]`d (a plain `cargo test` never runs them without their
+    // environment): the child runs exactly that ignored test.
+    c.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]);
     for (k, v) in env {
         c.env(k, v);
     }
