@@ -226,3 +226,90 @@ fn one_node_per_tenant_admits_only_that_tenants_users() {
     );
     assert!(!a.exists() && !b.exists(), "each node removed its socket");
 }
+
+/// A client user (not an admin) holds at most `max_connections_per_client_user` connections:
+/// with two held open by one of its processes, its next one is refused naming the limit, and
+/// once they close it gets in again (before: one allowed user could take every connection).
+#[test]
+fn a_client_user_holds_at_most_its_share_of_connections() {
+    if !root_with_setpriv() || !Path::new("/usr/bin/python3").exists() {
+        return;
+    }
+    let dir = TestDir::new("access-conn-share");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        "[access]\nallow_uids = [65534]\n[limits]\nmax_connections_per_client_user = 2\n",
+    )
+    .unwrap();
+    let node = NodeProc::start(
+        "access-conn-share-node",
+        &["--socket-mode", "0666", "--config", cfg.to_str().unwrap()],
+    );
+    std::fs::set_permissions(&node.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sock = node.socket.to_str().unwrap().to_owned();
+    // nobody's process holding two connections until its stdin closes.
+    let mut holder = Command::new("/usr/bin/setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+        ])
+        .arg(
+            "import socket,sys\n\
+             s=[socket.socket(socket.AF_UNIX) for _ in range(2)]\n\
+             [x.connect(sys.argv[1]) for x in s]\n\
+             print('HELD',flush=True)\n\
+             sys.stdin.read()\n",
+        )
+        .arg(&sock)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(holder.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "HELD");
+    node.wait_status("nobody's two connections", |s| {
+        num(s, &["connections"]) >= 2
+    });
+    let ping = || {
+        kvnode_as_nobody(&["ping", "--socket", &sock])
+            .output()
+            .unwrap()
+    };
+    let refused = ping();
+    drop(holder.stdin.take());
+    let _ = holder.wait();
+    assert!(
+        !refused.status.success(),
+        "a third connection of nobody was served"
+    );
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("max_connections_per_client_user"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    // Root (an admin) is not limited by it meanwhile, and nobody gets in again once its
+    // connections closed.
+    let t = Instant::now();
+    loop {
+        let again = ping();
+        if again.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "nobody never got in again: {}",
+            String::from_utf8_lossy(&again.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -30,6 +30,9 @@ pub struct Limits {
     pub max_instances_per_user: usize,
     /// Instances one connection may register.
     pub max_instances_per_connection: usize,
+    /// Open native connections of one client user (admins — the node's user, root and
+    /// `[access]` admins — are bounded by `max_connections` only).
+    pub max_connections_per_client_user: usize,
     /// Share of the pool one instance may hold reserved by prepared, uncommitted stores
     /// (0 < x <= 1).
     pub max_reserved_fraction_per_instance: f64,
@@ -74,6 +77,7 @@ impl Default for Limits {
             event_bus_capacity: 10_000,
             max_instances_per_user: 256,
             max_instances_per_connection: 64,
+            max_connections_per_client_user: 256,
             max_reserved_fraction_per_instance: 0.5,
             max_reserved_fraction_per_user: 0.75,
             max_session_bytes: 256 << 20,

@@ -539,6 +539,10 @@ impl NodeConfig {
                 "max_instances_per_connection",
                 l.max_instances_per_connection,
             ),
+            (
+                "max_connections_per_client_user",
+                l.max_connections_per_client_user,
+            ),
         ] {
             if v == 0 {
                 return Err(Error::invalid(format!("limit {name} must be > 0")));

@@ -134,6 +134,8 @@ pub struct NodeContext {
     pub shutting_down: AtomicBool,
     /// Who may connect and who may run admin operations.
     pub access: crate::access::AccessPolicy,
+    /// Open connections per client user (`limits.max_connections_per_client_user`).
+    pub user_connections: Arc<super::user_slots::UserSlots>,
     /// Payload bytes native connections are receiving (`limits.max_inflight_payload_bytes`).
     pub payload_budget: Arc<crate::protocol::budget::PayloadBudget>,
     transfer_ids: super::transfer_ids::TransferIds,
@@ -209,6 +211,9 @@ impl NodeContext {
             counters: NodeCounters::default(),
             shutting_down: AtomicBool::new(false),
             access: crate::access::AccessPolicy::new(config.access.clone()),
+            user_connections: Arc::new(super::user_slots::UserSlots::new(
+                config.limits.max_connections_per_client_user,
+            )),
             payload_budget: Arc::new(crate::protocol::budget::PayloadBudget::new(
                 config.limits.max_inflight_payload_bytes,
             )),

@@ -13,6 +13,7 @@ pub mod shards;
 pub mod status;
 pub mod transfer;
 pub mod transfer_ids;
+pub mod user_slots;
 
 pub use self::caller::Caller;
 pub use self::context::NodeContext;

@@ -46,7 +46,8 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
     let stream = Arc::new(stream);
     let sink: Arc<dyn ReplySink> =
         Arc::new(UdsReplySink::new(stream.clone(), id, REPLY_QUEUE_BYTES));
-    if ctx.access.role(sink.peer().as_ref()) == Role::Refused {
+    let role = ctx.access.role(sink.peer().as_ref());
+    if role == Role::Refused {
         // The socket's mode normally keeps other users out; this holds when it does not.
         tracing::warn!(connection = id, peer = ?sink.peer(), "refused a peer not allowed by [access]");
         let resp = Response::Error {
@@ -60,6 +61,32 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         return;
     }
+    // A client user (not an admin) holds at most its share of the connections.
+    let _slot = match (role, sink.peer()) {
+        (Role::Client, Some(p)) => match ctx.user_connections.take(p.uid) {
+            Some(slot) => Some(slot),
+            None => {
+                let max = ctx.config.limits.max_connections_per_client_user;
+                tracing::warn!(
+                    connection = id,
+                    uid = p.uid,
+                    max,
+                    "refused a connection over its user's share"
+                );
+                let resp = Response::Error {
+                    kind: ErrorKind::LimitExceeded.code(),
+                    message: format!(
+                        "user {} has {max} connections open (limit max_connections_per_client_user)",
+                        p.uid
+                    ),
+                };
+                sink.send(0, 0, &resp, None);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+        },
+        _ => None,
+    };
     serve_frames(ctx, &mut PlainSource(&*stream), &sink);
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
