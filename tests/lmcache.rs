@@ -382,6 +382,22 @@ fn lmcache_protocol_end_to_end() {
         d.call(Op::QueryPrefetchStatus, vec![wire::encode_str("r1")]),
         Some(Value::from(0))
     );
+    // LOOKUP honours `end` as LMCache 0.5.6 does: the chunks the client left out are neither
+    // counted nor locked (issue 12: kvnode answered 4 here and locked all of them).
+    assert_eq!(
+        d.call(
+            Op::Lookup,
+            vec![key(&more, 0, 32, None, "r1end"), wire::encode_uint(1)]
+        ),
+        None
+    );
+    assert_eq!(
+        d.call(Op::QueryPrefetchStatus, vec![wire::encode_str("r1end")]),
+        Some(Value::from(2))
+    );
+    let st = common::NodeStatus::of(&node.socket);
+    assert_eq!(num(&st, &["objects", "read_locked"]), 4, "r1end locks 2 of r1's 4 again");
+    assert_eq!(d.call(Op::EndSession, vec![wire::encode_str("r1end")]), None);
     let p = d
         .call(
             Op::PrepareRetrieve,

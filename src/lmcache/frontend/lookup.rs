@@ -160,7 +160,16 @@ impl LmFrontend {
             }
             0
         } else {
-            let hashes = chunk_hashes(&key.token_ids, self.ctx.config.chunk_tokens);
+            // LMCache 0.5.6 looks up the full chunks of `token_ids[..end]`: a client that leaves
+            // chunks out of its LOOKUP gets no locks on them. (0.5.4 ignored `end`; an `end` of
+            // 0 or past the tokens means all of them, as there.)
+            let end = usize::try_from(key.end).unwrap_or(usize::MAX);
+            let upto = if end == 0 {
+                key.token_ids.len()
+            } else {
+                end.min(key.token_ids.len())
+            };
+            let hashes = chunk_hashes(&key.token_ids[..upto], self.ctx.config.chunk_tokens);
             if hashes.is_empty() {
                 0
             } else {
