@@ -396,8 +396,15 @@ fn lmcache_protocol_end_to_end() {
         Some(Value::from(2))
     );
     let st = common::NodeStatus::of(&node.socket);
-    assert_eq!(num(&st, &["objects", "read_locked"]), 4, "r1end locks 2 of r1's 4 again");
-    assert_eq!(d.call(Op::EndSession, vec![wire::encode_str("r1end")]), None);
+    assert_eq!(
+        num(&st, &["objects", "read_locked"]),
+        4,
+        "r1end locks 2 of r1's 4 again"
+    );
+    assert_eq!(
+        d.call(Op::EndSession, vec![wire::encode_str("r1end")]),
+        None
+    );
     let p = d
         .call(
             Op::PrepareRetrieve,
