@@ -29,6 +29,9 @@ impl Sim {
         if self.on("owners") {
             self.check_transfer_owners()?;
         }
+        if self.on("quotas") {
+            self.check_reservation_quotas()?;
+        }
         let live: Vec<u64> = self.ctx.instances.all().iter().map(|i| i.id).collect();
         let watched = self.reaper.watched();
         if self.on("wheel") && watched != live {
@@ -42,6 +45,58 @@ impl Sim {
                 self.ctx.liveness.tracked(),
                 live.len()
             ));
+        }
+        Ok(())
+    }
+
+    /// The store quotas balance: each live instance's `reserved_bytes` is exactly what its
+    /// pending stores hold (each store charged exactly its slots), within the per-instance cap;
+    /// each user's shared counter is the sum over that user's live instances, within the
+    /// per-user cap. (A leak or a double refund anywhere shows up here.)
+    fn check_reservation_quotas(&self) -> Check {
+        let mut users: Vec<(std::sync::Arc<std::sync::atomic::AtomicU64>, u64)> = Vec::new();
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Acquire);
+        for inst in self.ctx.instances.all() {
+            let held: u64 = {
+                let p = inst.pending.lock();
+                let mut sum = 0;
+                for (t, w) in &p.writes {
+                    let slots: u64 = w.items.iter().map(|(_, g)| g.slot.len).sum();
+                    if w.charged != slots {
+                        return Err(format!(
+                            "store {t} of instance {} charged {} bytes for {slots} of slots",
+                            inst.id, w.charged
+                        ));
+                    }
+                    sum += slots;
+                }
+                sum
+            };
+            let reserved = load(&inst.reserved_bytes);
+            if reserved != held || reserved > self.ctx.reserved_cap_per_instance() {
+                return Err(format!(
+                    "instance {} counts {reserved} reserved bytes; its pending stores hold {held} \
+                     (cap {})",
+                    inst.id,
+                    self.ctx.reserved_cap_per_instance()
+                ));
+            }
+            match users
+                .iter_mut()
+                .find(|(c, _)| std::sync::Arc::ptr_eq(c, &inst.user_reserved))
+            {
+                Some((_, sum)) => *sum += reserved,
+                None => users.push((inst.user_reserved.clone(), reserved)),
+            }
+        }
+        for (counter, sum) in &users {
+            let n = load(counter);
+            if n != *sum || n > self.ctx.reserved_cap_per_user() {
+                return Err(format!(
+                    "a user's reserved-bytes counter is {n}; its live instances hold {sum} (cap {})",
+                    self.ctx.reserved_cap_per_user()
+                ));
+            }
         }
         Ok(())
     }

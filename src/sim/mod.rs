@@ -47,7 +47,7 @@ pub struct SimOptions {
     /// Steps of history printed with a failure.
     pub trace: usize,
     /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
-    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`.
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`, `quotas`.
     pub skip: Vec<String>,
 }
 
