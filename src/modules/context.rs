@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use super::caller::Caller;
 use super::events::{Event, EventBus};
 use super::instances::{Instance, InstanceTable, PendingTransfers};
+pub use super::layouts::LayoutRegistry;
 use super::lookup::SessionTable;
 use super::shards::ShardPool;
 use crate::clock::Clock;
@@ -28,51 +29,6 @@ const MAX_REGISTER_ATTEMPTS: u32 = 16;
 /// A namespace interned this recently is kept by a reclaim even if nothing uses it yet (the
 /// request that interned it is about to store under it).
 pub const NAMESPACE_RECLAIM_GRACE_MS: u64 = 2_000;
-
-/// Reference-counted layouts per `(model, world_size)`, as LMCache's `LayoutDescRegistry`.
-/// Invariant: an entry exists iff at least one live instance of that pair holds a reference.
-#[derive(Default)]
-pub struct LayoutRegistry {
-    inner: Mutex<HashMap<(String, u32), (Layout, usize)>>,
-}
-
-impl LayoutRegistry {
-    fn acquire(&self, model: &str, world_size: u32, layout: &Layout) {
-        let mut m = self.inner.lock();
-        m.entry((model.to_owned(), world_size))
-            .and_modify(|e| e.1 += 1)
-            .or_insert_with(|| (layout.clone(), 1));
-    }
-
-    fn release(&self, model: &str, world_size: u32) {
-        let mut m = self.inner.lock();
-        let key = (model.to_owned(), world_size);
-        if let Some(e) = m.get_mut(&key) {
-            e.1 -= 1;
-            if e.1 == 0 {
-                m.remove(&key);
-            }
-        }
-    }
-
-    /// The layout registered for `(model, world_size)`, if any instance holds it.
-    pub fn get(&self, model: &str, world_size: u32) -> Option<Layout> {
-        self.inner
-            .lock()
-            .get(&(model.to_owned(), world_size))
-            .map(|e| e.0.clone())
-    }
-
-    /// Number of distinct registered layouts.
-    pub fn len(&self) -> usize {
-        self.inner.lock().len()
-    }
-
-    /// Whether no layout is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
 
 /// What releasing an instance handed back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -6,6 +6,7 @@ pub mod caller;
 pub mod context;
 pub mod events;
 pub mod instances;
+pub mod layouts;
 pub mod lookup;
 pub mod management;
 pub mod sessions;
