@@ -8,6 +8,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::lm::{free_port, get};
 use common::num;
 use kvnode::lmcache::wire::{self, IpcKey, Op, RegisterPayload};
 use rmpv::Value;
@@ -36,14 +37,6 @@ impl Drop for LmNode {
         let _ = std::fs::remove_file(format!("/dev/shm/{}.lock", self.shm));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start(tag: &str) -> LmNode {
@@ -178,15 +171,6 @@ fn registration(instance_id: u64, dtype: &str) -> RegisterPayload {
         dtype_str: dtype.into(),
         use_mla: false,
     }
-}
-
-fn get<'a>(v: &'a Value, k: &str) -> &'a Value {
-    v.as_map()
-        .unwrap_or_else(|| panic!("map expected, got {v}"))
-        .iter()
-        .find(|(kk, _)| kk.as_str() == Some(k))
-        .map(|(_, vv)| vv)
-        .unwrap_or_else(|| panic!("no field {k} in {v}"))
 }
 
 #[test]

@@ -13,6 +13,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::lm::{free_port, get};
 use common::{num, TestDir};
 use kvnode::lmcache::wire::{self, IpcKey, Op, RegisterPayload};
 use rmpv::Value;
@@ -51,14 +52,6 @@ impl LmNode {
     fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("node.log")).unwrap_or_default()
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `lmcache-server` on `host` (a free port) with `extra` flags, started once its native socket
@@ -182,15 +175,6 @@ fn registration(instance_id: u64) -> Vec<u8> {
         dtype_str: "float16".into(),
         use_mla: false,
     })
-}
-
-fn get<'a>(v: &'a Value, k: &str) -> &'a Value {
-    v.as_map()
-        .unwrap_or_else(|| panic!("map expected, got {v}"))
-        .iter()
-        .find(|(kk, _)| kk.as_str() == Some(k))
-        .map(|(_, vv)| vv)
-        .unwrap_or_else(|| panic!("no field {k} in {v}"))
 }
 
 /// Bytes of one chunk object of the test model (2 layers × K/V × 16 tokens × 8 × fp16).
