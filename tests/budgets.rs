@@ -166,6 +166,7 @@ fn header(id: u64, payload_len: u32) -> [u8; HEADER_BYTES] {
         request_id: String::new(),
         range: lookup_range(Vec::new()),
         tp_size: 1,
+        readers: 0,
     }
     .opcode();
     FrameHeader {

@@ -147,6 +147,7 @@ fn all_requests() -> Vec<(&'static str, Request)> {
                 hidden_dim: 16,
                 dtype: "float32".into(),
                 use_mla: false,
+                physical_slots: None,
             }),
         ),
         ("unregister", Request::Unregister { instance_id: 7 }),
@@ -192,6 +193,7 @@ fn all_requests() -> Vec<(&'static str, Request)> {
                 request_id: "req-1".into(),
                 range: range(None, 4),
                 tp_size: 2,
+                readers: 0,
             },
         ),
         (
@@ -396,6 +398,7 @@ fn golden_key() -> IpcKey {
         end: 3,
         request_id: "req".into(),
         cache_salt: String::new(),
+        num_kv_readers: 1,
     }
 }
 
@@ -409,6 +412,7 @@ fn golden_reg() -> RegisterPayload {
         hidden_dim_size: 16,
         dtype_str: "float32".into(),
         use_mla: false,
+        num_physical_slots: None,
     }
 }
 

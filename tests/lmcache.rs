@@ -154,6 +154,7 @@ fn key(tokens: &[u32], start: u64, end: u64, worker: Option<u32>, req: &str) -> 
             end,
             request_id: req.into(),
             cache_salt: String::new(),
+            num_kv_readers: 1,
         },
         true,
     )
@@ -170,6 +171,7 @@ fn registration(instance_id: u64, dtype: &str) -> RegisterPayload {
         hidden_dim_size: 8,
         dtype_str: dtype.into(),
         use_mla: false,
+        num_physical_slots: None,
     }
 }
 
@@ -542,7 +544,8 @@ fn lmcache_protocol_end_to_end() {
     let bad = d
         .call(Op::PrepareStore, vec![vec![0xff, 0xff], inst.clone()])
         .unwrap();
-    assert_eq!(get(get(&bad, "context"), "slots"), &Value::Array(vec![]));
+    // No slot list (the client's "could not reserve"), never the empty one of "already cached".
+    assert_eq!(get(&bad, "context"), &Value::Map(vec![]), "{bad}");
     assert_eq!(
         d.call(
             Op::CommitStore,
@@ -585,14 +588,14 @@ fn lmcache_protocol_end_to_end() {
         ),
         0
     );
-    // Unaligned range: negative, not a hang.
+    // Unaligned range: negative (no slot list), not a hang.
     let p = d
         .call(
             Op::PrepareStore,
             vec![key(&tokens, 0, 20, Some(0), "x"), inst.clone()],
         )
         .unwrap();
-    assert_eq!(get(get(&p, "context"), "slots"), &Value::Array(vec![]));
+    assert_eq!(get(&p, "context"), &Value::Map(vec![]), "{p}");
 
     // The native socket reports the LMCache instance.
     let st = common::NodeStatus::of(&node.socket);

@@ -158,6 +158,7 @@ fn key(tokens: &[u32], end: u64, req: &str) -> Vec<u8> {
             end,
             request_id: req.into(),
             cache_salt: String::new(),
+            num_kv_readers: 1,
         },
         true,
     )
@@ -174,6 +175,7 @@ fn registration(instance_id: u64) -> Vec<u8> {
         hidden_dim_size: 8,
         dtype_str: "float16".into(),
         use_mla: false,
+        num_physical_slots: None,
     })
 }
 
@@ -308,8 +310,10 @@ fn child_nobody_probe() {
     );
     println!(
         "PROBE prepare_slots {}",
-        p.as_ref().map_or(0, |p| get(get(p, "context"), "slots")
-            .as_array()
+        p.as_ref().map_or(0, |p| get(p, "context")
+            .as_map()
+            .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some("slots")))
+            .and_then(|(_, v)| v.as_array())
             .map_or(0, Vec::len))
     );
     println!(

@@ -23,6 +23,7 @@ pub fn run(socket: &str, op: &str, n: u64) -> Result<(), String> {
             hidden_dim: 128,
             dtype: "float16".into(),
             use_mla: false,
+            physical_slots: None,
         })
         .map_err(|e| e.to_string())?;
     let chunk = reg.chunk_tokens;

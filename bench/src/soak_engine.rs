@@ -136,6 +136,7 @@ impl NativeEngine {
             hidden_dim: HIDDEN,
             dtype: DTYPE.into(),
             use_mla: false,
+            physical_slots: None,
         })?;
         Ok((NativeEngine { client, id }, reply.chunk_tokens))
     }

@@ -62,6 +62,7 @@ impl LmEngine {
             hidden_dim_size: HIDDEN,
             dtype_str: DTYPE.into(),
             use_mla: false,
+            num_physical_slots: None,
         };
         let r = d
             .call(
@@ -110,6 +111,7 @@ impl LmEngine {
                 end: u64::from(end_chunk) * chunk_tokens,
                 request_id: req.into(),
                 cache_salt: String::new(),
+                num_kv_readers: 1,
             },
             true,
         )
@@ -211,6 +213,14 @@ impl Engine for LmEngine {
             .call(Op::PrepareStore, vec![key, self.inst()])?
             .ok_or_else(|| Error::internal("PREPARE_STORE without a reply"))?;
         let ctx = field(&r, "context")?;
+        if field(ctx, "slots").is_err() {
+            // No slot list: nothing was reserved (out of memory, a budget, a refusal). The
+            // empty list, by contrast, means "already cached".
+            return Err(Error::new(
+                ErrorKind::OutOfMemory,
+                "PREPARE_STORE reserved nothing (no slot list)",
+            ));
+        }
         let slots = Self::slots(ctx, Some(field(ctx, "chunk_indices")?))?;
         Ok(Prepared {
             transfer_id: 0,

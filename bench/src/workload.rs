@@ -242,6 +242,7 @@ impl Instance {
                 hidden_dim: spec.layout.hidden,
                 dtype: spec.layout.dtype.clone(),
                 use_mla: false,
+                physical_slots: None,
             })
             .map_err(|e| format!("register: {e}"))?;
         let chunk_bytes = usize::try_from(reg.object_bytes)

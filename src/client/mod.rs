@@ -7,6 +7,7 @@
 //! c.register(&kvnode::protocol::RegisterRequest {
 //!     instance_id: 1, model: "m".into(), world_size: 1, block_size: 16,
 //!     num_layers: 2, hidden_dim: 128, dtype: "bfloat16".into(), use_mla: false,
+//!     physical_slots: None,
 //! })?;
 //! let tokens: Vec<u32> = (0..512).collect();
 //! let range = ChunkRangeBuilder::worker("m", 1, 0).tokens(&tokens, c.chunk_tokens()?);
@@ -444,6 +445,7 @@ impl Client {
             request_id: request_id.to_owned(),
             range: range.clone(),
             tp_size,
+            readers: 0,
         })? {
             Response::LookupHits { chunks } => Ok(chunks),
             r => Err(Self::unexpected(r)),

@@ -44,6 +44,7 @@ fn key_of(
         end: end_chunk * u64::from(CHUNK_TOKENS),
         request_id: request_id.into(),
         cache_salt: String::new(),
+        num_kv_readers: 1,
     }
 }
 
@@ -57,6 +58,7 @@ fn registration(instance_id: u64) -> LmRequest {
         hidden_dim_size: world::HIDDEN,
         dtype_str: world::DTYPE.into(),
         use_mla: false,
+        num_physical_slots: None,
     })
 }
 
@@ -279,7 +281,7 @@ fn another_users_connection_cannot_use_keep_alive_or_take_an_instance() {
             key: key(0, 2, Some(0)),
             instance_id: 5,
         }),
-        LmReply::PrepareStore(Some((Vec::new(), Vec::new()))),
+        LmReply::PrepareStore(None),
         "nothing reserved for a non-owner"
     );
     assert!(lm.objects().is_empty());
@@ -449,7 +451,7 @@ fn a_request_id_beyond_its_limit_is_refused() {
         key: key_of(tokens(), 0, 2, Some(0), "123456789"),
         instance_id: 5,
     });
-    assert_eq!(r, LmReply::PrepareStore(Some((Vec::new(), Vec::new()))));
+    assert_eq!(r, LmReply::PrepareStore(None));
     assert!(lm.objects().is_empty());
     assert_eq!(
         lm.fe

@@ -26,6 +26,10 @@ use crate::storage::{Dtype, Layout, Namespaces, StorageConfig, StorageCore};
 /// Rounds a registration retries when the instance it finds is being released meanwhile.
 const MAX_REGISTER_ATTEMPTS: u32 = 16;
 
+/// Most token slots one chunk object may declare at registration (`physical_slots`); the
+/// object must also fit the pool.
+pub const MAX_PHYSICAL_SLOTS: u32 = 1 << 20;
+
 /// A namespace interned this recently is kept by a reclaim even if nothing uses it yet (the
 /// request that interned it is about to store under it).
 pub const NAMESPACE_RECLAIM_GRACE_MS: u64 = 2_000;
@@ -256,13 +260,17 @@ impl NodeContext {
         if req.num_layers == 0 || req.hidden_dim == 0 {
             return Err(Error::invalid("num_layers and hidden_dim must be > 0"));
         }
-        let layout = Layout::engine_driven(
-            req.num_layers,
-            self.config.chunk_tokens,
-            req.hidden_dim,
-            dtype,
-            req.use_mla,
-        )?;
+        let slots = match req.physical_slots {
+            None => self.config.chunk_tokens,
+            Some(n) if (1..=MAX_PHYSICAL_SLOTS).contains(&n) => n,
+            Some(n) => {
+                return Err(Error::invalid(format!(
+                    "physical_slots {n} is outside 1..={MAX_PHYSICAL_SLOTS}"
+                )))
+            }
+        };
+        let layout =
+            Layout::engine_driven(req.num_layers, slots, req.hidden_dim, dtype, req.use_mla)?;
         if layout.object_bytes() > self.storage.capacity() {
             return Err(Error::new(
                 ErrorKind::OutOfMemory,

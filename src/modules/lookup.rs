@@ -15,8 +15,13 @@ use crate::hashing::ChunkHash;
 use crate::protocol::{ChunkRange, Response};
 use crate::storage::{pack_kv_rank, NamespaceId, StorageKey};
 
-/// LMCache's multi-reader rule: `tp = tp_size if tp_size > 1 else world_size`;
-/// `extra = tp - 1 if tp > world_size else 0` (MLA: every TP rank reads the same object).
+/// Most readers one LOOKUP may declare per object (LMCache 0.5.4 clamped its extra locks to
+/// 127, i.e. 128 readers); a larger `readers` is refused with `LimitExceeded`.
+pub const MAX_KV_READERS: u32 = 128;
+
+/// LMCache 0.5.4's multi-reader rule, used when a LOOKUP does not declare its readers:
+/// `tp = tp_size if tp_size > 1 else world_size`; `extra = tp - 1 if tp > world_size else 0`
+/// (MLA: every TP rank reads the same object).
 pub fn extra_readers(tp_size: u32, world_size: u32) -> u32 {
     let tp = if tp_size > 1 { tp_size } else { world_size };
     if tp > world_size {
@@ -48,7 +53,10 @@ pub fn release_session(ctx: &NodeContext, s: &Session) {
     }
 }
 
-/// LOOKUP: prefix hit count over all ranks, locking the hit prefix with `1 + extra` locks per key.
+/// LOOKUP: prefix hit count over all ranks, locking each object of the hit prefix once per
+/// reader: `readers` when given (LMCache 0.5.6 `num_kv_readers`: each reader's retrieve consumes
+/// one lock, so two MLA ranks sharing worker 0 both find theirs), else LMCache 0.5.4's rule from
+/// `tp_size` ([`extra_readers`]).
 /// A repeated lookup with the same request id replaces the session and releases the locks the
 /// old one still held (LMCache leaked them: W7). A lookup that hits nothing keeps no session.
 /// Sessions stay within `limits.max_sessions` and `limits.max_session_bytes`: a new one evicts
@@ -61,6 +69,7 @@ pub fn lookup(
     request_id: &str,
     range: &ChunkRange,
     tp_size: u32,
+    readers: u32,
 ) -> Result<Response> {
     if range.worker_id.is_some() {
         return Err(Error::invalid(
@@ -89,6 +98,11 @@ pub fn lookup(
             check_creator(s, connection, request_id)?;
         }
     }
+    if readers > MAX_KV_READERS {
+        return Err(Error::limit(format!(
+            "LOOKUP declares {readers} readers per object (limit {MAX_KV_READERS})"
+        )));
+    }
     let Some(namespace) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
         // Interned names were validated then; an unknown pair is checked here, so a bad name
         // is still an error rather than a miss.
@@ -105,7 +119,10 @@ pub fn lookup(
         }
         return Ok(Response::LookupHits { chunks: 0 });
     };
-    let extra = extra_readers(tp_size, range.world_size);
+    let extra = match readers {
+        0 => extra_readers(tp_size, range.world_size),
+        n => n - 1,
+    };
     // Keys are built one chunk at a time; locking stops at the first gap (in every tier).
     let chunks = range
         .chunk_hashes

@@ -49,6 +49,7 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
             request_id,
             range,
             tp_size,
+            readers,
         } => lookup::lookup(
             ctx,
             caller.session_owner(),
@@ -56,6 +57,7 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
             &request_id,
             &range,
             tp_size,
+            readers,
         ),
         Request::FreeLookupLocks {
             request_id,

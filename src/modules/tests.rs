@@ -52,6 +52,7 @@ impl Harness {
             hidden_dim: world::HIDDEN,
             dtype: world::DTYPE.into(),
             use_mla: false,
+            physical_slots: None,
         }));
         assert!(matches!(r, Response::Registered(_)), "{r:?}");
     }
@@ -92,6 +93,7 @@ impl Harness {
             request_id: session.into(),
             range: Self::range(hashes, None),
             tp_size: 1,
+            readers: 0,
         }) {
             Response::LookupHits { chunks } => chunks,
             r => panic!("{r:?}"),
@@ -313,6 +315,7 @@ fn lookups_and_retrieves_of_unknown_namespaces_intern_nothing() {
             request_id: format!("s{i}"),
             range: range.clone(),
             tp_size: 1,
+            readers: 0,
         });
         assert_eq!(r, Response::LookupHits { chunks: 0 });
         range.worker_id = Some(0);
@@ -461,6 +464,7 @@ fn concurrent_registration_and_close_never_hand_out_a_released_instance() {
         hidden_dim: world::HIDDEN,
         dtype: world::DTYPE.into(),
         use_mla: false,
+        physical_slots: None,
     };
     std::thread::scope(|s| {
         for conn in [100u64, 200] {

@@ -333,7 +333,24 @@ fn prepare_retrieve(
         .zip(&results)
         .filter_map(|(k, r)| r.as_ref().ok().map(|g| (*k, g.lease)))
         .collect();
-    if found.len() < keys.len() {
+    // An object stored by an instance of another layout under the same model (e.g. other
+    // physical slots per chunk) is not this reader's: its slot has another size, and copying
+    // this instance's layout out of it would read past it. Such a retrieve is a miss.
+    let object_bytes = inst.layout.object_bytes();
+    let foreign = results
+        .iter()
+        .flatten()
+        .filter(|g| g.slot.len != object_bytes)
+        .count();
+    if foreign > 0 {
+        tracing::warn!(
+            instance = inst.id,
+            objects = foreign,
+            expected_bytes = object_bytes,
+            "PREPARE_RETRIEVE found objects of another layout (size) under this model: a miss"
+        );
+    }
+    if found.len() < keys.len() || foreign > 0 {
         // All-or-nothing: release the locks of the chunks that were found (LMCache releases the
         // LOOKUP locks of the found subset too), then report a miss.
         ctx.storage.finish_read(&found, 0);

@@ -15,7 +15,7 @@ use super::messages::{Request, Response};
 /// `b"KVN1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVN1");
 /// Protocol version spoken by this build.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 32;
 /// Largest payload accepted in either direction.
@@ -306,6 +306,7 @@ mod tests {
                 chunk_hashes: vec![[fill; 32]; chunks],
             },
             tp_size: 1,
+            readers: 0,
         }
     }
 

@@ -47,6 +47,10 @@ pub struct RegisterRequest {
     pub dtype: String,
     /// One KV plane (MLA) instead of K and V.
     pub use_mla: bool,
+    /// Token slots per chunk object; `None`: the node's chunk size (one slot per token). Fewer
+    /// under decode-context parallelism (LMCache 0.5.6 `num_physical_slots`); within
+    /// `1..=MAX_PHYSICAL_SLOTS` (`modules::context`).
+    pub physical_slots: Option<u32>,
 }
 
 /// One block-allocation record (vLLM scheduler report).
@@ -118,14 +122,19 @@ pub enum Request {
         /// Id from the prepare reply.
         transfer_id: u64,
     },
-    /// Prefix hit count for all ranks, taking `1 + extra_count` read locks on the hit prefix.
+    /// Prefix hit count for all ranks, taking one read lock per reader on each object of the
+    /// hit prefix.
     Lookup {
         /// Session id (LMCache request id).
         request_id: String,
         /// All chunks of the request (`worker_id` must be `None`).
         range: ChunkRange,
-        /// vLLM tensor-parallel size (MLA multi-reader lock math).
+        /// vLLM tensor-parallel size: the legacy (LMCache 0.5.4) reader rule when `readers` is 0.
         tp_size: u32,
+        /// Workers that will retrieve each object (LMCache 0.5.6 `num_kv_readers`), within
+        /// `1..=MAX_KV_READERS` (`modules::lookup`); 0: derive it from `tp_size` and the world
+        /// size.
+        readers: u32,
     },
     /// Release lookup locks of chunks `[start_chunk, end_chunk)` clipped to the hit length.
     FreeLookupLocks {

@@ -476,6 +476,7 @@ mod tests {
                 chunk_hashes: vec![[3; 32]; chunks],
             },
             tp_size: 1,
+            readers: 0,
         };
         encode_request(id, &req).unwrap()
     }

@@ -118,6 +118,7 @@ impl Sim {
             end: (b as u64) * u64::from(CHUNK_TOKENS),
             request_id: format!("lm-p{p}-{salt}"),
             cache_salt: salt.into(),
+            num_kv_readers: 1,
         }
     }
 
@@ -269,6 +270,7 @@ impl Sim {
                 hidden_dim_size: HIDDEN,
                 dtype_str: DTYPE.into(),
                 use_mla: false,
+                num_physical_slots: None,
             }),
         );
         self.log(format!("lm {id} REGISTER -> {r:?}"));
@@ -544,7 +546,14 @@ impl Sim {
 
     fn lm_lookup(&mut self) -> Check {
         let (p, _, _, salt) = self.lm_span();
-        let key = self.ipc_key(p, 0, PROMPT_CHUNKS, salt, None);
+        let mut key = self.ipc_key(p, 0, PROMPT_CHUNKS, salt, None);
+        // 0.5.6 clients declare their readers (MLA ranks sharing a worker id: several); 0.5.4
+        // clients send none (0: the tp rule).
+        key.num_kv_readers = match self.rng.index(4) {
+            0 => 0,
+            _ => self.rng.range(1, 4) as u32,
+        };
+        let readers = key.num_kv_readers;
         let request_id = key.request_id.clone();
         self.named(LM_MODEL, salt);
         self.stats.lookups += 1;
@@ -562,7 +571,7 @@ impl Sim {
             self.remember_lookup(request_id.clone(), LM_MODEL, salt, p, n as u32);
         }
         self.log(format!(
-            "lm LOOKUP {request_id} tp {tp_size} -> {r:?}, prefetch status {hits:?}"
+            "lm LOOKUP {request_id} tp {tp_size} readers {readers} -> {r:?}, prefetch status {hits:?}"
         ));
         let _ = short;
         Ok(())

@@ -460,6 +460,7 @@ mod tests {
                 k.namespace == reg.inst.namespace
                     && e.state == crate::storage::index::ObjectState::Ready
                     && !e.doomed
+                    && e.slot.len == reg.inst.layout.object_bytes()
             }) else {
                 continue;
             };

@@ -139,11 +139,12 @@ impl Layout {
         })
     }
 
-    /// LMCache's engine-driven layout: `[2, layers, chunk, hidden]`, or `[layers, chunk, hidden]`
-    /// when `use_mla` (one KV plane).
+    /// LMCache's engine-driven layout: `[2, layers, slots, hidden]`, or `[layers, slots, hidden]`
+    /// when `use_mla` (one KV plane); `slots` is the chunk's token count, or fewer physical
+    /// slots under decode-context parallelism (LMCache 0.5.6 `num_physical_slots`).
     pub fn engine_driven(
         num_layers: u32,
-        chunk_tokens: u32,
+        slots_per_chunk: u32,
         hidden_dim: u32,
         dtype: Dtype,
         use_mla: bool,
@@ -154,7 +155,7 @@ impl Layout {
         }
         shape.extend([
             u64::from(num_layers),
-            u64::from(chunk_tokens),
+            u64::from(slots_per_chunk),
             u64::from(hidden_dim),
         ]);
         Layout::new(shape, dtype)

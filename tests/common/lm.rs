@@ -186,6 +186,7 @@ pub fn key(tokens: &[u32], start: u64, end: u64, worker: Option<u32>, req: &str)
             end,
             request_id: req.into(),
             cache_salt: String::new(),
+            num_kv_readers: 1,
         },
         true,
     )
@@ -202,6 +203,7 @@ pub fn registration(instance_id: u64) -> RegisterPayload {
         hidden_dim_size: 8,
         dtype_str: "float32".into(),
         use_mla: false,
+        num_physical_slots: None,
     }
 }
 
@@ -222,7 +224,8 @@ pub fn register(d: &mut Dealer, id: u64) -> Value {
     .expect("register reply")
 }
 
-/// PREPARE_STORE of `[start, end)`: the slots' offsets.
+/// PREPARE_STORE of `[start, end)`: the slots' offsets (none when the answer has no slot list,
+/// i.e. nothing was reserved, or an empty one, i.e. all cached already).
 pub fn prepare_store(d: &mut Dealer, id: u64, tokens: &[u32], end: u64, req: &str) -> Vec<u64> {
     let p = d
         .call(
@@ -230,7 +233,11 @@ pub fn prepare_store(d: &mut Dealer, id: u64, tokens: &[u32], end: u64, req: &st
             vec![key(tokens, 0, end, Some(0), req), wire::encode_uint(id)],
         )
         .unwrap();
-    get(get(&p, "context"), "slots")
+    let ctx = get(&p, "context").as_map().expect("context is a map");
+    let Some((_, slots)) = ctx.iter().find(|(k, _)| k.as_str() == Some("slots")) else {
+        return Vec::new();
+    };
+    slots
         .as_array()
         .unwrap()
         .iter()

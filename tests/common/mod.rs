@@ -330,6 +330,7 @@ pub fn reg(instance_id: u64) -> RegisterRequest {
         hidden_dim: 64,
         dtype: "float32".into(),
         use_mla: false,
+        physical_slots: None,
     }
 }
 

@@ -63,6 +63,7 @@ impl NodePlan<'_> {
                 hidden_dim: self.hidden,
                 dtype: "bfloat16".into(),
                 use_mla: false,
+                physical_slots: None,
             })
             .map_err(|e| format!("register: {e}"))?;
         if reg.object_bytes != self.object_bytes || reg.chunk_tokens != CHUNK_TOKENS {

@@ -191,6 +191,7 @@ fn register(c: &mut Client, first_id: u64, hidden: u32) -> Result<[u64; 2], Stri
                 hidden_dim: hidden,
                 dtype: "float32".into(),
                 use_mla: false,
+                physical_slots: None,
             })
             .map_err(|e| format!("register {model}: {e}"))?;
         let want = object_bytes(hidden, m);

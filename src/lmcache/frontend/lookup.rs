@@ -185,6 +185,7 @@ impl LmFrontend {
                     request_id: name,
                     range,
                     tp_size,
+                    readers: key.num_kv_readers,
                 }) {
                     Response::LookupHits { chunks } => {
                         let looked_up = hashes.len();

@@ -46,6 +46,7 @@ mod client;
 mod hashes;
 mod limits;
 mod lookup;
+mod lost;
 mod owners;
 mod transfer;
 
@@ -160,6 +161,11 @@ pub struct FrontendCounters {
     pub over_limit: AtomicU64,
     /// Bytes of requests waiting for the handler threads now (the server keeps it).
     pub queued_bytes: AtomicUsize,
+    /// Requests naming an instance that is not registered (e.g. reaped while its worker lived).
+    pub unregistered: AtomicU64,
+    /// PINGs answered `false` so that a worker whose instance the node released registers
+    /// again (its heartbeat's recovery).
+    pub recovery_pings: AtomicU64,
 }
 
 /// The frontend's state; shared with the release hook the node calls.
@@ -178,6 +184,8 @@ struct State {
     /// segment): their retrieves are answered as misses, since they would look for the bytes
     /// inline.
     pickle_instances: Mutex<HashMap<u64, u64>>,
+    /// Instances the node released while an LMCache connection owned them (see `lost`).
+    lost: Mutex<lost::LostInstances>,
     counters: FrontendCounters,
     refusal_log: LogLimit,
 }
@@ -200,6 +208,9 @@ impl State {
             "pending_bytes": pending_bytes,
             "pending_transfers": pending_transfers,
             "owned_instances": self.owners.lock().len(),
+            "released_awaiting_ping": self.lost.lock().len(),
+            "unregistered_requests": n(&c.unregistered),
+            "recovery_pings": n(&c.recovery_pings),
             "refused": {
                 "queue_budget": n(&c.queue_refused),
                 "max_tokens_per_request": n(&c.over_limit),
@@ -225,7 +236,10 @@ impl State {
         if o.get(&inst.id)
             .is_some_and(|w| w.generation == inst.generation)
         {
-            o.remove(&inst.id);
+            if let Some(w) = o.remove(&inst.id) {
+                // UNREGISTER and REGISTER forget it again (under `registering`, after the call).
+                self.lost.lock().insert(inst.id, w.client);
+            }
         }
     }
 }
@@ -279,6 +293,7 @@ impl LmFrontend {
             owners: Mutex::default(),
             registering: Mutex::new(()),
             pickle_instances: Mutex::default(),
+            lost: Mutex::default(),
             counters: FrontendCounters::default(),
             refusal_log: LogLimit::default(),
             limits,
@@ -372,7 +387,9 @@ impl LmFrontend {
             Op::Noop => LmReply::Str("OK".into()),
             Op::Ping | Op::CommitRetrieve => LmReply::Bool(true),
             Op::CommitStore => LmReply::Bool(false),
-            Op::PrepareStore => LmReply::PrepareStore(Some((Vec::new(), Vec::new()))),
+            // No slots list: the client's "could not reserve" (it then commits nothing the node
+            // keeps). An empty list would mean "already cached": the store would be skipped.
+            Op::PrepareStore => LmReply::PrepareStore(None),
             Op::PrepareRetrieve => LmReply::PrepareRetrieve(None),
             Op::QueryPrefetchStatus | Op::WaitPrefetchStatus | Op::QueryPrefetchLookupHits => {
                 LmReply::Uint(0)
@@ -437,10 +454,7 @@ impl LmFrontend {
             LmRequest::GetChunkSize => LmReply::Uint(self.chunk()),
             LmRequest::GetExperimental => LmReply::StrList(Vec::new()),
             LmRequest::Noop => LmReply::Str("OK".into()),
-            LmRequest::Ping { instance_id } => {
-                self.ping(client, instance_id);
-                LmReply::Bool(true)
-            }
+            LmRequest::Ping { instance_id } => LmReply::Bool(self.ping(client, instance_id)),
             LmRequest::RegisterEngineDriven(p) => self.register(client, p),
             LmRequest::UnregisterEngineDriven { instance_id } => {
                 self.unregister(client, instance_id);

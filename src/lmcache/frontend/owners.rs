@@ -62,10 +62,18 @@ impl LmFrontend {
         op: &str,
     ) -> Option<Arc<Instance>> {
         let Some(inst) = self.ctx.instances.get(instance_id) else {
+            self.state
+                .counters
+                .unregistered
+                .fetch_add(1, Ordering::Relaxed);
             self.refused(
                 client,
                 op,
-                format_args!("instance {instance_id} is not registered"),
+                format_args!(
+                    "instance {instance_id} is not registered (released by the node, or never \
+                     registered): the worker must register again (LMCache workers do so after \
+                     their heartbeat's next failed PING)"
+                ),
             );
             return None;
         };
@@ -91,20 +99,41 @@ impl LmFrontend {
     }
 
     /// PING: only the owner keeps its instance alive; a ping of another connection's instance
-    /// is answered (LMCache always answers true) and ignored.
-    pub(super) fn ping(&self, client: &ClientId, instance_id: Option<u64>) {
-        let mine = instance_id.is_none_or(|id| {
+    /// is answered `true` (as LMCache always does) and ignored. The answer is `false` once for
+    /// an instance the node released while its user's worker owned it (`lost`): that worker's
+    /// heartbeat then registers it again.
+    pub(super) fn ping(&self, client: &ClientId, instance_id: Option<u64>) -> bool {
+        let Some(id) = instance_id else {
+            self.call(Request::Ping { instance_id });
+            return true;
+        };
+        let mine = {
             let o = self.state.owners.lock();
             o.get(&id).is_some_and(|w| w.client == *client)
-        });
+        };
         if mine {
             self.call(Request::Ping { instance_id });
-        } else {
+            return true;
+        }
+        let registered = self.ctx.instances.get(id).is_some();
+        if !registered && self.state.lost.lock().take_for(id, client) {
             self.state
                 .counters
-                .not_owner
+                .recovery_pings
                 .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                instance = id,
+                %client,
+                "PING for an instance the node released (reaped or disconnected) while its \
+                 worker still runs: answering false once, so the worker registers it again"
+            );
+            return false;
         }
+        self.state
+            .counters
+            .not_owner
+            .fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// UNREGISTER: only the owner's is executed (the release hook then drops what the frontend
@@ -113,6 +142,8 @@ impl LmFrontend {
         let _serial = self.state.registering.lock();
         if self.owned(client, instance_id, "UNREGISTER").is_some() {
             self.call(Request::Unregister { instance_id });
+            // Released at its worker's request: nobody needs telling.
+            self.state.lost.lock().remove(instance_id);
         }
     }
 
@@ -160,6 +191,7 @@ impl LmFrontend {
             hidden_dim: p.hidden_dim_size,
             dtype: p.dtype_str,
             use_mla: p.use_mla,
+            physical_slots: p.num_physical_slots,
         }));
         match resp {
             Response::Registered(r) => {
@@ -187,6 +219,8 @@ impl LmFrontend {
                 }
                 drop(pending);
                 self.state.pickle_instances.lock().remove(&id);
+                // Registered again: no recovery PING is owed any more.
+                self.state.lost.lock().remove(id);
                 LmReply::Register {
                     shm_name: r.shm_name,
                     pool_bytes: r.pool_bytes,

@@ -187,6 +187,7 @@ fn decode_key(r: &mut Reader<'_>, max_tokens: usize) -> Result<IpcKey> {
     let mut end = None;
     let mut request_id = String::new();
     let mut cache_salt = String::new();
+    let mut num_kv_readers = 0;
     for _ in 0..n {
         match r.read_key("key")? {
             b"model_name" => model_name = Some(r.read_str("key.model_name")?),
@@ -233,7 +234,8 @@ fn decode_key(r: &mut Reader<'_>, max_tokens: usize) -> Result<IpcKey> {
             b"end" => end = Some(r.read_u64("key.end")?),
             b"request_id" => request_id = r.read_str("key.request_id")?,
             b"cache_salt" => cache_salt = r.read_str("key.cache_salt")?,
-            // request_configs, num_kv_readers and anything newer: ignored.
+            b"num_kv_readers" => num_kv_readers = r.read_u32("key.num_kv_readers")?,
+            // request_configs and anything newer: ignored.
             _ => r.skip_value()?,
         }
     }
@@ -262,6 +264,7 @@ fn decode_key(r: &mut Reader<'_>, max_tokens: usize) -> Result<IpcKey> {
         end: end.ok_or_else(|| missing("key.end"))?,
         request_id,
         cache_salt,
+        num_kv_readers,
     })
 }
 
@@ -275,6 +278,7 @@ fn decode_register_payload(r: &mut Reader<'_>) -> Result<RegisterPayload> {
     let mut hidden_dim_size = None;
     let mut dtype_str = None;
     let mut use_mla = None;
+    let mut num_physical_slots = None;
     for _ in 0..n {
         match r.read_key("payload")? {
             b"instance_id" => instance_id = Some(r.read_u64("payload.instance_id")?),
@@ -285,6 +289,15 @@ fn decode_register_payload(r: &mut Reader<'_>) -> Result<RegisterPayload> {
             b"hidden_dim_size" => hidden_dim_size = Some(r.read_u32("payload.hidden_dim_size")?),
             b"dtype_str" => dtype_str = Some(r.read_str("payload.dtype_str")?),
             b"use_mla" => use_mla = Some(r.read_bool("payload.use_mla")?),
+            b"num_physical_slots" => {
+                num_physical_slots = r.read_opt_u32("payload.num_physical_slots")?;
+                if num_physical_slots == Some(0) {
+                    return Err(field_err(
+                        "payload.num_physical_slots",
+                        "must be positive, got 0",
+                    ));
+                }
+            }
             _ => r.skip_value()?,
         }
     }
@@ -297,6 +310,7 @@ fn decode_register_payload(r: &mut Reader<'_>) -> Result<RegisterPayload> {
         hidden_dim_size: hidden_dim_size.ok_or_else(|| missing("payload.hidden_dim_size"))?,
         dtype_str: dtype_str.ok_or_else(|| missing("payload.dtype_str"))?,
         use_mla: use_mla.ok_or_else(|| missing("payload.use_mla"))?,
+        num_physical_slots,
     })
 }
 

@@ -223,8 +223,8 @@ pub fn encode_bin_bool(bin: &[u8], ok: bool) -> Vec<u8> {
 }
 
 /// Encodes an IpcKey like the client does (10-field 0.5.6 form when `v056`, with
-/// `request_configs: nil` and `num_kv_readers: 1`; else the 8-field 0.5.4 form), for tests and a
-/// Rust test client.
+/// `request_configs: nil` and the key's `num_kv_readers`; else the 8-field 0.5.4 form, which has
+/// no reader count), for tests and a Rust test client.
 pub fn encode_key(key: &IpcKey, v056: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(160 + key.token_ids.len() * 5);
     put_map_len(&mut out, if v056 { 10 } else { 8 });
@@ -251,15 +251,16 @@ pub fn encode_key(key: &IpcKey, v056: bool) -> Vec<u8> {
         put_str(&mut out, "request_configs");
         put_nil(&mut out);
         put_str(&mut out, "num_kv_readers");
-        put_uint(&mut out, 1);
+        put_uint(&mut out, u64::from(key.num_kv_readers));
     }
     out
 }
 
-/// Encodes a RegisterPayload like the 0.5.4 client (8 fields, for tests / a Rust test client).
+/// Encodes a RegisterPayload like the client (8 fields as 0.5.4 sends them, plus
+/// `num_physical_slots` as 0.5.6 does when the payload has one), for tests / a Rust test client.
 pub fn encode_register_payload(p: &RegisterPayload) -> Vec<u8> {
     let mut out = Vec::new();
-    put_map_len(&mut out, 8);
+    put_map_len(&mut out, if p.num_physical_slots.is_some() { 9 } else { 8 });
     put_str(&mut out, "instance_id");
     put_uint(&mut out, p.instance_id);
     put_str(&mut out, "model_name");
@@ -276,6 +277,10 @@ pub fn encode_register_payload(p: &RegisterPayload) -> Vec<u8> {
     put_str(&mut out, &p.dtype_str);
     put_str(&mut out, "use_mla");
     put_bool(&mut out, p.use_mla);
+    if let Some(slots) = p.num_physical_slots {
+        put_str(&mut out, "num_physical_slots");
+        put_uint(&mut out, u64::from(slots));
+    }
     out
 }
 

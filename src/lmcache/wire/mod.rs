@@ -112,9 +112,13 @@ pub struct IpcKey {
     pub request_id: String,
     /// Per-tenant isolation salt (part of the key's identity).
     pub cache_salt: String,
+    /// Workers that will retrieve this key's objects (0.5.6+): a LOOKUP takes that many read
+    /// locks per object. 0 = not sent (0.5.4 clients): the legacy rule from the LOOKUP's tp
+    /// argument applies. Not part of the key's identity.
+    pub num_kv_readers: u32,
 }
 
-/// RegisterEngineDrivenContextPayload (extra fields such as `num_physical_slots` ignored).
+/// RegisterEngineDrivenContextPayload (unknown extra fields ignored).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegisterPayload {
     /// Engine instance id (workers use a random 63-bit value).
@@ -133,6 +137,9 @@ pub struct RegisterPayload {
     pub dtype_str: String,
     /// One KV plane (MLA / fused formats) instead of separate K and V planes.
     pub use_mla: bool,
+    /// Token slots per chunk object (0.5.6+, e.g. fewer than the chunk's tokens under decode
+    /// context parallelism); `None` (absent or nil): one per token of a chunk.
+    pub num_physical_slots: Option<u32>,
 }
 
 /// One entry of a REPORT_BLOCK_ALLOCATION records list.

@@ -75,6 +75,7 @@ impl Sim {
                 hidden_dim: HIDDEN_ALT,
                 dtype: DTYPE.into(),
                 use_mla: false,
+                physical_slots: None,
             }),
         };
         let op = req.opcode();
@@ -109,6 +110,7 @@ impl Sim {
                         request_id: session.clone(),
                         range,
                         tp_size: 1,
+                        readers: 0,
                     },
                 )
             }

@@ -283,6 +283,7 @@ impl Sim {
                 hidden_dim: hidden,
                 dtype: DTYPE.into(),
                 use_mla: false,
+                physical_slots: None,
             }),
         );
         self.log(format!(
@@ -420,12 +421,19 @@ impl Sim {
                 let mut range = self.range(model, salt, p, 0, PROMPT_CHUNKS);
                 range.worker_id = None;
                 let tp_size = if self.rng.chance(30) { 2 } else { 1 };
+                // Declared readers (LMCache 0.5.6): none (the tp rule), a few, or too many.
+                let readers = match self.rng.index(10) {
+                    0..=4 => 0,
+                    5..=8 => self.rng.range(1, 4) as u32,
+                    _ => crate::modules::lookup::MAX_KV_READERS + 1,
+                };
                 self.named(model, salt);
                 self.stats.lookups += 1;
                 let req = Request::Lookup {
                     request_id: session.clone(),
                     range,
                     tp_size,
+                    readers,
                 };
                 let r = self.no_intern("LOOKUP", |s| s.native_call(&conn, req))?;
                 if let Response::LookupHits { chunks } = r {
@@ -437,7 +445,7 @@ impl Sim {
                     }
                 }
                 self.log(format!(
-                    "LOOKUP {session} p{p} {model} salt {salt:?} tp {tp_size} -> {}",
+                    "LOOKUP {session} p{p} {model} salt {salt:?} tp {tp_size} readers {readers} -> {}",
                     short(&r)
                 ));
                 r

@@ -160,6 +160,7 @@ fn rmpv_agrees_on_encoders() {
         end: u64::MAX,
         request_id: "r".repeat(70000),
         cache_salt: "s".repeat(100),
+        num_kv_readers: 1,
     };
     let docs = [
         encode_prepare_store_reply(Some((&slots, &idx))),

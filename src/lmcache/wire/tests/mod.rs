@@ -37,6 +37,7 @@ fn golden_key() -> IpcKey {
         end: 3,
         request_id: "req".into(),
         cache_salt: String::new(),
+        num_kv_readers: 0, // the 0.5.4 form carries none
     }
 }
 
@@ -50,6 +51,7 @@ fn golden_reg() -> RegisterPayload {
         hidden_dim_size: 16,
         dtype_str: "float32".into(),
         use_mla: false,
+        num_physical_slots: None,
     }
 }
 
@@ -111,7 +113,10 @@ fn golden_key_roundtrip() {
 
 #[test]
 fn key_v056_form_decodes() {
-    let k = golden_key();
+    let k = IpcKey {
+        num_kv_readers: 1,
+        ..golden_key()
+    };
     let enc = encode_key(&k, true);
     assert_eq!(enc[0], 0x8a);
     // Appended fields: request_configs nil, num_kv_readers 1.
@@ -123,18 +128,27 @@ fn key_v056_form_decodes() {
         dec(Op::Lookup, &[&enc, &tp]).unwrap(),
         LmRequest::Lookup { key: k, tp_size: 1 }
     );
-    // request_configs as a map and a large num_kv_readers are ignored too.
+    // request_configs as a map is ignored; num_kv_readers is read (0.5.4 keys have none: 0).
     let mut custom = unhex(KEY_HEX);
     custom[0] = 0x8a;
     custom.extend(encode_str("request_configs"));
     custom.extend(unhex("81a178a179"));
     custom.extend(encode_str("num_kv_readers"));
-    custom.extend(encode_uint(1 << 40));
+    custom.extend(encode_uint(3));
     let inst = encode_uint(9);
-    assert!(matches!(
-        dec(Op::CommitRetrieve, &[&custom, &inst]).unwrap(),
-        LmRequest::CommitRetrieve { instance_id: 9, .. }
-    ));
+    match dec(Op::CommitRetrieve, &[&custom, &inst]).unwrap() {
+        LmRequest::CommitRetrieve {
+            instance_id: 9,
+            key,
+        } => assert_eq!(key.num_kv_readers, 3),
+        other => panic!("{other:?}"),
+    }
+    // A reader count that is not a u32 is refused, naming the field.
+    let n = custom.len();
+    custom.truncate(n - 1);
+    custom.extend(encode_uint(1 << 40));
+    let e = dec(Op::CommitRetrieve, &[&custom, &inst]).unwrap_err();
+    assert!(e.to_string().contains("key.num_kv_readers"), "{e}");
 }
 
 #[test]
@@ -170,6 +184,7 @@ fn key_defaults_nil_worker_and_unknown_keys() {
                 end: 512,
                 request_id: String::new(),
                 cache_salt: String::new(),
+                num_kv_readers: 0,
             },
             tp_size: 2
         }
@@ -183,15 +198,26 @@ fn golden_register_payload() {
     assert_eq!(got, LmRequest::RegisterEngineDriven(golden_reg()));
     assert_eq!(hex(&encode_register_payload(&golden_reg())), REG_HEX);
 
-    // 0.5.6 adds num_physical_slots: ignored.
+    // 0.5.6 adds num_physical_slots (nil: as absent; 0: refused, as LMCache does).
     let mut v056 = raw.clone();
     v056[0] = 0x89;
     v056.extend(encode_str("num_physical_slots"));
-    v056.extend(encode_uint(256));
+    let with = |v: &[u8]| [v056.as_slice(), v].concat();
+    let slots = RegisterPayload {
+        num_physical_slots: Some(256),
+        ..golden_reg()
+    };
     assert_eq!(
-        dec(Op::RegisterEngineDriven, &[&v056]).unwrap(),
+        dec(Op::RegisterEngineDriven, &[&with(&encode_uint(256))]).unwrap(),
+        LmRequest::RegisterEngineDriven(slots.clone())
+    );
+    assert_eq!(encode_register_payload(&slots), with(&encode_uint(256)));
+    assert_eq!(
+        dec(Op::RegisterEngineDriven, &[&with(&[0xc0])]).unwrap(),
         LmRequest::RegisterEngineDriven(golden_reg())
     );
+    let e = dec(Op::RegisterEngineDriven, &[&with(&encode_uint(0))]).unwrap_err();
+    assert!(e.to_string().contains("num_physical_slots"), "{e}");
 }
 
 #[test]
