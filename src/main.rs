@@ -464,9 +464,9 @@ fn lmcache_metrics_listener(
 /// first address.
 fn socket_addr_arg(s: &str) -> Result<std::net::SocketAddr, String> {
     use std::net::ToSocketAddrs;
-    let mut addrs = s.to_socket_addrs().map_err(|e| {
-        format!("address {s:?}: expected HOST:PORT such as 127.0.0.1:9091 ({e})")
-    })?;
+    let mut addrs = s
+        .to_socket_addrs()
+        .map_err(|e| format!("address {s:?}: expected HOST:PORT such as 127.0.0.1:9091 ({e})"))?;
     addrs
         .next()
         .ok_or_else(|| format!("address {s:?}: resolves to no address"))

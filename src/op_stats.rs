@@ -14,9 +14,9 @@ use std::time::Instant;
 
 /// Upper bounds (inclusive, in microseconds) of the latency buckets; one more bucket, `+Inf`,
 /// takes the rest. From 10 us (a PING) to 10 s (a store stuck behind a full pool).
-pub const LATENCY_BUCKETS_US: [u64; 18] = [
+pub const LATENCY_BUCKETS_US: [u64; 19] = [
     10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
-    500_000, 1_000_000, 2_500_000, 10_000_000,
+    500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
 ];
 
 /// Buckets kept per histogram: the bounded ones and `+Inf`.

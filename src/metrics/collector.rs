@@ -55,7 +55,9 @@ struct Out<'a, 'b> {
 
 impl Out<'_, '_> {
     fn gauge(&mut self, name: &str, help: &str, v: u64) -> Fmt {
-        let mut m = self.enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        let mut m = self
+            .enc
+            .encode_descriptor(name, help, None, MetricType::Gauge)?;
         m.encode_gauge(&v)
     }
 
@@ -67,7 +69,9 @@ impl Out<'_, '_> {
     }
 
     fn gauges<L: EncodeLabelSet>(&mut self, name: &str, help: &str, rows: &[(L, u64)]) -> Fmt {
-        let mut m = self.enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        let mut m = self
+            .enc
+            .encode_descriptor(name, help, None, MetricType::Gauge)?;
         for (labels, v) in rows {
             m.encode_family(labels)?.encode_gauge(v)?;
         }
@@ -122,11 +126,12 @@ impl Out<'_, '_> {
         table: &OpTable<N>,
         ops: &[(usize, &'static str)],
     ) -> Fmt {
-        let rows = |f: &dyn Fn(&crate::op_stats::OpCounters) -> u64| -> Vec<([(&str, &str); 1], u64)> {
-            ops.iter()
-                .filter_map(|&(i, name)| table.get(i).map(|c| ([("op", name)], f(c))))
-                .collect()
-        };
+        let rows =
+            |f: &dyn Fn(&crate::op_stats::OpCounters) -> u64| -> Vec<([(&str, &str); 1], u64)> {
+                ops.iter()
+                    .filter_map(|&(i, name)| table.get(i).map(|c| ([("op", name)], f(c))))
+                    .collect()
+            };
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         self.counters(
             &format!("{prefix}_requests"),
@@ -179,7 +184,11 @@ impl NodeCollector {
                 1,
             )],
         )?;
-        out.gauge("kvnode_pool_bytes", "Size of the shared pool", ctx.pool.len())?;
+        out.gauge(
+            "kvnode_pool_bytes",
+            "Size of the shared pool",
+            ctx.pool.len(),
+        )?;
         out.gauge(
             "kvnode_pool_capacity_bytes",
             "Pool bytes usable for objects",
@@ -291,7 +300,10 @@ impl NodeCollector {
                 ([("reason", "access")], n(&st.refused)),
                 ([("reason", "queue_budget")], n(&fc.queue_refused)),
                 ([("reason", "max_tokens_per_request")], n(&fc.over_limit)),
-                ([("reason", "max_request_id_bytes")], n(&fc.long_request_ids)),
+                (
+                    [("reason", "max_request_id_bytes")],
+                    n(&fc.long_request_ids),
+                ),
                 ([("reason", "not_owner")], n(&fc.not_owner)),
                 ([("reason", "register_other_user")], n(&fc.register_refused)),
                 ([("reason", "pending_budget")], n(&fc.pending_refused)),
@@ -341,7 +353,11 @@ impl NodeCollector {
 
 fn encode_l2(out: &mut Out, s: &crate::l2::L2SetStatus) -> Fmt {
     let t = &s.total;
-    out.gauge("kvnode_l2_bytes", "Size of the L2 tier (all devices)", t.bytes)?;
+    out.gauge(
+        "kvnode_l2_bytes",
+        "Size of the L2 tier (all devices)",
+        t.bytes,
+    )?;
     out.gauge(
         "kvnode_l2_used_bytes",
         "L2 bytes in slots holding or receiving objects",
@@ -359,14 +375,22 @@ fn encode_l2(out: &mut Out, s: &crate::l2::L2SetStatus) -> Fmt {
         u64::from(t.stuck),
     )?;
     for (name, help, v) in [
-        ("kvnode_l2_hits", "Objects loaded from L2 into the pool", t.hits),
+        (
+            "kvnode_l2_hits",
+            "Objects loaded from L2 into the pool",
+            t.hits,
+        ),
         ("kvnode_l2_writes", "Objects written to L2", t.writes),
         (
             "kvnode_l2_errors",
             "L2 device errors (each dropped its object from L2)",
             t.errors,
         ),
-        ("kvnode_l2_evictions", "Objects evicted from L2 to make room", t.evictions),
+        (
+            "kvnode_l2_evictions",
+            "Objects evicted from L2 to make room",
+            t.evictions,
+        ),
         (
             "kvnode_l2_skipped",
             "Objects not written to L2 (queue full, too large, no space)",
@@ -377,8 +401,16 @@ fn encode_l2(out: &mut Out, s: &crate::l2::L2SetStatus) -> Fmt {
             "Objects not loaded because the device had not answered in time",
             t.stalled,
         ),
-        ("kvnode_l2_written_bytes", "Payload bytes written to L2", t.bytes_written),
-        ("kvnode_l2_read_bytes", "Payload bytes loaded from L2", t.bytes_read),
+        (
+            "kvnode_l2_written_bytes",
+            "Payload bytes written to L2",
+            t.bytes_written,
+        ),
+        (
+            "kvnode_l2_read_bytes",
+            "Payload bytes loaded from L2",
+            t.bytes_read,
+        ),
     ] {
         out.counter(name, help, v)?;
     }

@@ -235,7 +235,14 @@ fn serve(mut stream: TcpStream, deadline: Instant, render: &Render) {
     match ask {
         Ask::Metrics { head_only } => {
             let (body, content_type) = render();
-            answer(&mut stream, deadline, "200 OK", content_type, &body, head_only);
+            answer(
+                &mut stream,
+                deadline,
+                "200 OK",
+                content_type,
+                &body,
+                head_only,
+            );
         }
         Ask::NotFound => answer(
             &mut stream,

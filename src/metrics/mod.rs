@@ -36,7 +36,11 @@ pub enum AddrChoice {
 /// Binds the metrics listener on `addr` before the node starts (so a busy explicit port fails
 /// at once, before the pool is built). `Ok(None)`: the default address is taken (warned; no
 /// metrics). `flag` names the option for the error.
-pub fn bind(addr: SocketAddr, choice: AddrChoice, flag: &str) -> Result<Option<TcpListener>, String> {
+pub fn bind(
+    addr: SocketAddr,
+    choice: AddrChoice,
+    flag: &str,
+) -> Result<Option<TcpListener>, String> {
     match TcpListener::bind(addr) {
         Ok(l) => Ok(Some(l)),
         Err(e) if choice == AddrChoice::Default => {

@@ -61,12 +61,18 @@ fn a_scrape_shows_requests_by_opcode_and_the_pool() {
         &mut reg,
     );
     let text = render(&registry);
-    assert_eq!(sample(&text, "kvnode_requests_total{op=\"noop\"}"), Some(3.0));
+    assert_eq!(
+        sample(&text, "kvnode_requests_total{op=\"noop\"}"),
+        Some(3.0)
+    );
     assert_eq!(
         sample(&text, "kvnode_request_errors_total{op=\"unregister\"}"),
         Some(1.0)
     );
-    assert_eq!(sample(&text, "kvnode_requests_total{op=\"register\"}"), Some(1.0));
+    assert_eq!(
+        sample(&text, "kvnode_requests_total{op=\"register\"}"),
+        Some(1.0)
+    );
     assert_eq!(sample(&text, "kvnode_instances"), Some(1.0));
     assert_eq!(
         sample(&text, "kvnode_request_duration_seconds_count{op=\"noop\"}"),
@@ -85,7 +91,10 @@ fn a_scrape_shows_requests_by_opcode_and_the_pool() {
         "{text}"
     );
     assert!(sample(&text, "kvnode_pool_capacity_bytes").unwrap() > 0.0);
-    assert!(text.contains("# TYPE kvnode_requests_total counter"), "{text}");
+    assert!(
+        text.contains("# TYPE kvnode_requests_total counter"),
+        "{text}"
+    );
     assert!(text.contains("# TYPE kvnode_objects gauge"), "{text}");
     // No L2 tier, no LMCache frontend: their families are absent.
     assert!(!text.contains("kvnode_l2_"), "{text}");

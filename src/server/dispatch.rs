@@ -107,7 +107,12 @@ pub fn dispatch(
     let _in_flight = InFlight(ctx);
     if ctx.shutting_down.load(Ordering::SeqCst) {
         let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
-        return reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+        return reply(
+            ctx,
+            sink,
+            (request_id, opcode, started),
+            Response::error(&e),
+        );
     }
     let caller = registered.caller(ctx, sink).clone();
     if matches!(req, Request::Lookup { .. }) {
@@ -116,7 +121,12 @@ pub fn dispatch(
     if caller.role == Role::Refused {
         // Transports refuse such peers at connect; this holds for any that does not.
         let e = Error::denied("this user may not use the node ([access] allow_uids/allow_gids)");
-        return reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+        return reply(
+            ctx,
+            sink,
+            (request_id, opcode, started),
+            Response::error(&e),
+        );
     }
     if let Request::Register(r) = &req {
         let max = ctx.config.limits.max_instances_per_connection;
@@ -124,7 +134,12 @@ pub fn dispatch(
             let e = Error::limit(format!(
                 "this connection registered {max} instances (limit max_instances_per_connection)"
             ));
-            return reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+            return reply(
+                ctx,
+                sink,
+                (request_id, opcode, started),
+                Response::error(&e),
+            );
         }
         return match ctx.register(r, &caller) {
             Ok(inst) => {
@@ -144,7 +159,12 @@ pub fn dispatch(
             }
             Err(e) => {
                 tracing::warn!(instance = r.instance_id, error = %e, "registration refused");
-                reply(ctx, sink, (request_id, opcode, started), Response::error(&e))
+                reply(
+                    ctx,
+                    sink,
+                    (request_id, opcode, started),
+                    Response::error(&e),
+                )
             }
         };
     }
@@ -155,10 +175,20 @@ pub fn dispatch(
                     ErrorKind::NotRegistered,
                     format!("instance {id} is not registered"),
                 );
-                return reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+                return reply(
+                    ctx,
+                    sink,
+                    (request_id, opcode, started),
+                    Response::error(&e),
+                );
             };
             if let Err(e) = caller.require_attached(&inst) {
-                return reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+                return reply(
+                    ctx,
+                    sink,
+                    (request_id, opcode, started),
+                    Response::error(&e),
+                );
             }
             inst.touch(ctx.now_ms());
             let job = Job {
@@ -172,7 +202,12 @@ pub fn dispatch(
                     "instance {id} has {} requests queued (limit)",
                     ctx.config.limits.max_queued_per_instance
                 ));
-                reply(ctx, sink, (request_id, opcode, started), Response::error(&e));
+                reply(
+                    ctx,
+                    sink,
+                    (request_id, opcode, started),
+                    Response::error(&e),
+                );
             }
         }
         None => {
