@@ -178,7 +178,10 @@ fn lmcache_server_counts_lmcache_ops_latency_and_refusals() {
     assert!(requests(&after, "kvnode", "prepare_store") >= 1.0);
     assert!(after.value("kvnode_pool_used_bytes", &[]) > 0.0);
     // The lookup session holds read locks on both chunks.
-    assert_eq!(after.value("kvnode_objects", &[("state", "read_locked")]), 2.0);
+    assert_eq!(
+        after.value("kvnode_objects", &[("state", "read_locked")]),
+        2.0
+    );
     assert_eq!(after.value("kvnode_lookup_sessions", &[]), 1.0);
     assert_eq!(after.value("kvnode_instances", &[]), 1.0);
     assert_eq!(after.value("kvnode_lmcache_queued_bytes", &[]), 0.0);

@@ -9,10 +9,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+/// A series' labels, sorted.
+type Labels = Vec<(String, String)>;
+
 /// One parsed exposition: sample values by series (`name` plus its sorted labels).
 #[derive(Debug)]
 pub struct Exposition {
-    samples: BTreeMap<(String, Vec<(String, String)>), f64>,
+    samples: BTreeMap<(String, Labels), f64>,
     types: HashMap<String, String>,
 }
 
@@ -32,7 +35,7 @@ fn parse_value(s: &str) -> Option<f64> {
 }
 
 /// Parses `{a="x",b="y"}` at the start of `s`; returns the labels and the rest.
-fn parse_labels(s: &str) -> Result<(Vec<(String, String)>, &str), String> {
+fn parse_labels(s: &str) -> Result<(Labels, &str), String> {
     let mut labels = Vec::new();
     let mut rest = s.strip_prefix('{').ok_or("expected {")?;
     loop {
@@ -86,22 +89,19 @@ impl Exposition {
                 let mut parts = c.splitn(3, ' ');
                 let (kw, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
                 let rest = parts.next().unwrap_or("");
-                match kw {
-                    "HELP" => {
-                        if !is_name(name, true) || !helps.insert(name.to_owned()) {
-                            return Err(err("bad or repeated HELP".into()));
-                        }
-                    }
+                // Only HELP and TYPE are checked; other comments are allowed.
+                let bad = match kw {
+                    "HELP" => !is_name(name, true) || !helps.insert(name.to_owned()),
                     "TYPE" => {
-                        if !is_name(name, true)
+                        !is_name(name, true)
                             || !["counter", "gauge", "histogram", "summary", "untyped"]
                                 .contains(&rest)
                             || types.insert(name.to_owned(), rest.to_owned()).is_some()
-                        {
-                            return Err(err("bad or repeated TYPE".into()));
-                        }
                     }
-                    _ => {}
+                    _ => false,
+                };
+                if bad {
+                    return Err(err(format!("bad or repeated {kw}")));
                 }
                 continue;
             }
@@ -157,7 +157,7 @@ impl Exposition {
         for (family, _) in self.types.iter().filter(|(_, t)| *t == "histogram") {
             let bucket = format!("{family}_bucket");
             // Label set without `le` -> (le, count) in order of le.
-            let mut sets: BTreeMap<Vec<(String, String)>, Vec<(f64, f64)>> = BTreeMap::new();
+            let mut sets: BTreeMap<Labels, Vec<(f64, f64)>> = BTreeMap::new();
             for ((name, labels), v) in &self.samples {
                 if *name != bucket {
                     continue;
