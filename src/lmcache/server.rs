@@ -319,11 +319,6 @@ impl LmProbe {
     pub fn queued_requests(&self) -> usize {
         self.0.handlers.iter().map(|h| h.queue.lock().len()).sum()
     }
-
-    /// Handler threads.
-    pub fn handlers(&self) -> usize {
-        self.0.handlers.len()
-    }
 }
 
 fn handler_for(identity: &[u8], n: usize) -> usize {

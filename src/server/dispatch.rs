@@ -107,12 +107,7 @@ pub fn dispatch(
     let _in_flight = InFlight(ctx);
     if ctx.shutting_down.load(Ordering::SeqCst) {
         let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
-        return reply(
-            ctx,
-            sink,
-            (request_id, opcode, started),
-            Response::error(&e),
-        );
+        return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
     }
     let caller = registered.caller(ctx, sink).clone();
     if matches!(req, Request::Lookup { .. }) {
@@ -121,12 +116,7 @@ pub fn dispatch(
     if caller.role == Role::Refused {
         // Transports refuse such peers at connect; this holds for any that does not.
         let e = Error::denied("this user may not use the node ([access] allow_uids/allow_gids)");
-        return reply(
-            ctx,
-            sink,
-            (request_id, opcode, started),
-            Response::error(&e),
-        );
+        return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
     }
     if let Request::Register(r) = &req {
         let max = ctx.config.limits.max_instances_per_connection;
@@ -134,12 +124,7 @@ pub fn dispatch(
             let e = Error::limit(format!(
                 "this connection registered {max} instances (limit max_instances_per_connection)"
             ));
-            return reply(
-                ctx,
-                sink,
-                (request_id, opcode, started),
-                Response::error(&e),
-            );
+            return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
         }
         return match ctx.register(r, &caller) {
             Ok(inst) => {
@@ -159,12 +144,7 @@ pub fn dispatch(
             }
             Err(e) => {
                 tracing::warn!(instance = r.instance_id, error = %e, "registration refused");
-                reply(
-                    ctx,
-                    sink,
-                    (request_id, opcode, started),
-                    Response::error(&e),
-                )
+                reply(ctx, sink, request_id, opcode, started, Response::error(&e))
             }
         };
     }
@@ -175,20 +155,10 @@ pub fn dispatch(
                     ErrorKind::NotRegistered,
                     format!("instance {id} is not registered"),
                 );
-                return reply(
-                    ctx,
-                    sink,
-                    (request_id, opcode, started),
-                    Response::error(&e),
-                );
+                return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             };
             if let Err(e) = caller.require_attached(&inst) {
-                return reply(
-                    ctx,
-                    sink,
-                    (request_id, opcode, started),
-                    Response::error(&e),
-                );
+                return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             }
             inst.touch(ctx.now_ms());
             let job = Job {
@@ -202,27 +172,24 @@ pub fn dispatch(
                     "instance {id} has {} requests queued (limit)",
                     ctx.config.limits.max_queued_per_instance
                 ));
-                reply(
-                    ctx,
-                    sink,
-                    (request_id, opcode, started),
-                    Response::error(&e),
-                );
+                reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             }
         }
         None => {
             let resp = management::handle_inline(ctx, &caller, req)
                 .unwrap_or_else(|e| Response::error(&e));
-            reply(ctx, sink, (request_id, opcode, started), resp);
+            reply(ctx, sink, request_id, opcode, started, resp);
         }
     }
 }
 
-/// Answers request `(request_id, opcode, received at)` with `resp` and counts it.
+/// Answers request `request_id` (`opcode`, received at `started`) with `resp` and counts it.
 fn reply(
     ctx: &NodeContext,
     sink: &Arc<dyn ReplySink>,
-    (request_id, opcode, started): (u64, u16, std::time::Instant),
+    request_id: u64,
+    opcode: u16,
+    started: std::time::Instant,
     resp: Response,
 ) {
     ctx.counters
