@@ -93,6 +93,10 @@ struct ServeArgs {
     /// Log filter (tracing EnvFilter syntax), e.g. info or kvnode=debug; RUST_LOG wins.
     #[arg(long, default_value = "info")]
     log: String,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9091; port 0 picks
+    /// a free port, logged) [default: off]. A port that cannot be bound stops the node.
+    #[arg(long, value_parser = socket_addr_arg, value_name = "HOST:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     l2: L2Args,
     #[command(flatten)]
@@ -247,13 +251,19 @@ struct LmcacheArgs {
     /// Accepted for compatibility (kvnode aligns slots to 4 KiB or more).
     #[arg(long)]
     l1_align_bytes: Option<u64>,
-    /// Accepted for compatibility (no Prometheus endpoint yet).
-    #[arg(long)]
+    /// Serve Prometheus metrics at http://HOST:P/metrics, HOST being the --host address
+    /// [default: 9090, as LMCache; if 9090 is taken the node warns and runs without metrics,
+    /// while a port given here that is taken stops the node].
+    #[arg(long, value_name = "P")]
     prometheus_port: Option<u16>,
-    /// Accepted for compatibility.
+    /// Serve Prometheus metrics on this address instead of --host:--prometheus-port (e.g.
+    /// 0.0.0.0:9090 to let a Prometheus on another machine scrape a loopback-only node).
+    #[arg(long, value_parser = socket_addr_arg, value_name = "HOST:PORT", conflicts_with = "prometheus_port")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve no metrics (nothing listens; wins over --prometheus-port, as in LMCache).
     #[arg(long)]
     disable_metrics: bool,
-    /// Accepted for compatibility.
+    /// As LMCache: turns metrics off (like --disable-metrics); kvnode's logs are unaffected.
     #[arg(long)]
     disable_observability: bool,
     /// Also serve the native protocol on this Unix socket (then `kvnode status --socket` works);
@@ -377,6 +387,8 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     let host = lmcache_bind_host(&a.host, a.port)?;
     kvnode::lmcache::access::check_bind_host(&host, a.allow_remote)
         .map_err(|e| format!("--host {}: {}", a.host, e.context))?;
+    // Bound before the pool is built, like the ROUTER's port: a taken explicit port fails fast.
+    let metrics_listener = lmcache_metrics_listener(&a, &host)?;
     let node = Node::start_cancellable(cfg, Some(stop)).map_err(|e| e.to_string())?;
     let frontend = kvnode::lmcache::frontend::LmFrontend::new(node.context().clone());
     let access = kvnode::lmcache::access::LmAccessOptions {
@@ -394,10 +406,70 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
                 ));
             }
         };
+    let metrics = match metrics_listener.map(|l| {
+        let c = kvnode::metrics::NodeCollector::new(node.context().clone(), Some(server.probe()));
+        kvnode::metrics::serve(l, c)
+    }) {
+        Some(Err(e)) => {
+            server.shutdown();
+            node.shutdown();
+            return Err(format!("cannot start the metrics endpoint: {e}"));
+        }
+        Some(Ok(m)) => Some(m),
+        None => None,
+    };
     wait_for_signal(signals);
+    if let Some(m) = metrics {
+        m.shutdown();
+    }
     server.shutdown();
     node.shutdown();
     Ok(())
+}
+
+/// The metrics listener of `lmcache-server`, bound: `None` when metrics are off
+/// (`--disable-metrics`, `--disable-observability`) or the default port is taken. The address
+/// is `--metrics-addr`, else `--host` (as resolved into `bind_host`) with `--prometheus-port`
+/// (default 9090).
+fn lmcache_metrics_listener(
+    a: &LmcacheArgs,
+    bind_host: &str,
+) -> Result<Option<std::net::TcpListener>, String> {
+    use kvnode::metrics::{bind, AddrChoice, LMCACHE_DEFAULT_PROMETHEUS_PORT};
+    if a.disable_metrics || a.disable_observability {
+        if a.prometheus_port.is_some() || a.metrics_addr.is_some() {
+            tracing::info!("metrics disabled: --prometheus-port/--metrics-addr ignored");
+        }
+        return Ok(None);
+    }
+    if let Some(addr) = a.metrics_addr {
+        return bind(addr, AddrChoice::Explicit, "--metrics-addr");
+    }
+    let ip: std::net::IpAddr = match bind_host {
+        "*" => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        h => h
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| format!("--host {}: no address to serve metrics on", a.host))?,
+    };
+    let (port, choice) = match a.prometheus_port {
+        Some(p) => (p, AddrChoice::Explicit),
+        None => (LMCACHE_DEFAULT_PROMETHEUS_PORT, AddrChoice::Default),
+    };
+    bind((ip, port).into(), choice, "--prometheus-port")
+}
+
+/// A `HOST:PORT` address: an IP address (`[v6]:port` for IPv6) or a host name resolved to its
+/// first address.
+fn socket_addr_arg(s: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let mut addrs = s
+        .to_socket_addrs()
+        .map_err(|e| format!("address {s:?}: expected HOST:PORT such as 127.0.0.1:9091 ({e})"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("address {s:?}: resolves to no address"))
 }
 
 /// The address to bind the LMCache ROUTER on: an IP address as given, `*` for every
@@ -545,8 +617,32 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         );
     }
     let (signals, stop) = install_signals()?;
+    let metrics_listener = match args.metrics_addr {
+        Some(addr) => kvnode::metrics::bind(
+            addr,
+            kvnode::metrics::AddrChoice::Explicit,
+            "--metrics-addr",
+        )?,
+        None => None,
+    };
     let node = Node::start_cancellable(cfg, Some(stop)).map_err(|e| e.to_string())?;
+    let metrics = match metrics_listener.map(|l| {
+        kvnode::metrics::serve(
+            l,
+            kvnode::metrics::NodeCollector::new(node.context().clone(), None),
+        )
+    }) {
+        Some(Err(e)) => {
+            node.shutdown();
+            return Err(format!("cannot start the metrics endpoint: {e}"));
+        }
+        Some(Ok(m)) => Some(m),
+        None => None,
+    };
     wait_for_signal(signals);
+    if let Some(m) = metrics {
+        m.shutdown();
+    }
     node.shutdown();
     Ok(())
 }

@@ -34,6 +34,7 @@ use super::frontend::{ClientId, LmFrontend, LogLimit};
 use super::turns::{QueuedBytes, Turns};
 use super::wire::{self, Op};
 use crate::error::{Error, Result};
+use crate::op_stats::OpTable;
 
 /// Operations whose server-side time is tracked (logged at shutdown).
 pub const TIMED_OPS: [Op; 10] = [
@@ -68,6 +69,8 @@ struct Incoming {
     op: Op,
     name: String,
     payload: Vec<Vec<u8>>,
+    /// When the I/O thread received it (its latency is counted from here).
+    received: std::time::Instant,
 }
 
 impl QueuedBytes for Incoming {
@@ -112,7 +115,15 @@ pub struct FrontendStats {
     pub unsupported: AtomicU64,
     /// Requests refused by the access check (answered negatively).
     pub refused: AtomicU64,
+    /// Requests, errors (negative answers because the request was refused, over a limit,
+    /// malformed, unsupported or failed) and latency per operation (index: `Op as usize`).
+    /// Latency runs from the I/O thread's receipt to the reply's queueing, for requests run by
+    /// a handler; those answered on the I/O thread are counted, not timed.
+    pub ops: OpTable<LM_OP_SLOTS>,
 }
+
+/// Slots of [`FrontendStats::ops`]: one per [`Op`] variant.
+pub const LM_OP_SLOTS: usize = Op::Unsupported as usize + 1;
 
 struct Shared {
     frontend: LmFrontend,
@@ -237,6 +248,12 @@ impl LmServer {
         &self.shared.stats
     }
 
+    /// A read-only handle on the frontend's counters and queues for as long as the holder
+    /// wants them (metrics); it keeps the counters alive, not the threads.
+    pub fn probe(&self) -> LmProbe {
+        LmProbe(self.shared.clone())
+    }
+
     /// Stops the threads and closes the socket; logs the counters and the server-side time per
     /// operation.
     pub fn shutdown(self) {
@@ -279,6 +296,28 @@ impl LmServer {
         for t in self.threads {
             let _ = t.join();
         }
+    }
+}
+
+/// Read-only view of a running (or stopped) frontend's counters, from [`LmServer::probe`].
+/// Reading never blocks a request for longer than one handler queue's push or pop.
+pub struct LmProbe(Arc<Shared>);
+
+impl LmProbe {
+    /// The server's counters (requests, refusals, per-operation figures).
+    pub fn stats(&self) -> &FrontendStats {
+        &self.0.stats
+    }
+
+    /// The frontend's counters (budgets' refusals, queued bytes).
+    pub fn frontend(&self) -> &LmFrontend {
+        &self.0.frontend
+    }
+
+    /// Requests waiting for a handler thread now, summed over the handlers (each queue's lock
+    /// is taken in turn, for a length read).
+    pub fn queued_requests(&self) -> usize {
+        self.0.handlers.iter().map(|h| h.queue.lock().len()).sum()
     }
 }
 
@@ -340,6 +379,7 @@ fn run_io(
 /// negatively, trivial SYNC requests are answered here, the rest go to the identity's handler
 /// thread.
 fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPeer) {
+    let received = std::time::Instant::now();
     s.stats.requests.fetch_add(1, Ordering::Relaxed);
     if frames.len() < 3 {
         // Without uid and type frames there is nothing to echo: the client cannot be answered.
@@ -368,6 +408,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
     if !access::permits(peer.role, op) {
         gate.note_refusal(&peer, &name);
         s.stats.refused.fetch_add(1, Ordering::Relaxed);
+        s.stats.ops.count(op as usize, true);
         let reply = access::refusal(op).unwrap_or_else(|| s.frontend.stateless_reply(op));
         respond(s, identity.into(), uid, typ, reply);
         return;
@@ -379,12 +420,14 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
         _ => None,
     };
     if let Some(reply) = quick {
+        s.stats.ops.count(op as usize, false);
         s.push_reply(vec![identity, uid, typ, reply]);
         return;
     }
     if total > MAX_REQUEST_BYTES {
         tracing::warn!(op = %name, bytes = total, "LMCache request larger than the limit: refused");
         s.stats.malformed.fetch_add(1, Ordering::Relaxed);
+        s.stats.ops.count(op as usize, true);
         respond(s, identity.into(), uid, typ, s.frontend.stateless_reply(op));
         return;
     }
@@ -399,6 +442,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
         op,
         name,
         payload,
+        received,
     };
     let bytes = req.queued_bytes();
     let queued = &s.frontend.counters().queued_bytes;
@@ -427,6 +471,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
                 .counters()
                 .queue_refused
                 .fetch_add(1, Ordering::Relaxed);
+            s.stats.ops.count(req.op as usize, true);
             if let Some(suppressed) = s.refusal_log.allow(s.now_ms()) {
                 tracing::warn!(
                     op = %req.name,
@@ -476,16 +521,20 @@ fn run_handler(s: &Shared, index: usize) {
         let started = std::time::Instant::now();
         let client = ClientId::from_shared(req.identity.clone(), req.peer_uid);
         let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
+        // A negative answer because the request was refused or failed (metrics' errors).
+        let mut failed = false;
         let reply = match wire::decode_request_limited(req.op, &req.name, &payload, max_tokens) {
             Ok(r) => {
                 if matches!(r, wire::LmRequest::Unsupported { .. }) {
                     s.stats.unsupported.fetch_add(1, Ordering::Relaxed);
+                    failed = true;
                 }
                 // A bug must not leave the client waiting for its whole timeout.
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     s.frontend.handle(&client, r)
                 }))
                 .unwrap_or_else(|_| {
+                    failed = true;
                     tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
                     s.frontend.stateless_reply(req.op)
                 })
@@ -495,6 +544,7 @@ fn run_handler(s: &Shared, index: usize) {
                     .counters()
                     .over_limit
                     .fetch_add(1, Ordering::Relaxed);
+                failed = true;
                 if let Some(suppressed) = s.refusal_log.allow(s.now_ms()) {
                     tracing::warn!(op = %req.name, %client, error = %e, suppressed, "LMCache request over a limit: answering negatively");
                 }
@@ -503,11 +553,14 @@ fn run_handler(s: &Shared, index: usize) {
             Err(e) => {
                 tracing::warn!(op = %req.name, error = %e, "malformed LMCache request: answering negatively");
                 s.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                failed = true;
                 s.frontend.stateless_reply(req.op)
             }
         };
         drop(payload);
+        let (op, received) = (req.op, req.received);
         respond(s, req.identity, req.uid, req.typ, reply);
+        s.stats.ops.record(op as usize, failed, received);
         if let Some(i) = TIMED_OPS.iter().position(|o| *o == req.op) {
             let ns = started.elapsed().as_nanos() as u64;
             let t = &s.stats.op_time[i];

@@ -61,6 +61,24 @@ pub struct NodeCounters {
     /// Requests inside `server::dispatch` right now (shutdown waits for them before it drains
     /// the write-behind and releases the L2 engines).
     pub dispatching: AtomicUsize,
+    /// Requests, errors and latency per native opcode (index = opcode), for every request the
+    /// dispatcher answers (native clients and the LMCache frontend's native calls alike).
+    pub ops: crate::op_stats::OpTable<NATIVE_OP_SLOTS>,
+}
+
+/// Slots of [`NodeCounters::ops`]: native opcodes are 1..=17 (`Request::opcode`).
+pub const NATIVE_OP_SLOTS: usize = 18;
+
+impl NodeCounters {
+    /// Counts one answered request of `opcode` (an error response if `error`), received at
+    /// `started`: the totals and the per-opcode counters and latency.
+    pub fn answered(&self, opcode: u16, error: bool, started: std::time::Instant) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if error {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.ops.record(usize::from(opcode), error, started);
+    }
 }
 
 /// Shared node state. Invariant: built once by `server::Node::start`; lives until every thread

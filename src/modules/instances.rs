@@ -20,6 +20,8 @@ pub struct Job {
     pub request: Request,
     /// Where to answer.
     pub reply: Arc<dyn ReplySink>,
+    /// When the dispatcher received it (its latency is counted from here).
+    pub received: std::time::Instant,
 }
 
 /// A prepared store: the exact `(key, grant)` pairs reserved for it.

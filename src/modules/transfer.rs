@@ -33,15 +33,9 @@ pub fn execute(ctx: &NodeContext, inst: &Arc<Instance>, job: Job) {
             Response::error(&Error::internal("handler panicked; see the node log"))
         }
     };
-    if matches!(resp, Response::Error { .. }) {
-        ctx.counters
-            .errors
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
+    let error = matches!(resp, Response::Error { .. });
     job.reply.send(job.request_id, opcode, &resp, None);
-    ctx.counters
-        .requests
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    ctx.counters.answered(opcode, error, job.received);
 }
 
 fn run(ctx: &NodeContext, inst: &Arc<Instance>, req: Request) -> Result<Response> {

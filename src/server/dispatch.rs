@@ -100,13 +100,14 @@ pub fn dispatch(
     registered: &mut Registered,
 ) {
     let opcode = req.opcode();
+    let started = std::time::Instant::now();
     // SeqCst here and in `Node::shutdown`: either shutdown sees this request in flight and
     // waits for it, or this request sees the node stopping and is refused.
     ctx.counters.dispatching.fetch_add(1, Ordering::SeqCst);
     let _in_flight = InFlight(ctx);
     if ctx.shutting_down.load(Ordering::SeqCst) {
         let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
-        return reply(ctx, sink, request_id, opcode, Response::error(&e));
+        return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
     }
     let caller = registered.caller(ctx, sink).clone();
     if matches!(req, Request::Lookup { .. }) {
@@ -115,7 +116,7 @@ pub fn dispatch(
     if caller.role == Role::Refused {
         // Transports refuse such peers at connect; this holds for any that does not.
         let e = Error::denied("this user may not use the node ([access] allow_uids/allow_gids)");
-        return reply(ctx, sink, request_id, opcode, Response::error(&e));
+        return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
     }
     if let Request::Register(r) = &req {
         let max = ctx.config.limits.max_instances_per_connection;
@@ -123,7 +124,7 @@ pub fn dispatch(
             let e = Error::limit(format!(
                 "this connection registered {max} instances (limit max_instances_per_connection)"
             ));
-            return reply(ctx, sink, request_id, opcode, Response::error(&e));
+            return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
         }
         return match ctx.register(r, &caller) {
             Ok(inst) => {
@@ -138,12 +139,12 @@ pub fn dispatch(
                     object_bytes: inst.layout.object_bytes(),
                     fd_attached: fd,
                 });
-                ctx.counters.requests.fetch_add(1, Ordering::Relaxed);
+                ctx.counters.answered(opcode, false, started);
                 sink.send(request_id, opcode, &resp, fd.then(|| ctx.pool.fd()));
             }
             Err(e) => {
                 tracing::warn!(instance = r.instance_id, error = %e, "registration refused");
-                reply(ctx, sink, request_id, opcode, Response::error(&e))
+                reply(ctx, sink, request_id, opcode, started, Response::error(&e))
             }
         };
     }
@@ -154,43 +155,44 @@ pub fn dispatch(
                     ErrorKind::NotRegistered,
                     format!("instance {id} is not registered"),
                 );
-                return reply(ctx, sink, request_id, opcode, Response::error(&e));
+                return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             };
             if let Err(e) = caller.require_attached(&inst) {
-                return reply(ctx, sink, request_id, opcode, Response::error(&e));
+                return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             }
             inst.touch(ctx.now_ms());
             let job = Job {
                 request_id,
                 request: req,
                 reply: sink.clone(),
+                received: started,
             };
             if ctx.shards.run_or_submit(ctx, &inst, job).is_err() {
                 let e = Error::limit(format!(
                     "instance {id} has {} requests queued (limit)",
                     ctx.config.limits.max_queued_per_instance
                 ));
-                reply(ctx, sink, request_id, opcode, Response::error(&e));
+                reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             }
         }
         None => {
             let resp = management::handle_inline(ctx, &caller, req)
                 .unwrap_or_else(|e| Response::error(&e));
-            reply(ctx, sink, request_id, opcode, resp);
+            reply(ctx, sink, request_id, opcode, started, resp);
         }
     }
 }
 
+/// Answers request `request_id` (`opcode`, received at `started`) with `resp` and counts it.
 fn reply(
     ctx: &NodeContext,
     sink: &Arc<dyn ReplySink>,
     request_id: u64,
     opcode: u16,
+    started: std::time::Instant,
     resp: Response,
 ) {
-    ctx.counters.requests.fetch_add(1, Ordering::Relaxed);
-    if matches!(resp, Response::Error { .. }) {
-        ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
-    }
+    ctx.counters
+        .answered(opcode, matches!(resp, Response::Error { .. }), started);
     sink.send(request_id, opcode, &resp, None);
 }

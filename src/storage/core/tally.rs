@@ -176,6 +176,13 @@ impl StorageCore {
         c
     }
 
+    /// Bytes in the slots of indexed objects (reserved or committed), summed over the shards'
+    /// counters without any lock (see [`StorageCore::counts`]): between operations it equals
+    /// [`StorageCore::used_bytes`], which takes the allocator's lock.
+    pub fn slot_bytes(&self) -> u64 {
+        self.tallied_totals().1
+    }
+
     /// Objects and their slot bytes summed over the shards' counters (see [`StorageCore::counts`]).
     pub(super) fn tallied_totals(&self) -> (u64, u64) {
         self.tallies.iter().fold((0, 0), |(o, b), t| {
