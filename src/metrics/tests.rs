@@ -57,6 +57,7 @@ fn a_scrape_shows_requests_by_opcode_and_the_pool() {
             hidden_dim: world::HIDDEN,
             dtype: world::DTYPE.into(),
             use_mla: false,
+            physical_slots: None,
         }),
         &mut reg,
     );
