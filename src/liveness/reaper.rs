@@ -22,14 +22,43 @@ use crossbeam_queue::SegQueue;
 
 use super::timer_wheel::{TimerId, TimerWheel};
 use crate::config::NodeConfig;
-use crate::modules::instances::Instance;
-use crate::modules::NodeContext;
 
 /// Timers the wheel holds beyond `max_instances` (a release and a new registration may briefly
 /// overlap before the reaper sees the cancellation).
 const WHEEL_CAPACITY_SLACK: usize = 64;
 /// Longest the reaper sleeps between passes.
 const MAX_SLEEP_MS: u64 = 1000;
+
+/// One instance registration as the reaper sees it: an id, a generation unique to the
+/// registration, and the stamps the request path keeps (last seen, whether it ever pinged).
+pub trait Watched {
+    /// The instance id.
+    fn id(&self) -> u64;
+    /// The registration's generation (never reused by another registration).
+    fn generation(&self) -> u64;
+    /// Node-clock ms of its last request.
+    fn last_seen_ms(&self) -> u64;
+    /// Whether it ever pinged (latched).
+    fn pinged(&self) -> bool;
+}
+
+/// What the reaper needs from the node: the clock, the live registrations, and a way to release
+/// one. The node's context implements it; the liveness layer imports nothing above it.
+pub trait Registrations {
+    /// A registration.
+    type Registration: Watched;
+    /// The liveness handle (windows, commands, stop flag).
+    fn liveness(&self) -> &Liveness;
+    /// The node clock in ms.
+    fn now_ms(&self) -> u64;
+    /// Most registrations the node holds at once (the wheel holds that many timers and slack).
+    fn max_registrations(&self) -> usize;
+    /// Registration `generation` of instance `id`, if it is still registered and not released.
+    fn live(&self, id: u64, generation: u64) -> Option<Arc<Self::Registration>>;
+    /// Releases a silent registration exactly like UNREGISTER (pending writes freed, never
+    /// published; reads unlocked) and counts it as reaped.
+    fn reap(&self, registration: &Arc<Self::Registration>);
+}
 
 /// A request to the reaper about one instance registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,13 +108,13 @@ impl Liveness {
     }
 
     /// Asks the reaper to start watching a new registration.
-    pub fn arm(&self, inst: &Instance) {
-        self.command(Command::Arm(inst.id, inst.generation));
+    pub fn arm(&self, inst: &impl Watched) {
+        self.command(Command::Arm(inst.id(), inst.generation()));
     }
 
     /// Asks the reaper to stop watching a released registration (its timer is cancelled).
-    pub fn disarm(&self, inst: &Instance) {
-        self.command(Command::Disarm(inst.id, inst.generation));
+    pub fn disarm(&self, inst: &impl Watched) {
+        self.command(Command::Disarm(inst.id(), inst.generation()));
     }
 
     fn command(&self, c: Command) {
@@ -110,11 +139,8 @@ impl Liveness {
     /// When the reaper should next look at an instance: its deadline, but no later than one reap
     /// timeout from now, so an instance that starts pinging (switching from the long grace window
     /// to the short reap timeout) is re-examined in time without touching the wheel on PING.
-    pub fn wake_ms(&self, inst: &Instance, now_ms: u64) -> u64 {
-        let d = self.deadline_ms(
-            inst.last_seen_ms.load(Ordering::Relaxed),
-            inst.pinged.load(Ordering::Relaxed),
-        );
+    pub fn wake_ms(&self, inst: &impl Watched, now_ms: u64) -> u64 {
+        let d = self.deadline_ms(inst.last_seen_ms(), inst.pinged());
         d.min(now_ms.saturating_add(self.reap_timeout_ms.max(self.tick_ms)))
     }
 
@@ -131,20 +157,23 @@ impl Liveness {
     }
 
     /// Starts the reaper thread (none when reaping is disabled).
-    pub fn spawn(ctx: &Arc<NodeContext>) -> std::io::Result<Option<JoinHandle<()>>> {
-        if !ctx.liveness.enabled {
+    pub fn spawn<R>(ctx: &Arc<R>) -> std::io::Result<Option<JoinHandle<()>>>
+    where
+        R: Registrations + Send + Sync + 'static,
+    {
+        if !ctx.liveness().enabled {
             return Ok(None);
         }
         let ctx = ctx.clone();
         thread::Builder::new()
             .name("kvnode-reaper".into())
-            .spawn(move || run(&ctx))
+            .spawn(move || run(&*ctx))
             .map(Some)
     }
 }
 
-fn run(ctx: &NodeContext) {
-    let lv = &ctx.liveness;
+fn run<R: Registrations>(ctx: &R) {
+    let lv = ctx.liveness();
     let _ = lv.thread.set(thread::current());
     let mut reaper = Reaper::new(ctx);
     while !lv.stop.load(Ordering::Acquire) {
@@ -169,9 +198,9 @@ pub struct Reaper {
 
 impl Reaper {
     /// An empty reaper for `ctx`'s limits, starting at `ctx`'s current time.
-    pub fn new(ctx: &NodeContext) -> Reaper {
-        let lv = &ctx.liveness;
-        let capacity = ctx.config.limits.max_instances + WHEEL_CAPACITY_SLACK;
+    pub fn new(ctx: &impl Registrations) -> Reaper {
+        let lv = ctx.liveness();
+        let capacity = ctx.max_registrations() + WHEEL_CAPACITY_SLACK;
         Reaper {
             wheel: TimerWheel::new(lv.to_tick(ctx.now_ms()), capacity),
             timers: BTreeMap::new(),
@@ -189,24 +218,17 @@ impl Reaper {
     }
 
     /// The registration of `id` if it is still `generation` and not released.
-    fn live(ctx: &NodeContext, id: u64, generation: u64) -> Option<Arc<Instance>> {
-        ctx.instances
-            .get(id)
-            .filter(|i| i.generation == generation && !i.is_released())
-    }
-
-    fn schedule(&mut self, ctx: &NodeContext, inst: &Instance, now: u64) {
-        let lv = &ctx.liveness;
+    fn schedule<W: Watched>(&mut self, lv: &Liveness, inst: &W, now: u64) {
         let tick = lv.to_tick(lv.wake_ms(inst, now));
-        match self.wheel.insert(tick, (inst.id, inst.generation)) {
+        match self.wheel.insert(tick, (inst.id(), inst.generation())) {
             Ok(t) => {
-                self.unarmed.remove(&inst.generation);
-                self.timers.insert(inst.generation, (inst.id, t));
+                self.unarmed.remove(&inst.generation());
+                self.timers.insert(inst.generation(), (inst.id(), t));
             }
             Err(_) => {
-                if self.unarmed.insert(inst.generation, inst.id).is_none() {
+                if self.unarmed.insert(inst.generation(), inst.id()).is_none() {
                     tracing::error!(
-                        instance = inst.id,
+                        instance = inst.id(),
                         capacity = self.wheel.capacity(),
                         "liveness wheel full: instance not watched yet (retried every pass)"
                     );
@@ -215,15 +237,15 @@ impl Reaper {
         }
     }
 
-    fn apply_commands(&mut self, ctx: &NodeContext, now: u64) {
-        while let Some(c) = ctx.liveness.commands.pop() {
+    fn apply_commands(&mut self, ctx: &impl Registrations, now: u64) {
+        while let Some(c) = ctx.liveness().commands.pop() {
             match c {
                 Command::Arm(id, generation) => {
                     if self.timers.contains_key(&generation) {
                         continue;
                     }
-                    if let Some(inst) = Self::live(ctx, id, generation) {
-                        self.schedule(ctx, &inst, now);
+                    if let Some(inst) = ctx.live(id, generation) {
+                        self.schedule(ctx.liveness(), &*inst, now);
                     }
                 }
                 Command::Disarm(_, generation) => {
@@ -239,14 +261,14 @@ impl Reaper {
     /// One pass at the node's current time: applies the queued arm and disarm requests in
     /// order, fires the due timers, reaps the registrations past their deadline and re-arms the
     /// others. Returns how long to sleep before the next pass (1..=1000 ms).
-    pub fn step(&mut self, ctx: &NodeContext) -> u64 {
-        let lv = &ctx.liveness;
+    pub fn step(&mut self, ctx: &impl Registrations) -> u64 {
+        let lv = ctx.liveness();
         let now = ctx.now_ms();
         self.apply_commands(ctx, now);
         let retry: Vec<(u64, u64)> = self.unarmed.iter().map(|(g, id)| (*id, *g)).collect();
         for (id, generation) in retry {
-            match Self::live(ctx, id, generation) {
-                Some(inst) => self.schedule(ctx, &inst, now),
+            match ctx.live(id, generation) {
+                Some(inst) => self.schedule(lv, &*inst, now),
                 None => {
                     self.unarmed.remove(&generation);
                 }
@@ -257,24 +279,20 @@ impl Reaper {
         self.wheel.advance(now / lv.tick_ms, &mut fired);
         for (_, _, (id, generation)) in fired.drain(..) {
             self.timers.remove(&generation);
-            let Some(inst) = Self::live(ctx, id, generation) else {
+            let Some(inst) = ctx.live(id, generation) else {
                 continue;
             };
-            let d = lv.deadline_ms(
-                inst.last_seen_ms.load(Ordering::Relaxed),
-                inst.pinged.load(Ordering::Relaxed),
-            );
+            let d = lv.deadline_ms(inst.last_seen_ms(), inst.pinged());
             if now >= d {
                 tracing::warn!(
                     instance = id,
-                    silent_ms = now.saturating_sub(inst.last_seen_ms.load(Ordering::Relaxed)),
-                    pinged = inst.pinged.load(Ordering::Relaxed),
+                    silent_ms = now.saturating_sub(inst.last_seen_ms()),
+                    pinged = inst.pinged(),
                     "reaping silent instance"
                 );
-                ctx.release(&inst, "reaped");
-                ctx.counters.reaped.fetch_add(1, Ordering::Relaxed);
+                ctx.reap(&inst);
             } else {
-                self.schedule(ctx, &inst, now);
+                self.schedule(lv, &*inst, now);
             }
         }
         self.fired = fired;

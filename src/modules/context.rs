@@ -134,6 +134,34 @@ pub type ReleaseHook = Box<dyn Fn(&Instance) + Send + Sync>;
 /// counters). Must be cheap and must not call back into the node.
 pub type StatusPart = Box<dyn Fn() -> serde_json::Value + Send + Sync>;
 
+/// The reaper's view of the node: live registrations and their release.
+impl crate::liveness::reaper::Registrations for NodeContext {
+    type Registration = Instance;
+
+    fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    fn now_ms(&self) -> u64 {
+        NodeContext::now_ms(self)
+    }
+
+    fn max_registrations(&self) -> usize {
+        self.config.limits.max_instances
+    }
+
+    fn live(&self, id: u64, generation: u64) -> Option<Arc<Instance>> {
+        self.instances
+            .get(id)
+            .filter(|i| i.generation == generation && !i.is_released())
+    }
+
+    fn reap(&self, inst: &Arc<Instance>) {
+        self.release(inst, "reaped");
+        self.counters.reaped.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 impl NodeContext {
     /// Builds the context around an already created pool. With an L2 tier, the last
     /// [`crate::l2::L2Set::staging_bytes`] of the pool are the tier's (never handed to clients);
@@ -404,7 +432,7 @@ impl NodeContext {
                 }
             }
         };
-        self.liveness.arm(&inst);
+        self.liveness.arm(&*inst);
         tracing::info!(
             instance = inst.id,
             model = %inst.model,
@@ -580,7 +608,7 @@ impl NodeContext {
     pub fn finish_release(&self, inst: &Arc<Instance>, reason: &'static str) -> Released {
         debug_assert!(inst.is_released());
         self.instances.remove_exact(inst);
-        self.liveness.disarm(inst);
+        self.liveness.disarm(&**inst);
         let pending = std::mem::take(&mut *inst.pending.lock());
         let mut out = Released::default();
         for (_, w) in pending.writes {

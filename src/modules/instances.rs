@@ -104,6 +104,24 @@ pub struct Instance {
     pub user_reserved: Arc<AtomicU64>,
 }
 
+impl crate::liveness::reaper::Watched for Instance {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn last_seen_ms(&self) -> u64 {
+        self.last_seen_ms.load(Ordering::Relaxed)
+    }
+
+    fn pinged(&self) -> bool {
+        self.pinged.load(Ordering::Relaxed)
+    }
+}
+
 impl Instance {
     /// Records activity at `now_ms` (any request).
     pub fn touch(&self, now_ms: u64) {

@@ -247,9 +247,9 @@ fn an_adopted_lookup_lock_covers_the_retrieve() {
 #[test]
 fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
     let mut h = Harness::new();
-    let mut reaper = crate::liveness::reaper::Reaper::new(&h.ctx);
+    let mut reaper = crate::liveness::reaper::Reaper::new(&*h.ctx);
     h.register(1);
-    reaper.step(&h.ctx);
+    reaper.step(&*h.ctx);
     assert_eq!(
         h.call(Request::Ping {
             instance_id: Some(1)
@@ -261,7 +261,7 @@ fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
     while h.ctx.instances.get(1).is_some() && waited < world::GRACE_MS {
         h.clock.advance(step);
         waited += step;
-        reaper.step(&h.ctx);
+        reaper.step(&*h.ctx);
     }
     assert!(h.ctx.instances.get(1).is_none(), "never reaped");
     assert!(
@@ -280,14 +280,14 @@ fn a_pinged_instance_is_reaped_at_its_timeout_not_the_grace() {
 #[test]
 fn released_instances_leave_no_timer_and_new_ones_are_always_watched() {
     let mut h = Harness::new();
-    let mut reaper = crate::liveness::reaper::Reaper::new(&h.ctx);
+    let mut reaper = crate::liveness::reaper::Reaper::new(&*h.ctx);
     // More distinct instances than the wheel holds, each watched and then released.
     for id in 100..400u64 {
         h.register(id);
-        reaper.step(&h.ctx);
+        reaper.step(&*h.ctx);
         let r = h.call(Request::Unregister { instance_id: id });
         assert!(matches!(r, Response::Unregistered { .. }), "{r:?}");
-        reaper.step(&h.ctx);
+        reaper.step(&*h.ctx);
     }
     assert!(
         reaper.watched().is_empty(),
@@ -296,7 +296,7 @@ fn released_instances_leave_no_timer_and_new_ones_are_always_watched() {
     );
     assert_eq!(h.ctx.liveness.tracked(), 0);
     h.register(7);
-    reaper.step(&h.ctx);
+    reaper.step(&*h.ctx);
     assert_eq!(reaper.watched(), vec![7]);
     assert_eq!(h.ctx.liveness.tracked(), 1);
 }

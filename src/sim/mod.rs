@@ -230,7 +230,7 @@ impl Sim {
     fn new(opts: SimOptions) -> Sim {
         let clock = Clock::manual(1_000);
         let ctx = world::build_node(&clock);
-        let reaper = Reaper::new(&ctx);
+        let reaper = Reaper::new(&*ctx);
         let frontend = LmFrontend::new(ctx.clone());
         let mut rng = Rng::new(opts.seed);
         let prompts = Prompts::new(opts.prompts, rng.next_u64());
@@ -336,7 +336,7 @@ impl Sim {
             4 => self.maintenance()?,
             _ => self.clear()?,
         }
-        self.reaper.step(&self.ctx);
+        self.reaper.step(&*self.ctx);
         self.observe_releases()?;
         self.check()
     }
