@@ -313,7 +313,8 @@ fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> 
     let dev_shm_thp = want_thp && sys::dev_shm_thp_active();
     if want_thp && !dev_shm_thp {
         if sys::shmem_thp_denied() {
-            why_not.push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
+            why_not
+                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
         } else {
             candidates.push(HugeFs::HugeTmpfs);
         }
@@ -349,7 +350,11 @@ fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> 
     let backing = if dev_shm_thp {
         thp_or_4k(&region, true, true, "/dev/shm")
     } else {
-        let advice = if want_thp { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
+        let advice = if want_thp {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
         if let Err(e) = region.madvise(advice) {
             tracing::debug!(error = %e, "madvise failed");
         }
@@ -491,9 +496,16 @@ fn finish(
 /// Checks in the node's own `/proc/self/smaps` what really backs the freshly pre-faulted
 /// mapping: a `Thp` pool with less than half of its bytes in huge pages is reported as
 /// `Pages4K` (with a warning); the detail gains the huge-page count.
-fn verify_backing(region: &PoolRegion, backing: PoolBacking, detail: String) -> (PoolBacking, String) {
+fn verify_backing(
+    region: &PoolRegion,
+    backing: PoolBacking,
+    detail: String,
+) -> (PoolBacking, String) {
     let Some(pages) = sys::mapping_pages(region.as_ptr() as usize) else {
-        return (backing, format!("{detail}; pages not verified (smaps unreadable)"));
+        return (
+            backing,
+            format!("{detail}; pages not verified (smaps unreadable)"),
+        );
     };
     let len = region.len();
     let mib = |b: u64| b >> 20;
@@ -510,7 +522,11 @@ fn verify_backing(region: &PoolRegion, backing: PoolBacking, detail: String) -> 
         }
         PoolBacking::Thp if pages.huge_bytes.saturating_mul(2) >= len => (
             backing,
-            format!("{detail}; {} of {} MiB in huge pages", mib(pages.huge_bytes), mib(len)),
+            format!(
+                "{detail}; {} of {} MiB in huge pages",
+                mib(pages.huge_bytes),
+                mib(len)
+            ),
         ),
         PoolBacking::Thp => {
             tracing::warn!(

@@ -585,7 +585,12 @@ fn posix_shm_on_hugetlb_pages_is_a_bind_mount_removed_on_drop() {
     let path = format!("/dev/shm/{name}");
     let _guard = MountGuard(path.clone());
     let pool = SharedPool::create(&shm_opts(&name, 8 * MIB, PagePreference::Huge2M)).unwrap();
-    assert_eq!(pool.backing(), PoolBacking::Hugetlb2M, "{}", pool.backing_detail());
+    assert_eq!(
+        pool.backing(),
+        PoolBacking::Hugetlb2M,
+        "{}",
+        pool.backing_detail()
+    );
     assert!(
         pool.backing_detail().contains("hugetlbfs pagesize=2M")
             && pool.backing_detail().contains(&path)
@@ -596,30 +601,49 @@ fn posix_shm_on_hugetlb_pages_is_a_bind_mount_removed_on_drop() {
     let mounts = sys::mounts_at(&path).unwrap();
     assert_eq!(mounts.len(), 1, "{mounts:?}");
     assert_eq!(mounts[0].fstype, "hugetlbfs");
-    assert!(mounts[0].source.starts_with("kvnode-segment-"), "{mounts:?}");
+    assert!(
+        mounts[0].source.starts_with("kvnode-segment-"),
+        "{mounts:?}"
+    );
     let record = std::fs::read_to_string(format!("{path}.lock")).unwrap();
     assert_eq!(
         record.trim(),
-        format!("kvnode-segment-mount {}", &mounts[0].source["kvnode-segment-".len()..])
+        format!(
+            "kvnode-segment-mount {}",
+            &mounts[0].source["kvnode-segment-".len()..]
+        )
     );
 
     let client = PoolMapping::open_posix_shm(&name, pool.len()).unwrap();
     let pages = sys::mapping_pages(client.region().as_ptr() as usize).unwrap();
-    assert_eq!(pages.kernel_page_bytes, 2 * MIB, "the client maps 2 MiB pages");
-    client.region().write_at(5 * MIB, b"hugetlb by name").unwrap();
+    assert_eq!(
+        pages.kernel_page_bytes,
+        2 * MIB,
+        "the client maps 2 MiB pages"
+    );
+    client
+        .region()
+        .write_at(5 * MIB, b"hugetlb by name")
+        .unwrap();
     let mut got = [0u8; 15];
     pool.region().read_at(5 * MIB, &mut got).unwrap();
     assert_eq!(&got, b"hugetlb by name");
 
     drop(pool);
     assert!(sys::mounts_at(&path).unwrap().is_empty(), "unmounted");
-    assert!(std::fs::symlink_metadata(&path).is_err(), "placeholder removed");
+    assert!(
+        std::fs::symlink_metadata(&path).is_err(),
+        "placeholder removed"
+    );
     assert!(
         std::fs::symlink_metadata(format!("{path}.lock")).is_err(),
         "lock file removed"
     );
     client.region().read_at(5 * MIB, &mut got).unwrap();
-    assert_eq!(&got, b"hugetlb by name", "the client's mapping outlives the name");
+    assert_eq!(
+        &got, b"hugetlb by name",
+        "the client's mapping outlives the name"
+    );
 }
 
 /// A node that died leaves its bind mount (and the lock file's record of it); the next pool of
@@ -643,12 +667,19 @@ fn a_dead_nodes_bind_mount_is_removed_by_the_next_pool_of_its_name() {
     }
     let old_source = sys::mounts_at(&path).unwrap()[0].source.clone();
     first.abandon_name();
-    assert_eq!(sys::mounts_at(&path).unwrap().len(), 1, "the dead node's mount stays");
+    assert_eq!(
+        sys::mounts_at(&path).unwrap().len(),
+        1,
+        "the dead node's mount stays"
+    );
 
     let second = SharedPool::create(&o).unwrap();
     let mounts = sys::mounts_at(&path).unwrap();
     assert_eq!(mounts.len(), 1, "{mounts:?}");
-    assert_ne!(mounts[0].source, old_source, "the old mount is gone, a new one serves");
+    assert_ne!(
+        mounts[0].source, old_source,
+        "the old mount is gone, a new one serves"
+    );
     let client = PoolMapping::open_posix_shm(&name, second.len()).unwrap();
     client.region().write_at(0, b"fresh").unwrap();
     let mut got = [0u8; 5];
@@ -696,7 +727,11 @@ fn a_mount_kvnode_did_not_make_is_left_alone() {
     let _ = std::process::Command::new("umount").arg(&path).status();
     let huge = PrivateHugeFile::create(HugeFs::HugeTmpfs, 2 * MIB).unwrap();
     huge.expose(&path).unwrap();
-    std::fs::write(format!("{path}.lock"), b"kvnode-segment-mount not-this-one\n").unwrap();
+    std::fs::write(
+        format!("{path}.lock"),
+        b"kvnode-segment-mount not-this-one\n",
+    )
+    .unwrap();
     let e = SharedPool::create(&shm_opts(&name, 2 * MIB, PagePreference::Pages4K))
         .unwrap_err()
         .to_string();
@@ -725,7 +760,11 @@ fn posix_shm_thp_from_a_private_tmpfs_and_4k_without_mounts() {
     let client = PoolMapping::open_posix_shm(&name, pool.len()).unwrap();
     client.region().fill_at(0, pool.len(), 7).unwrap();
     let pages = sys::mapping_pages(client.region().as_ptr() as usize).unwrap();
-    eprintln!("{:?} {} client {pages:?}", pool.backing(), pool.backing_detail());
+    eprintln!(
+        "{:?} {} client {pages:?}",
+        pool.backing(),
+        pool.backing_detail()
+    );
     match pool.backing() {
         PoolBacking::Thp => assert!(pages.huge_bytes > 0, "client got THP"),
         b => {
@@ -744,5 +783,9 @@ fn posix_shm_thp_from_a_private_tmpfs_and_4k_without_mounts() {
     let p4 = SharedPool::create(&shm_opts(&name, 2 * MIB, PagePreference::Pages4K)).unwrap();
     assert_eq!(p4.backing(), PoolBacking::Pages4K);
     assert!(sys::mounts_at(&path).unwrap().is_empty(), "4k: no mount");
-    assert!(p4.backing_detail().contains("4 KiB pages"), "{}", p4.backing_detail());
+    assert!(
+        p4.backing_detail().contains("4 KiB pages"),
+        "{}",
+        p4.backing_detail()
+    );
 }

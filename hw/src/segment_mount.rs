@@ -152,7 +152,11 @@ impl PrivateHugeFile {
             _ => e,
         })?;
         let token = new_token();
-        fsconfig_string(fsfd.as_fd(), "source", &format!("{MOUNT_SOURCE_PREFIX}{token}"))?;
+        fsconfig_string(
+            fsfd.as_fd(),
+            "source",
+            &format!("{MOUNT_SOURCE_PREFIX}{token}"),
+        )?;
         match fs {
             HugeFs::Hugetlb2M => fsconfig_string(fsfd.as_fd(), "pagesize", "2M")?,
             HugeFs::Hugetlb1G => fsconfig_string(fsfd.as_fd(), "pagesize", "1G")?,
@@ -181,9 +185,8 @@ impl PrivateHugeFile {
         }
         let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
         // SAFETY: no pointers; the descriptor is ours.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_fsmount, fsfd.as_raw_fd(), FSMOUNT_CLOEXEC, attrs)
-        };
+        let rc =
+            unsafe { libc::syscall(libc::SYS_fsmount, fsfd.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) };
         let mnt = fd_result(rc, "fsmount")?;
         let file_name = cstr(FILE_NAME);
         // SAFETY: openat reads the NUL-terminated name during the call only.
@@ -342,7 +345,8 @@ pub(crate) fn recover_stale(path: &str, token: Option<&str>) -> HwResult<usize> 
         };
         match token {
             Some(t) if is_ours(top, t) => {
-                detach(path).map_err(|e| HwError::os_path("umount2 (stale segment mount)", path, e))?;
+                detach(path)
+                    .map_err(|e| HwError::os_path("umount2 (stale segment mount)", path, e))?;
                 tracing::warn!(
                     path,
                     source = %top.source,
@@ -384,11 +388,26 @@ mod tests {
     #[test]
     fn ownership_needs_the_token_the_file_and_the_file_system() {
         let t = "abc-1";
-        assert!(is_ours(&entry("kvnode-segment-abc-1", "/segment", "hugetlbfs"), t));
-        assert!(is_ours(&entry("kvnode-segment-abc-1", "/segment", "tmpfs"), t));
-        assert!(!is_ours(&entry("kvnode-segment-abc-2", "/segment", "hugetlbfs"), t));
-        assert!(!is_ours(&entry("kvnode-segment-abc-1", "/other", "hugetlbfs"), t));
-        assert!(!is_ours(&entry("kvnode-segment-abc-1", "/segment", "ext4"), t));
+        assert!(is_ours(
+            &entry("kvnode-segment-abc-1", "/segment", "hugetlbfs"),
+            t
+        ));
+        assert!(is_ours(
+            &entry("kvnode-segment-abc-1", "/segment", "tmpfs"),
+            t
+        ));
+        assert!(!is_ours(
+            &entry("kvnode-segment-abc-2", "/segment", "hugetlbfs"),
+            t
+        ));
+        assert!(!is_ours(
+            &entry("kvnode-segment-abc-1", "/other", "hugetlbfs"),
+            t
+        ));
+        assert!(!is_ours(
+            &entry("kvnode-segment-abc-1", "/segment", "ext4"),
+            t
+        ));
         assert!(!is_ours(&entry("tmpfs", "/", "tmpfs"), t));
     }
 

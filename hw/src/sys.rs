@@ -149,10 +149,9 @@ pub(crate) fn mapping_pages_in(smaps: &str, addr: usize) -> Option<MappingPages>
     let mut found = false;
     let mut m = MappingPages::default();
     for line in smaps.lines() {
-        let is_header = line
-            .split_whitespace()
-            .next()
-            .is_some_and(|r| r.contains('-') && r.chars().all(|c| c.is_ascii_hexdigit() || c == '-'));
+        let is_header = line.split_whitespace().next().is_some_and(|r| {
+            r.contains('-') && r.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
+        });
         if is_header {
             if found {
                 break;
@@ -206,7 +205,10 @@ pub(crate) struct MountEntry {
 /// The mounts whose mount point is exactly `path`, bottom first (the last one is the one
 /// `path` resolves to), read from `/proc/self/mountinfo`; `Err` if that cannot be read.
 pub(crate) fn mounts_at(path: &str) -> std::io::Result<Vec<MountEntry>> {
-    Ok(mounts_at_in(&fs::read_to_string("/proc/self/mountinfo")?, path))
+    Ok(mounts_at_in(
+        &fs::read_to_string("/proc/self/mountinfo")?,
+        path,
+    ))
 }
 
 /// [`mounts_at`] on a given mountinfo text.
