@@ -315,7 +315,10 @@ fn status_reports_what_a_client_mapping_the_segment_by_name_gets() {
     let node = Node::start(&seg, &dir, None);
     let s = node.status();
     let backing = s["pool_backing"].as_str().unwrap().to_owned();
-    let detail = s["pool_backing_detail"].as_str().unwrap().to_owned();
+    let detail = s["pool_backing_detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     eprintln!("pool_backing {backing}: {detail}");
     let (client, pages) = client_pages(&seg.shm_arg);
     eprintln!("client: {pages:?}");
@@ -330,6 +333,7 @@ fn status_reports_what_a_client_mapping_the_segment_by_name_gets() {
             assert_eq!(mounts_at(&seg.path).len(), 1, "one bind mount");
         }
     }
+    assert!(!detail.is_empty(), "status has pool_backing_detail: {s}");
     drop(client);
     node.stop();
     assert!(mounts_at(&seg.path).is_empty(), "unmounted at stop");
@@ -412,7 +416,10 @@ fn without_root_the_segment_falls_back_with_a_warning() {
     let node = Node::start(&seg, &dir, as_user);
     let s = node.status();
     let backing = s["pool_backing"].as_str().unwrap().to_owned();
-    let detail = s["pool_backing_detail"].as_str().unwrap().to_owned();
+    let detail = s["pool_backing_detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     assert!(mounts_at(&seg.path).is_empty(), "no mount without root");
     let (client, pages) = client_pages(&seg.shm_arg);
     assert_agrees(&backing, &pages, &node);
@@ -422,6 +429,7 @@ fn without_root_the_segment_falls_back_with_a_warning() {
             "the detail says why: {detail}"
         );
     }
+    assert!(!detail.is_empty(), "status has pool_backing_detail: {s}");
     drop(client);
     node.stop();
     assert!(std::fs::symlink_metadata(&seg.path).is_err());
