@@ -8,12 +8,103 @@
 #   KVNODE_HUGEPAGES   2 MiB pages to reserve when root (default 640 = 1.25 GiB, enough for the
 #                      default 1 GiB pool). 0 skips the reservation; the node then falls back to
 #                      THP or 4 KiB pages and says so. The reservation is never lowered here;
-#                      undo it with `echo 0 > /proc/sys/vm/nr_hugepages` (as root).
+#                      it is recorded (see below), so `scripts/setup.sh --undo-hugepages` puts
+#                      back the value from before.
 #   KVNODE_SKIP_APT=1  do not touch apt.
+#
+# Host-side hugepage options (root only; each does only this and exits, no packages, no Rust):
+#   --hugepages [N]    reserve N 2 MiB hugetlb pages (default 640) if fewer are reserved. A root
+#                      `kvnode lmcache-server` then puts its POSIX shm segment on them (a
+#                      hugetlbfs file bind-mounted at /dev/shm/<name>), and `kvnode serve` its
+#                      memfd pool. Reserved pages are unavailable to other programs.
+#   --shm-huge         remount /dev/shm with huge=within_size, so that every POSIX shm segment of
+#                      at least 2 MiB (kvnode's when it is not root, and other programs') gets
+#                      transparent huge pages. Affects every program using /dev/shm, hence never
+#                      done by default.
+#   --undo-hugepages   restore exactly what --hugepages, --shm-huge and KVNODE_HUGEPAGES changed
+#                      (the nr_hugepages and /dev/shm huge= values from before the first change).
+#   --hugepages-status show the current values and what is recorded.
+# What was changed is recorded in /run/kvnode/host-setup.env (the first "before" value of each
+# knob; /run is cleared at reboot, as are the changes themselves). Neither change is needed:
+# without them the node falls back to a private huge tmpfs (root) or 4 KiB pages, with a warning.
 set -euo pipefail
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+STATE_DIR=/run/kvnode
+STATE="$STATE_DIR/host-setup.env"
+NR=/proc/sys/vm/nr_hugepages
+
+# Records KEY=VALUE in the state file unless KEY is already recorded (the first value wins).
+record_before() {
+  mkdir -p "$STATE_DIR" && chmod 0755 "$STATE_DIR"
+  touch "$STATE"
+  grep -q "^$1=" "$STATE" || echo "$1=$2" >> "$STATE"
+}
+recorded() { [ -f "$STATE" ] && sed -n "s/^$1=//p" "$STATE" | head -n1; }
+# The huge= option of the /dev/shm mount that paths resolve to (the last one listed).
+dev_shm_huge() {
+  awk '$2 == "/dev/shm" && $3 == "tmpfs" { o = "never"; n = split($4, a, ","); for (i = 1; i <= n; i++) if (a[i] ~ /^huge=/) o = substr(a[i], 6); last = o } END { print last }' /proc/self/mounts
+}
+reserve_hugepages() { # N
+  local want=$1 have
+  have=$(cat "$NR")
+  if [ "$have" -ge "$want" ]; then
+    log "2 MiB hugepages already reserved: $have (asked for $want)"
+    return 0
+  fi
+  record_before nr_hugepages "$have"
+  echo "$want" > "$NR" || true
+  log "2 MiB hugepages reserved: $(cat "$NR") (asked for $want, was $have); this memory is"
+  log "unavailable to other programs until released: undo with scripts/setup.sh --undo-hugepages"
+}
+host_only() {
+  [ "$(id -u)" -eq 0 ] || { log "$1 needs root"; exit 1; }
+}
+case "${1:-}" in
+  --hugepages)
+    host_only "$1"
+    reserve_hugepages "${2:-640}"
+    exit 0 ;;
+  --shm-huge)
+    host_only "$1"
+    cur=$(dev_shm_huge)
+    if [ -z "$cur" ]; then log "/dev/shm is not a tmpfs here; nothing changed"; exit 1; fi
+    if [ "$cur" = within_size ] || [ "$cur" = always ]; then
+      log "/dev/shm already has huge=$cur"
+      exit 0
+    fi
+    record_before dev_shm_huge "$cur"
+    mount -o remount,huge=within_size /dev/shm
+    log "/dev/shm remounted with huge=within_size (was huge=$cur); undo with scripts/setup.sh --undo-hugepages"
+    exit 0 ;;
+  --undo-hugepages)
+    host_only "$1"
+    if grep -q ' kvnode-segment-' /proc/self/mountinfo; then
+      log "note: kvnode segment mounts exist (a node runs, or one died): their hugepages stay in use"
+      log "until that node stops or a node of the same name restarts"
+    fi
+    if v=$(recorded nr_hugepages) && [ -n "$v" ]; then
+      echo "$v" > "$NR" || true
+      log "nr_hugepages back to $v (now $(cat "$NR"); pages in use are released when freed)"
+    fi
+    if v=$(recorded dev_shm_huge) && [ -n "$v" ]; then
+      mount -o "remount,huge=$v" /dev/shm
+      log "/dev/shm remounted with huge=$v"
+    fi
+    rm -f "$STATE"
+    log "nothing else was changed by setup.sh"
+    exit 0 ;;
+  --hugepages-status)
+    echo "nr_hugepages=$(cat "$NR") free=$(cat /sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages 2>/dev/null)"
+    echo "dev_shm_huge=$(dev_shm_huge)"
+    echo "segment_mounts=$(grep -c ' kvnode-segment-' /proc/self/mountinfo || true)"
+    [ -f "$STATE" ] && sed 's/^/recorded before: /' "$STATE"
+    exit 0 ;;
+  "") ;;
+  *) log "unknown option $1 (see the header of $0)"; exit 2 ;;
+esac
 
 # 1. System packages (compilers and tools the build and tests use).
 need_pkgs=()
@@ -47,16 +138,11 @@ for c in rustfmt clippy; do
   fi
 done
 
-# 3. Hugepages for the pool (root only; the node itself never needs root).
+# 3. Hugepages for the pool (root only; the node itself never needs root). Recorded, so that
+# `scripts/setup.sh --undo-hugepages` restores the value from before.
 want=${KVNODE_HUGEPAGES:-640}
-if [ "$want" -gt 0 ] && [ -w /proc/sys/vm/nr_hugepages ]; then
-  have=$(cat /proc/sys/vm/nr_hugepages)
-  if [ "$have" -lt "$want" ]; then
-    echo "$want" > /proc/sys/vm/nr_hugepages || true
-    log "2 MiB hugepages reserved: $(cat /proc/sys/vm/nr_hugepages) (asked for $want, was $have);"
-    log "this memory is unavailable to other programs until released: undo with"
-    log "  echo $have > /proc/sys/vm/nr_hugepages   (or echo 0 to release every hugepage)"
-  fi
+if [ "$want" -gt 0 ] && [ -w "$NR" ]; then
+  reserve_hugepages "$want"
 else
   log "not reserving hugepages (not root or KVNODE_HUGEPAGES=0): the pool falls back to THP/4k"
 fi

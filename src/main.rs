@@ -685,6 +685,10 @@ fn status(socket: PathBuf, json: bool, timeout: std::time::Duration) -> Result<(
         v["pool_backing"].as_str().unwrap_or("?"),
         mib("used_bytes")
     );
+    println!(
+        "backing   {}",
+        v["pool_backing_detail"].as_str().unwrap_or("?")
+    );
     let o = &v["objects"];
     println!(
         "objects   ready {}  read-locked {}  write-reserved {}  temporary {}",

@@ -37,6 +37,7 @@ mod peer;
 mod pool;
 mod pread_engine;
 mod region;
+mod segment_mount;
 mod shm;
 mod sockaddr;
 mod sockdiag;

@@ -97,8 +97,9 @@ impl MemoryAvailable {
     }
 
     /// Checks that a pool of `bytes` with page preference `prefer` (a memfd pool, or a POSIX shm
-    /// one when `posix_shm`, which never gets hugetlb pages) fits in some backing of its fallback
-    /// chain. `Err` holds a sentence naming the pool size and the memory available.
+    /// one when `posix_shm`, which gets hugetlb pages only when this process is root: see
+    /// [`crate::SharedPool::create`]) fits in some backing of its fallback chain. `Err` holds a
+    /// sentence naming the pool size and the memory available.
     ///
     /// Invariant: refuses only on positive evidence: when `MemAvailable` cannot be read, every
     /// size is allowed (the pool creation then reports what really happens).
@@ -108,6 +109,22 @@ impl MemoryAvailable {
         prefer: PagePreference,
         posix_shm: bool,
     ) -> Result<(), String> {
+        // A POSIX shm pool on hugetlb pages is a hugetlbfs file bind-mounted at its name, which
+        // needs root; it takes nothing from /dev/shm.
+        let shm_hugetlb = !posix_shm || crate::peer::effective_uid() == 0;
+        let hugetlb: &[PoolBacking] = match (shm_hugetlb, prefer) {
+            (false, _) => &[],
+            (true, PagePreference::Huge1G) => &[PoolBacking::Hugetlb1G, PoolBacking::Hugetlb2M],
+            (true, PagePreference::Huge2M) => &[PoolBacking::Hugetlb2M],
+            (true, _) => &[],
+        };
+        for &b in hugetlb {
+            if let Some(free) = self.hugetlb_bytes(b) {
+                if round_up(bytes, b.page_bytes()) <= free {
+                    return Ok(());
+                }
+            }
+        }
         if posix_shm {
             if let Some(free) = self.dev_shm_free {
                 if round_up(bytes, 2 << 20) > free {
@@ -118,19 +135,6 @@ impl MemoryAvailable {
                         human_bytes(free),
                         SMALLER_POOL
                     ));
-                }
-            }
-        }
-        let hugetlb: &[PoolBacking] = match (posix_shm, prefer) {
-            (true, _) => &[],
-            (false, PagePreference::Huge1G) => &[PoolBacking::Hugetlb1G, PoolBacking::Hugetlb2M],
-            (false, PagePreference::Huge2M) => &[PoolBacking::Hugetlb2M],
-            (false, _) => &[],
-        };
-        for &b in hugetlb {
-            if let Some(free) = self.hugetlb_bytes(b) {
-                if round_up(bytes, b.page_bytes()) <= free {
-                    return Ok(());
                 }
             }
         }
@@ -376,14 +380,19 @@ mod tests {
             .is_err());
         assert!(m.check_pool(8 * GIB, PagePreference::Huge2M, false).is_ok());
         assert!(m.check_pool(4 * GIB, PagePreference::Huge2M, false).is_ok());
-        // Hugepages only help when the preference tries them, and never for POSIX shm.
+        // Hugepages only help when the preference tries them, and for POSIX shm only as root
+        // (the hugetlbfs file is bind-mounted at the segment's name).
         let m = mem(1, 4096, 0);
         assert!(m.check_pool(6 * GIB, PagePreference::Huge2M, false).is_ok());
         assert!(m
             .check_pool(6 * GIB, PagePreference::Pages4K, false)
             .is_err());
         assert!(m.check_pool(6 * GIB, PagePreference::Thp, false).is_err());
-        assert!(m.check_pool(6 * GIB, PagePreference::Huge2M, true).is_err());
+        assert_eq!(
+            m.check_pool(6 * GIB, PagePreference::Huge2M, true).is_ok(),
+            crate::peer::effective_uid() == 0
+        );
+        assert!(m.check_pool(6 * GIB, PagePreference::Thp, true).is_err());
         // The 1 GiB preference tries 1 GiB then 2 MiB pages; 1 GiB pages round the pool up.
         let m = mem(1, 0, 4);
         assert!(m.check_pool(4 * GIB, PagePreference::Huge1G, false).is_ok());

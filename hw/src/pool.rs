@@ -7,6 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::error::{HwError, HwResult};
 use crate::region::{round_up, PoolRegion, ALIGN_2M};
+use crate::segment_mount::{HugeFs, PrivateHugeFile};
 use crate::shm::ShmSegment;
 use crate::sys;
 
@@ -18,11 +19,11 @@ const MAX_POOL_BYTES: u64 = 1 << 46;
 /// What physically backs the pool pages. `as_str()` gives exactly
 /// `"hugetlb-1g"`, `"hugetlb-2m"`, `"thp"`, `"4k"`.
 ///
-/// Invariant: describes what the kernel was asked for and confirmed
-/// (hugetlb: the mapping succeeded with reserved pages; `Thp`: shmem THP is
-/// enabled for the backing filesystem and the mapping is huge-page eligible),
-/// not a guarantee that every page is huge at every instant (THP may fall
-/// back to 4K pages under fragmentation).
+/// Invariant: describes what the kernel confirmed. Hugetlb: the mapping succeeded with
+/// reserved pages. `Thp`: for a pre-faulted pool, at least half of it was mapped by huge pages
+/// right after pre-faulting (the node's own `/proc/self/smaps`), otherwise the pool reports
+/// `Pages4K`; without pre-faulting, that THP is enabled for the backing file system (not yet
+/// verified). Not a guarantee that every page is huge at every instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PoolBacking {
     /// 1 GiB hugetlb pages.
@@ -98,7 +99,7 @@ pub struct PoolOptions {
     /// `/dev/shm/<name>` (created exclusively, mode 0600, under the lock file
     /// `/dev/shm/<name>.lock` held while the pool lives; a stale one is
     /// unlinked first) instead of a memfd; unlinked when the pool drops.
-    /// Hugetlb is impossible there.
+    /// Hugepages there: see [`SharedPool::create`].
     pub posix_shm_name: Option<String>,
     /// When set and raised (a signal during start-up), pre-faulting stops at the next 1 GiB and
     /// creation fails: a node asked to stop never spends minutes building a pool first.
@@ -132,6 +133,7 @@ pub struct SharedPool {
     region: PoolRegion,
     fd: OwnedFd,
     backing: PoolBacking,
+    detail: String,
     shm: Option<ShmSegment>,
 }
 
@@ -149,6 +151,14 @@ impl SharedPool {
     /// Logs the backing obtained at info and, at warn, why each better one
     /// failed. Errors: `Invalid` for a zero/oversized size or a bad name,
     /// `Os` if even the 4K fallback fails.
+    ///
+    /// A named POSIX shm pool (`posix_shm_name`) tries, in order: hugetlb pages (1G, 2M per
+    /// `prefer`) as a file on a private hugetlbfs instance bind-mounted over the name (root
+    /// only; see `segment_mount`); THP from `/dev/shm` itself when it is mounted with `huge=`;
+    /// THP from a private `huge=within_size` tmpfs bind-mounted the same way (root only); and
+    /// finally 4 KiB pages of `/dev/shm`, with a warning naming why each better one failed.
+    /// Every mount it makes is removed again when the pool drops (or by the next pool of that
+    /// name after a crash); it never touches a mount it did not make.
     pub fn create(opts: &PoolOptions) -> HwResult<SharedPool> {
         if opts.bytes == 0 {
             return Err(HwError::Invalid("pool size is 0".into()));
@@ -178,6 +188,13 @@ impl SharedPool {
         self.backing
     }
 
+    /// One line for people: where the pool's memory comes from (memfd, `/dev/shm`, or which
+    /// file system is bind-mounted at the segment's path) and how much of it the node's own
+    /// mapping saw in huge pages after pre-faulting, or why it has 4 KiB pages.
+    pub fn backing_detail(&self) -> &str {
+        &self.detail
+    }
+
     /// Pool length in bytes (after rounding).
     pub fn len(&self) -> u64 {
         self.region.len()
@@ -202,6 +219,15 @@ impl SharedPool {
     /// The node-side mapping of the whole pool.
     pub fn region(&self) -> &PoolRegion {
         &self.region
+    }
+
+    /// Dies the way a killed node does as far as the name goes: its lock is released, while the
+    /// segment, a bind mount over it and the lock file's record of that mount stay.
+    #[cfg(test)]
+    pub(crate) fn abandon_name(mut self) {
+        if let Some(seg) = self.shm.take() {
+            seg.abandon();
+        }
     }
 }
 
@@ -247,7 +273,7 @@ fn create_memfd_chain(opts: &PoolOptions) -> HwResult<SharedPool> {
     let fd = OwnedFd::from(file);
     let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
     let backing = thp_or_4k(&region, want_thp, sys::memfd_thp_active(), "memfd");
-    finish(opts, region, fd, backing, None)
+    finish(opts, region, fd, backing, None, "memfd".into())
 }
 
 fn is_cancelled(opts: &PoolOptions) -> bool {
@@ -271,15 +297,47 @@ fn try_hugetlb(opts: &PoolOptions, name: &CString, backing: PoolBacking) -> HwRe
     let fd = OwnedFd::from(file);
     // Without free hugepages this mmap fails with ENOMEM (reservation).
     let region = PoolRegion::map_shared(fd.as_fd(), len as usize, page as usize, len)?;
-    finish(opts, region, fd, backing, None)
+    finish(opts, region, fd, backing, None, "memfd (hugetlb)".into())
 }
 
 fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> {
-    if matches!(opts.prefer, PagePreference::Huge1G | PagePreference::Huge2M) {
-        tracing::warn!(
-            name = shm_name,
-            "hugetlb is impossible on POSIX shm (/dev/shm is tmpfs); trying THP"
-        );
+    let path = format!("{}/{shm_name}", sys::DEV_SHM);
+    let mut why_not: Vec<String> = Vec::new();
+    let hugetlb: &[HugeFs] = match opts.prefer {
+        PagePreference::Huge1G => &[HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
+        PagePreference::Huge2M => &[HugeFs::Hugetlb2M],
+        PagePreference::Thp | PagePreference::Pages4K => &[],
+    };
+    let mut candidates: Vec<HugeFs> = hugetlb.to_vec();
+    let want_thp = opts.prefer != PagePreference::Pages4K;
+    let dev_shm_thp = want_thp && sys::dev_shm_thp_active();
+    if want_thp && !dev_shm_thp {
+        if sys::shmem_thp_denied() {
+            why_not
+                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
+        } else {
+            candidates.push(HugeFs::HugeTmpfs);
+        }
+    }
+    for fs in candidates {
+        if fs == HugeFs::HugeTmpfs && !why_not.is_empty() {
+            tracing::warn!(
+                path,
+                why = why_not.join("; "),
+                "no hugetlb pages for the POSIX shm segment; trying transparent huge pages"
+            );
+        }
+        match prepare_huge(opts, fs) {
+            Ok((huge, region)) => return finish_mounted(opts, shm_name, &path, huge, region),
+            Err(e) if is_cancelled(opts) => return Err(e),
+            Err(e) => why_not.push(format!("{}: {e}", fs.describe())),
+        }
+    }
+    if want_thp && !dev_shm_thp && !sys::shmem_thp_denied() {
+        why_not.push(format!(
+            "{} is a tmpfs without huge= (scripts/setup.sh --shm-huge remounts it)",
+            sys::DEV_SHM
+        ));
     }
     let (seg, fd) = ShmSegment::create(shm_name)?;
     // From here on `seg` unlinks the name again if anything fails.
@@ -289,9 +347,99 @@ fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> 
         .map_err(|e| HwError::os("ftruncate (posix shm)", e))?;
     let fd = OwnedFd::from(file);
     let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
-    let want_thp = opts.prefer != PagePreference::Pages4K;
-    let backing = thp_or_4k(&region, want_thp, sys::dev_shm_thp_active(), "/dev/shm");
-    finish(opts, region, fd, backing, Some(seg))
+    let backing = if dev_shm_thp {
+        thp_or_4k(&region, true, true, "/dev/shm")
+    } else {
+        let advice = if want_thp {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
+        if let Err(e) = region.madvise(advice) {
+            tracing::debug!(error = %e, "madvise failed");
+        }
+        PoolBacking::Pages4K
+    };
+    let detail = if backing == PoolBacking::Pages4K {
+        let why = if want_thp {
+            why_not.join("; ")
+        } else {
+            "4k pages were asked for".to_owned()
+        };
+        if want_thp {
+            tracing::warn!(
+                path,
+                why,
+                "the POSIX shm segment is on 4 KiB pages: every first touch of a page in a \
+                 client's mapping faults (run scripts/setup.sh --hugepages as root)"
+            );
+        }
+        format!("tmpfs {} (4 KiB pages: {why})", sys::DEV_SHM)
+    } else {
+        format!(
+            "tmpfs {} huge={}",
+            sys::DEV_SHM,
+            std::fs::read_to_string("/proc/self/mounts")
+                .ok()
+                .and_then(|m| sys::dev_shm_huge_option(&m).map(str::to_owned))
+                .unwrap_or_else(|| "?".into())
+        )
+    };
+    finish(opts, region, fd, backing, Some(seg), detail)
+}
+
+/// A private hugepage file of the pool's size, mapped (for hugetlb this reserves the pages, so
+/// a shortage fails here, before anything is visible at the segment's name).
+fn prepare_huge(opts: &PoolOptions, fs: HugeFs) -> HwResult<(PrivateHugeFile, PoolRegion)> {
+    let page = match fs {
+        HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G.page_bytes(),
+        HugeFs::Hugetlb2M | HugeFs::HugeTmpfs => ALIGN_2M as u64,
+    };
+    let len = round_up(opts.bytes, page).expect("bounded by MAX_POOL_BYTES");
+    let huge = PrivateHugeFile::create(fs, len)?;
+    let region = match PoolRegion::map_shared(huge.file(), len as usize, page as usize, len) {
+        Ok(r) => r,
+        Err(e) if e.raw_os_error() == Some(libc::ENOMEM) && fs != HugeFs::HugeTmpfs => {
+            let dir = match fs {
+                HugeFs::Hugetlb1G => sys::HUGE_1G_DIR,
+                _ => sys::HUGE_2M_DIR,
+            };
+            return Err(HwError::Invalid(format!(
+                "not enough free hugetlb pages: the pool needs {}, {} are free and unreserved \
+                 (raise {dir}/nr_hugepages, e.g. scripts/setup.sh --hugepages)",
+                len / page,
+                sys::hugepages_available(dir).unwrap_or(0)
+            )));
+        }
+        Err(e) => return Err(e),
+    };
+    if fs == HugeFs::HugeTmpfs {
+        if let Err(e) = region.madvise(libc::MADV_HUGEPAGE) {
+            tracing::debug!(error = %e, "madvise(MADV_HUGEPAGE) failed");
+        }
+    }
+    Ok((huge, region))
+}
+
+/// Exposes `huge` at the segment's name and finishes the pool on it.
+fn finish_mounted(
+    opts: &PoolOptions,
+    shm_name: &str,
+    path: &str,
+    huge: PrivateHugeFile,
+    region: PoolRegion,
+) -> HwResult<SharedPool> {
+    let (seg, placeholder) = ShmSegment::create_over(shm_name, Some(&huge))?;
+    drop(placeholder);
+    let fs = huge.fs();
+    let backing = match fs {
+        HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G,
+        HugeFs::Hugetlb2M => PoolBacking::Hugetlb2M,
+        HugeFs::HugeTmpfs => PoolBacking::Thp,
+    };
+    let fd = huge.into_file();
+    let detail = format!("private {} file bind-mounted at {path}", fs.describe());
+    finish(opts, region, fd, backing, Some(seg), detail)
 }
 
 /// Applies the THP advice to a shmem mapping and decides Thp vs Pages4K.
@@ -323,16 +471,81 @@ fn finish(
     fd: OwnedFd,
     backing: PoolBacking,
     shm: Option<ShmSegment>,
+    detail: String,
 ) -> HwResult<SharedPool> {
-    if opts.prefault {
-        region.prefault_fresh(opts.cancel.as_deref())?;
+    if !opts.prefault {
+        return Ok(SharedPool {
+            region,
+            fd,
+            backing,
+            detail: format!("{detail}; pages not verified (not pre-faulted)"),
+            shm,
+        });
     }
+    region.prefault_fresh(opts.cancel.as_deref())?;
+    let (backing, detail) = verify_backing(&region, backing, detail);
     Ok(SharedPool {
         region,
         fd,
         backing,
+        detail,
         shm,
     })
+}
+
+/// Checks in the node's own `/proc/self/smaps` what really backs the freshly pre-faulted
+/// mapping: a `Thp` pool with less than half of its bytes in huge pages is reported as
+/// `Pages4K` (with a warning); the detail gains the huge-page count.
+fn verify_backing(
+    region: &PoolRegion,
+    backing: PoolBacking,
+    detail: String,
+) -> (PoolBacking, String) {
+    let Some(pages) = sys::mapping_pages(region.as_ptr() as usize) else {
+        return (
+            backing,
+            format!("{detail}; pages not verified (smaps unreadable)"),
+        );
+    };
+    let len = region.len();
+    let mib = |b: u64| b >> 20;
+    match backing {
+        PoolBacking::Hugetlb1G | PoolBacking::Hugetlb2M => {
+            if pages.kernel_page_bytes != backing.page_bytes() {
+                tracing::warn!(
+                    kernel_page_bytes = pages.kernel_page_bytes,
+                    "the hugetlb pool's mapping reports another page size"
+                );
+            }
+            let n = pages.huge_bytes / backing.page_bytes();
+            (backing, format!("{detail}; {n} hugetlb pages mapped"))
+        }
+        PoolBacking::Thp if pages.huge_bytes.saturating_mul(2) >= len => (
+            backing,
+            format!(
+                "{detail}; {} of {} MiB in huge pages",
+                mib(pages.huge_bytes),
+                mib(len)
+            ),
+        ),
+        PoolBacking::Thp => {
+            tracing::warn!(
+                huge_bytes = pages.huge_bytes,
+                bytes = len,
+                "transparent huge pages were enabled for the pool but the kernel gave mostly \
+                 4 KiB pages (memory fragmented?); reporting 4k"
+            );
+            (
+                PoolBacking::Pages4K,
+                format!(
+                    "{detail}; THP asked for but only {} of {} MiB in huge pages",
+                    mib(pages.huge_bytes),
+                    mib(len)
+                ),
+            )
+        }
+        PoolBacking::Pages4K => (backing, detail),
+    }
 }
 
 fn memfd_create(name: &CString, flags: libc::c_uint) -> std::io::Result<OwnedFd> {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::segment_mount::{HugeFs, PrivateHugeFile};
 use crate::{hugepage_test_lock, PoolMapping};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
@@ -303,12 +304,12 @@ fn posix_shm_pool() {
     let mut o = opts(3 * MIB, PagePreference::Huge2M);
     o.posix_shm_name = Some(name.clone());
     let pool = SharedPool::create(&o).unwrap();
-    let want = if sys::dev_shm_thp_active() {
-        PoolBacking::Thp
-    } else {
-        PoolBacking::Pages4K
-    };
-    assert_eq!(pool.backing(), want);
+    assert!(
+        backing_as_expected(&pool, PagePreference::Huge2M, 3 * MIB),
+        "{:?}: {}",
+        pool.backing(),
+        pool.backing_detail()
+    );
     assert_eq!(pool.posix_shm_name(), Some(name.as_str()));
     check_pool(&pool, 3 * MIB);
     let md = std::fs::metadata(&path).unwrap();
@@ -490,4 +491,301 @@ fn thp_when_shmem_thp_enabled() {
     let p4 = SharedPool::create(&opts(4 * MIB, PagePreference::Pages4K)).unwrap();
     assert_eq!(p4.backing(), PoolBacking::Pages4K);
     assert_eq!(shmem_pmd_kb(p4.region().as_ptr() as usize).unwrap_or(0), 0);
+}
+
+/// The backings a POSIX shm pool may get here: hugetlb when root with enough free pages (the
+/// count may change under other processes, so 2M is only "possible"), THP from /dev/shm when
+/// it is mounted huge=, or from a private huge tmpfs when root, else 4k.
+fn expected_shm(prefer: PagePreference, bytes: u64) -> Vec<PoolBacking> {
+    let root = crate::peer::effective_uid() == 0;
+    let mut v = vec![];
+    if root && prefer == PagePreference::Huge2M {
+        let need = round_up(bytes, 2 * MIB).unwrap() / (2 * MIB);
+        if sys::hugepages_available(sys::HUGE_2M_DIR).unwrap_or(0) >= need {
+            v.push(PoolBacking::Hugetlb2M);
+        }
+    }
+    if prefer != PagePreference::Pages4K
+        && (sys::dev_shm_thp_active() || (root && !sys::shmem_thp_denied()))
+    {
+        v.push(PoolBacking::Thp);
+    }
+    if v.is_empty() {
+        v.push(PoolBacking::Pages4K);
+    }
+    v
+}
+
+/// Whether `pool`'s backing is one [`expected_shm`] allows (or 4k because the kernel had no
+/// huge pages to give, which the detail then says).
+fn backing_as_expected(pool: &SharedPool, prefer: PagePreference, bytes: u64) -> bool {
+    expected_shm(prefer, bytes).contains(&pool.backing())
+        || (pool.backing() == PoolBacking::Pages4K
+            && pool.backing_detail().contains("THP asked for but only"))
+}
+
+/// Removes, on drop, every mount at a test segment's path and the path itself (also when the
+/// test fails), so that no test leaves a mount behind.
+struct MountGuard(String);
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        for _ in 0..8 {
+            if sys::mounts_at(&self.0).map_or(true, |m| m.is_empty()) {
+                break;
+            }
+            let _ = std::process::Command::new("umount")
+                .args(["-l", &self.0])
+                .status();
+        }
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_file(format!("{}.lock", self.0));
+    }
+}
+
+/// Raises `nr_hugepages` by `more` for the test's duration; `None` (skip) when not root.
+fn more_hugepages(more: u64) -> Option<Restore> {
+    const NR: &str = "/proc/sys/vm/nr_hugepages";
+    let old = sys::read_u64(NR)?;
+    if let Err(e) = std::fs::write(NR, format!("{}", old + more)) {
+        eprintln!("skip: cannot raise nr_hugepages (not root?): {e}");
+        return None;
+    }
+    Some(Restore {
+        path: NR,
+        old: old.to_string(),
+    })
+}
+
+fn shm_opts(name: &str, bytes: u64, prefer: PagePreference) -> PoolOptions {
+    let mut o = opts(bytes, prefer);
+    o.posix_shm_name = Some(name.to_owned());
+    o
+}
+
+/// As root with free hugetlb pages, the named segment is a hugetlbfs file bind-mounted at
+/// `/dev/shm/<name>`: a client opening the name by `shm_open` gets 2 MiB pages. Dropping the
+/// pool (a client still mapping it) removes the mount, the placeholder and the lock file; the
+/// client's mapping stays valid.
+#[test]
+fn posix_shm_on_hugetlb_pages_is_a_bind_mount_removed_on_drop() {
+    let _g = hugepage_test_lock();
+    if crate::peer::effective_uid() != 0 {
+        eprintln!("skip: not root, so no mounts");
+        return;
+    }
+    let Some(_restore) = more_hugepages(8) else {
+        return;
+    };
+    if sys::hugepages_available(sys::HUGE_2M_DIR).unwrap_or(0) < 4 {
+        eprintln!("skip: the kernel gave no free 2M pages");
+        return;
+    }
+    let name = unique_shm_name("hugetlb");
+    let path = format!("/dev/shm/{name}");
+    let _guard = MountGuard(path.clone());
+    let pool = SharedPool::create(&shm_opts(&name, 8 * MIB, PagePreference::Huge2M)).unwrap();
+    assert_eq!(
+        pool.backing(),
+        PoolBacking::Hugetlb2M,
+        "{}",
+        pool.backing_detail()
+    );
+    assert!(
+        pool.backing_detail().contains("hugetlbfs pagesize=2M")
+            && pool.backing_detail().contains(&path)
+            && pool.backing_detail().contains("4 hugetlb pages"),
+        "{}",
+        pool.backing_detail()
+    );
+    let mounts = sys::mounts_at(&path).unwrap();
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    assert_eq!(mounts[0].fstype, "hugetlbfs");
+    assert!(
+        mounts[0].source.starts_with("kvnode-segment-"),
+        "{mounts:?}"
+    );
+    let record = std::fs::read_to_string(format!("{path}.lock")).unwrap();
+    assert_eq!(
+        record.trim(),
+        format!(
+            "kvnode-segment-mount {}",
+            &mounts[0].source["kvnode-segment-".len()..]
+        )
+    );
+
+    let client = PoolMapping::open_posix_shm(&name, pool.len()).unwrap();
+    let pages = sys::mapping_pages(client.region().as_ptr() as usize).unwrap();
+    assert_eq!(
+        pages.kernel_page_bytes,
+        2 * MIB,
+        "the client maps 2 MiB pages"
+    );
+    client
+        .region()
+        .write_at(5 * MIB, b"hugetlb by name")
+        .unwrap();
+    let mut got = [0u8; 15];
+    pool.region().read_at(5 * MIB, &mut got).unwrap();
+    assert_eq!(&got, b"hugetlb by name");
+
+    drop(pool);
+    assert!(sys::mounts_at(&path).unwrap().is_empty(), "unmounted");
+    assert!(
+        std::fs::symlink_metadata(&path).is_err(),
+        "placeholder removed"
+    );
+    assert!(
+        std::fs::symlink_metadata(format!("{path}.lock")).is_err(),
+        "lock file removed"
+    );
+    client.region().read_at(5 * MIB, &mut got).unwrap();
+    assert_eq!(
+        &got, b"hugetlb by name",
+        "the client's mapping outlives the name"
+    );
+}
+
+/// A node that died leaves its bind mount (and the lock file's record of it); the next pool of
+/// that name removes exactly that mount and serves a fresh segment, and leaves nothing behind.
+#[test]
+fn a_dead_nodes_bind_mount_is_removed_by_the_next_pool_of_its_name() {
+    let _g = hugepage_test_lock();
+    if crate::peer::effective_uid() != 0 {
+        eprintln!("skip: not root, so no mounts");
+        return;
+    }
+    let name = unique_shm_name("stale-mount");
+    let path = format!("/dev/shm/{name}");
+    let _guard = MountGuard(path.clone());
+    // THP from a private tmpfs needs no reservation; hugetlb is the same code path.
+    let o = shm_opts(&name, 4 * MIB, PagePreference::Thp);
+    let first = SharedPool::create(&o).unwrap();
+    if sys::mounts_at(&path).unwrap().is_empty() {
+        eprintln!("skip: no mount made ({})", first.backing_detail());
+        return;
+    }
+    let old_source = sys::mounts_at(&path).unwrap()[0].source.clone();
+    first.abandon_name();
+    assert_eq!(
+        sys::mounts_at(&path).unwrap().len(),
+        1,
+        "the dead node's mount stays"
+    );
+
+    let second = SharedPool::create(&o).unwrap();
+    let mounts = sys::mounts_at(&path).unwrap();
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    assert_ne!(
+        mounts[0].source, old_source,
+        "the old mount is gone, a new one serves"
+    );
+    let client = PoolMapping::open_posix_shm(&name, second.len()).unwrap();
+    client.region().write_at(0, b"fresh").unwrap();
+    let mut got = [0u8; 5];
+    second.region().read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"fresh");
+    drop(client);
+    drop(second);
+    assert!(sys::mounts_at(&path).unwrap().is_empty());
+    assert!(std::fs::symlink_metadata(&path).is_err());
+}
+
+/// A mount at the segment's path that the name's lock file does not record (someone else's
+/// bind mount, or a kvnode-looking one with another token) is refused naming the path, and is
+/// left exactly as it was.
+#[test]
+fn a_mount_kvnode_did_not_make_is_left_alone() {
+    let _g = hugepage_test_lock();
+    if crate::peer::effective_uid() != 0 {
+        eprintln!("skip: not root, so no mounts");
+        return;
+    }
+    let name = unique_shm_name("foreign-mount");
+    let path = format!("/dev/shm/{name}");
+    let _guard = MountGuard(path.clone());
+    let theirs = format!("/dev/shm/{name}-theirs");
+    let _theirs_guard = MountGuard(theirs.clone());
+    std::fs::write(&theirs, b"someone else's").unwrap();
+    std::fs::write(&path, b"").unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["--bind", &theirs, &path])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skip: cannot bind-mount");
+        return;
+    }
+    let e = SharedPool::create(&shm_opts(&name, 2 * MIB, PagePreference::Pages4K))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&path) && e.contains("mount point"), "{e}");
+    assert_eq!(sys::mounts_at(&path).unwrap().len(), 1, "left alone");
+    assert_eq!(std::fs::read(&path).unwrap(), b"someone else's");
+
+    // A kvnode-looking mount whose token the lock file does not hold: the same.
+    let _ = std::process::Command::new("umount").arg(&path).status();
+    let huge = PrivateHugeFile::create(HugeFs::HugeTmpfs, 2 * MIB).unwrap();
+    huge.expose(&path).unwrap();
+    std::fs::write(
+        format!("{path}.lock"),
+        b"kvnode-segment-mount not-this-one\n",
+    )
+    .unwrap();
+    let e = SharedPool::create(&shm_opts(&name, 2 * MIB, PagePreference::Pages4K))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&path) && e.contains("mount point"), "{e}");
+    let m = sys::mounts_at(&path).unwrap();
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0].source, format!("kvnode-segment-{}", huge.token()));
+}
+
+/// Without hugetlb pages, a root node gets THP from a private huge tmpfs bind-mounted at the
+/// name when /dev/shm itself has no huge=; the client's mapping of the name is PMD-mapped.
+/// `Pages4K` asks for no mount at all.
+#[test]
+fn posix_shm_thp_from_a_private_tmpfs_and_4k_without_mounts() {
+    let _g = hugepage_test_lock();
+    let name = unique_shm_name("thp");
+    let path = format!("/dev/shm/{name}");
+    let _guard = MountGuard(path.clone());
+    let pool = SharedPool::create(&shm_opts(&name, 8 * MIB, PagePreference::Thp)).unwrap();
+    assert!(
+        backing_as_expected(&pool, PagePreference::Thp, 8 * MIB),
+        "{:?} {}",
+        pool.backing(),
+        pool.backing_detail()
+    );
+    let client = PoolMapping::open_posix_shm(&name, pool.len()).unwrap();
+    client.region().fill_at(0, pool.len(), 7).unwrap();
+    let pages = sys::mapping_pages(client.region().as_ptr() as usize).unwrap();
+    eprintln!(
+        "{:?} {} client {pages:?}",
+        pool.backing(),
+        pool.backing_detail()
+    );
+    match pool.backing() {
+        PoolBacking::Thp => assert!(pages.huge_bytes > 0, "client got THP"),
+        b => {
+            assert_eq!(b, PoolBacking::Pages4K);
+            assert_eq!(pages.huge_bytes, 0, "status says 4k, the client agrees");
+        }
+    }
+    if !sys::dev_shm_thp_active() && pool.backing() == PoolBacking::Thp {
+        assert!(pool.backing_detail().contains("tmpfs huge=within_size"));
+        assert_eq!(sys::mounts_at(&path).unwrap().len(), 1);
+    }
+    drop(client);
+    drop(pool);
+    assert!(sys::mounts_at(&path).unwrap().is_empty());
+
+    let p4 = SharedPool::create(&shm_opts(&name, 2 * MIB, PagePreference::Pages4K)).unwrap();
+    assert_eq!(p4.backing(), PoolBacking::Pages4K);
+    assert!(sys::mounts_at(&path).unwrap().is_empty(), "4k: no mount");
+    assert!(
+        p4.backing_detail().contains("4 KiB pages"),
+        "{}",
+        p4.backing_detail()
+    );
 }

@@ -15,6 +15,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::Mutex;
 
 use crate::error::{HwError, HwResult};
+use crate::segment_mount::{self, PrivateHugeFile};
 
 /// Validates a segment name (no leading slash) and returns `"/<name>"` as a
 /// C string, as `shm_open` wants it.
@@ -81,6 +82,11 @@ fn lock_path(name: &str) -> String {
 
 /// What a segment's lock file name adds to the segment's name; segment names may not end in it.
 const LOCK_SUFFIX: &str = ".lock";
+/// How a lock file records the bind mount its node made at the segment's path: this prefix,
+/// then the mount's token (see [`crate::segment_mount`]). An empty lock file records none.
+const MARKER_PREFIX: &str = "kvnode-segment-mount ";
+/// The most of a lock file read when looking for the mount record.
+const MAX_MARKER_BYTES: u64 = 256;
 
 /// Whether two metadata describe the same file (device and inode).
 fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
@@ -127,11 +133,19 @@ impl NameLock {
             let (file, created) = match created {
                 Ok(f) => (f, true),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    match OpenOptions::new().read(true).custom_flags(flags).open(path) {
+                    match OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .custom_flags(flags)
+                        .open(path)
+                    {
                         Ok(f) => (f, false),
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                             return Err(not_a_lock_file(path, segment, "a symbolic link"))
+                        }
+                        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+                            return Err(not_a_lock_file(path, segment, "not a regular file"))
                         }
                         Err(e) => return Err(HwError::os_path("open", path, e)),
                     }
@@ -178,6 +192,40 @@ impl NameLock {
         )))
     }
 
+    /// The mount token recorded in the lock file (see [`crate::segment_mount`]), if any.
+    fn read_marker(&self) -> Option<String> {
+        use std::io::Read;
+        let mut text = String::new();
+        (&self.file)
+            .take(MAX_MARKER_BYTES)
+            .read_to_string(&mut text)
+            .ok()?;
+        let token = text.trim().strip_prefix(MARKER_PREFIX)?.trim();
+        let ok = !token.is_empty()
+            && token
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-');
+        ok.then(|| token.to_owned())
+    }
+
+    /// Records `token` as the mount this node made at the segment's path (replacing any
+    /// earlier record); durable as long as the file is.
+    fn write_marker(&self, token: &str) -> HwResult<()> {
+        use std::os::unix::fs::FileExt;
+        let text = format!("{MARKER_PREFIX}{token}\n");
+        self.file
+            .set_len(0)
+            .and_then(|()| self.file.write_all_at(text.as_bytes(), 0))
+            .map_err(|e| HwError::os_path("write (mount record)", &self.path, e))
+    }
+
+    /// Forgets the recorded mount (the file becomes empty again).
+    fn clear_marker(&self) {
+        if let Err(e) = self.file.set_len(0) {
+            tracing::warn!(path = %self.path, error = %e, "could not clear the mount record");
+        }
+    }
+
     /// Whether `path` still names the file this lock holds.
     fn is_at_path(&self) -> bool {
         match (self.file.metadata(), std::fs::symlink_metadata(&self.path)) {
@@ -219,6 +267,9 @@ pub(crate) struct ShmSegment {
     ino: u64,
     /// The name's lock; `None` once the name was given up.
     lock: Mutex<Option<NameLock>>,
+    /// The token of the bind mount this node put over the name (a hugepage file, see
+    /// [`crate::segment_mount`]); `None` for a plain tmpfs segment.
+    mount_token: Option<String>,
 }
 
 impl ShmSegment {
@@ -230,6 +281,18 @@ impl ShmSegment {
     /// file just checked. A segment a running node holds is never touched: the call fails naming
     /// it. Returns the guard and the fd (which carries no lock, so it may go to clients).
     pub(crate) fn create(name: &str) -> HwResult<(ShmSegment, OwnedFd)> {
+        Self::create_over(name, None)
+    }
+
+    /// [`ShmSegment::create`], then, when `huge` is given, bind-mounts its file over the new
+    /// (empty) segment, recording the mount's token in the lock file first: the name then opens
+    /// `huge`'s file. Before creating anything, a bind mount a node that died left at the name
+    /// is removed if the lock file records it (see [`segment_mount::recover_stale`]); any other
+    /// mount there is an error naming it. The returned fd is the placeholder's.
+    pub(crate) fn create_over(
+        name: &str,
+        huge: Option<&PrivateHugeFile>,
+    ) -> HwResult<(ShmSegment, OwnedFd)> {
         let c = c_name(name)?;
         if name.ends_with(LOCK_SUFFIX) {
             return Err(HwError::Invalid(format!(
@@ -246,6 +309,11 @@ impl ShmSegment {
             )));
         };
         // Under the lock no other kvnode creates or removes the name.
+        let stale_token = lock.read_marker();
+        segment_mount::recover_stale(&path, stale_token.as_deref())?;
+        if stale_token.is_some() {
+            lock.clear_marker();
+        }
         remove_stale(&c, &path)?;
         let fd = match shm_open(&c, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) {
             Ok(fd) => fd,
@@ -266,16 +334,23 @@ impl ShmSegment {
             }
         };
         // From here on, dropping `seg` unlinks the name (still ours) and releases the lock.
-        let seg = ShmSegment {
+        let mut seg = ShmSegment {
             name: name.to_owned(),
             c_name: c,
             dev: md.dev(),
             ino: md.ino(),
             lock: Mutex::new(Some(lock)),
+            mount_token: None,
         };
         // The umask may have removed bits from 0600; force exactly 0600.
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(|e| HwError::os_path("fchmod", &path, e))?;
+        if let Some(huge) = huge {
+            seg.with_lock(|l| l.write_marker(huge.token()))?;
+            seg.mount_token = Some(huge.token().to_owned());
+            // From here on, dropping `seg` also unmounts (if mounted) and clears the record.
+            huge.expose(&path)?;
+        }
         Ok((seg, OwnedFd::from(file)))
     }
 
@@ -284,14 +359,34 @@ impl ShmSegment {
         &self.name
     }
 
+    /// Runs `f` on the name's lock (an error once the name was given up).
+    fn with_lock<R>(&self, f: impl FnOnce(&NameLock) -> HwResult<R>) -> HwResult<R> {
+        match self.lock.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(l) => f(l),
+            None => Err(HwError::Invalid(format!(
+                "the segment {} was already given up",
+                self.name
+            ))),
+        }
+    }
+
     /// Unlinks the name if it still refers to our inode, then releases the name's lock (and
     /// removes the lock file if this process created it and it is still that file).
     /// Idempotent: only the first call does anything.
     pub(crate) fn unlink_if_ours(&self) {
-        let Some(lock) = self.lock.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        let Some(mut lock) = self.lock.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return;
         };
         let path = segment_path(&self.name);
+        if let Some(token) = &self.mount_token {
+            if !segment_mount::unmount_if_ours(&path, token) {
+                // Still mounted: keep the lock file and its record so that the next start on
+                // this name removes the mount.
+                lock.created = false;
+                return;
+            }
+            lock.clear_marker();
+        }
         match std::fs::metadata(&path) {
             Ok(md) if md.dev() == self.dev && md.ino() == self.ino => {
                 if let Err(e) = shm_unlink(&self.c_name) {
@@ -324,6 +419,10 @@ impl ShmSegment {
 pub(crate) fn stale_segment_bytes(name: &str) -> u64 {
     let Ok(c) = c_name(name) else { return 0 };
     if name.ends_with(LOCK_SUFFIX) {
+        return 0;
+    }
+    // A node's bind mount there holds hugetlb pages or a private tmpfs's, not /dev/shm's.
+    if crate::sys::mounts_at(&segment_path(name)).map_or(true, |m| !m.is_empty()) {
         return 0;
     }
     let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;

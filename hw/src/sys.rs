@@ -72,6 +72,11 @@ pub(crate) fn memfd_thp_active() -> bool {
     }
 }
 
+/// Whether the global shmem THP setting forbids huge pages on every tmpfs (`deny`).
+pub(crate) fn shmem_thp_denied() -> bool {
+    selected_in(SHMEM_ENABLED).as_deref() == Some("deny")
+}
+
 /// Whether THP can back files of the tmpfs mounted at `/dev/shm` (POSIX shm).
 ///
 /// Invariant: `true` only if the global shmem setting is `force`, or it is
@@ -114,6 +119,147 @@ pub(crate) fn dev_shm_huge_option(mounts: &str) -> Option<&str> {
         };
     }
     found
+}
+
+/// Page statistics of one mapping of this process, from its `/proc/self/smaps` entry.
+///
+/// Invariant: a snapshot; sizes in bytes; `huge_bytes` counts the bytes mapped by huge pages of
+/// any kind (hugetlb pages, or PMD-mapped shmem/file THP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct MappingPages {
+    /// `KernelPageSize`: the page size the kernel backs the mapping with (2 MiB / 1 GiB for
+    /// hugetlb, the base page size otherwise, also for THP).
+    pub(crate) kernel_page_bytes: u64,
+    /// `Rss` plus hugetlb pages (`Shared_Hugetlb + Private_Hugetlb`, which `Rss` leaves out).
+    pub(crate) resident_bytes: u64,
+    /// `ShmemPmdMapped + FilePmdMapped + Shared_Hugetlb + Private_Hugetlb`.
+    pub(crate) huge_bytes: u64,
+}
+
+/// The smaps entry of this process's mapping starting at `addr`; `None` when there is none or
+/// smaps cannot be read.
+pub(crate) fn mapping_pages(addr: usize) -> Option<MappingPages> {
+    let smaps = fs::read_to_string("/proc/self/smaps").ok()?;
+    mapping_pages_in(&smaps, addr)
+}
+
+/// [`mapping_pages`] on a given smaps text.
+pub(crate) fn mapping_pages_in(smaps: &str, addr: usize) -> Option<MappingPages> {
+    let head = format!("{addr:x}-");
+    let mut found = false;
+    let mut m = MappingPages::default();
+    for line in smaps.lines() {
+        let is_header = line.split_whitespace().next().is_some_and(|r| {
+            r.contains('-') && r.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
+        });
+        if is_header {
+            if found {
+                break;
+            }
+            found = line.starts_with(&head);
+            continue;
+        }
+        if !found {
+            continue;
+        }
+        let Some((key, rest)) = line.split_once(':') else {
+            continue;
+        };
+        let kb = || -> u64 {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
+                .saturating_mul(1024)
+        };
+        match key {
+            "KernelPageSize" => m.kernel_page_bytes = kb(),
+            "Rss" => m.resident_bytes = m.resident_bytes.saturating_add(kb()),
+            "ShmemPmdMapped" | "FilePmdMapped" => m.huge_bytes = m.huge_bytes.saturating_add(kb()),
+            "Shared_Hugetlb" | "Private_Hugetlb" => {
+                m.huge_bytes = m.huge_bytes.saturating_add(kb());
+                m.resident_bytes = m.resident_bytes.saturating_add(kb());
+            }
+            _ => {}
+        }
+    }
+    found.then_some(m)
+}
+
+/// One line of `/proc/self/mountinfo`, the fields kvnode looks at.
+///
+/// Invariant: `mount_point` is unescaped (`\040` -> space, ...); the others are as printed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MountEntry {
+    /// Where it is mounted.
+    pub(crate) mount_point: String,
+    /// The path inside its file system that is mounted there (`/segment` for a file bind).
+    pub(crate) root: String,
+    /// File system type (`hugetlbfs`, `tmpfs`, ...).
+    pub(crate) fstype: String,
+    /// The mount source as printed (kvnode's own mounts: `kvnode-segment-<token>`).
+    pub(crate) source: String,
+}
+
+/// The mounts whose mount point is exactly `path`, bottom first (the last one is the one
+/// `path` resolves to), read from `/proc/self/mountinfo`; `Err` if that cannot be read.
+pub(crate) fn mounts_at(path: &str) -> std::io::Result<Vec<MountEntry>> {
+    Ok(mounts_at_in(
+        &fs::read_to_string("/proc/self/mountinfo")?,
+        path,
+    ))
+}
+
+/// [`mounts_at`] on a given mountinfo text.
+pub(crate) fn mounts_at_in(mountinfo: &str, path: &str) -> Vec<MountEntry> {
+    let mut out = Vec::new();
+    for line in mountinfo.lines() {
+        // id parent major:minor root mount-point options [optional...] - fstype source super
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let l: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        if l.len() < 5 || r.len() < 2 {
+            continue;
+        }
+        let mount_point = unescape_mount_field(l[4]);
+        if mount_point != path {
+            continue;
+        }
+        out.push(MountEntry {
+            mount_point,
+            root: unescape_mount_field(l[3]),
+            fstype: r[0].to_owned(),
+            source: unescape_mount_field(r[1]),
+        });
+    }
+    out
+}
+
+/// Undoes the kernel's octal escapes (`\040` space, `\011` tab, `\012` newline, `\134`
+/// backslash) in a mountinfo field.
+fn unescape_mount_field(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 4 <= b.len() {
+            let oct = &b[i + 1..i + 4];
+            if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
+                let v = oct.iter().fold(0u32, |a, c| a * 8 + u32::from(c - b'0'));
+                if let Ok(v) = u8::try_from(v) {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// User + system CPU time of this process so far, in seconds (`getrusage`),
@@ -185,6 +331,43 @@ mod tests {
         let m2 = format!("{m}tmpfs /dev/shm tmpfs rw,huge=within_size 0 0\n");
         assert_eq!(dev_shm_huge_option(&m2), Some("within_size"));
         assert_eq!(dev_shm_huge_option("proc /proc proc rw 0 0\n"), None);
+    }
+
+    #[test]
+    fn smaps_entry_parsing() {
+        let smaps = "7f0000000000-7f0000400000 rw-s 00000000 00:27 5    /dev/shm/x\n\
+                     Size:               4096 kB\n\
+                     KernelPageSize:     2048 kB\n\
+                     Rss:                   0 kB\n\
+                     ShmemPmdMapped:        0 kB\n\
+                     Shared_Hugetlb:     2048 kB\n\
+                     Private_Hugetlb:    2048 kB\n\
+                     VmFlags: rd wr sh\n\
+                     7f0000400000-7f0000c00000 rw-s 00000000 00:27 6    /dev/shm/y\n\
+                     KernelPageSize:        4 kB\n\
+                     Rss:                8192 kB\n\
+                     ShmemPmdMapped:     6144 kB\n";
+        let a = mapping_pages_in(smaps, 0x7f00_0000_0000).unwrap();
+        assert_eq!(a.kernel_page_bytes, 2 << 20);
+        assert_eq!(a.huge_bytes, 4 << 20);
+        assert_eq!(a.resident_bytes, 4 << 20);
+        let b = mapping_pages_in(smaps, 0x7f00_0040_0000).unwrap();
+        assert_eq!((b.kernel_page_bytes, b.huge_bytes), (4096, 6 << 20));
+        assert!(mapping_pages_in(smaps, 0x1000).is_none());
+    }
+
+    #[test]
+    fn mountinfo_parsing_unescapes_and_keeps_order() {
+        let mi = "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw\n\
+                  44 30 0:39 /segment /dev/shm/a\\040b rw,nosuid shared:5 - hugetlbfs kvnode-segment-t1 rw\n\
+                  45 44 0:40 /f /dev/shm/a\\040b rw - tmpfs other rw\n";
+        let m = mounts_at_in(mi, "/dev/shm/a b");
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].root, "/segment");
+        assert_eq!(m[0].fstype, "hugetlbfs");
+        assert_eq!(m[0].source, "kvnode-segment-t1");
+        assert_eq!(m[1].source, "other");
+        assert!(mounts_at_in(mi, "/dev/shm/a").is_empty());
     }
 
     #[test]

@@ -69,8 +69,13 @@ pub struct NamespaceStatus {
 pub struct StatusReport {
     /// kvnode version.
     pub version: &'static str,
-    /// `hugetlb-2m`, `hugetlb-1g`, `thp` or `4k`.
+    /// `hugetlb-2m`, `hugetlb-1g`, `thp` or `4k`: what the node's own mapping of the pool was
+    /// backed by right after pre-faulting (THP that the kernel did not deliver reports `4k`).
     pub pool_backing: &'static str,
+    /// One line for people: where the pool's memory comes from (memfd, tmpfs `/dev/shm`, or
+    /// the private hugetlbfs/tmpfs file bind-mounted at the segment's `/dev/shm` path) and how
+    /// much of it is in huge pages, or why it is on 4 KiB pages.
+    pub pool_backing_detail: String,
     /// Pool size in bytes.
     pub pool_bytes: u64,
     /// Bytes usable for objects.
@@ -165,6 +170,7 @@ pub fn report(ctx: &NodeContext) -> StatusReport {
     StatusReport {
         version: env!("CARGO_PKG_VERSION"),
         pool_backing: ctx.pool.backing().as_str(),
+        pool_backing_detail: ctx.pool.backing_detail().to_owned(),
         pool_bytes: ctx.pool.len(),
         capacity_bytes: ctx.storage.capacity(),
         used_bytes: ctx.storage.used_bytes(),
