@@ -27,6 +27,17 @@ impl Drop for LmNode {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A root node bind-mounts its hugepage segment at the name and removes the mount at a
+        // clean stop; a node that had to be killed leaves it (the next node of the name would
+        // remove it): this test's node was the only one of its name, so its mount goes here.
+        let path = format!("/dev/shm/{}", self.shm);
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| {
+            m.lines()
+                .any(|l| l.split(' ').nth(4) == Some(path.as_str()))
+        });
+        if mounted {
+            let _ = Command::new("umount").args(["-l", &path]).status();
+        }
         let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
         let _ = std::fs::remove_file(format!("/dev/shm/{}.lock", self.shm));
         if !std::thread::panicking() {
