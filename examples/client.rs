@@ -29,7 +29,7 @@ pub fn round_trip(socket: &Path) -> Result<(), kvnode::Error> {
         hidden_dim: 128,
         dtype: "bfloat16".into(),
         use_mla: false,
-        physical_slots: None,
+        physical_slots: None, // token slots per chunk object; None = chunk size
     })?;
     // Chunk keys are hashed on the client, as LMCache does (rolling BLAKE3 over the tokens).
     let tokens: Vec<u32> = (0..512).collect();
