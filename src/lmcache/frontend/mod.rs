@@ -160,6 +160,9 @@ pub struct FrontendCounters {
     pub over_limit: AtomicU64,
     /// Bytes of requests waiting for the handler threads now (the server keeps it).
     pub queued_bytes: AtomicUsize,
+    /// Requests the server's I/O thread ran itself, with no hand-off to a handler thread (the
+    /// server counts).
+    pub inline_requests: AtomicU64,
 }
 
 /// The frontend's state; shared with the release hook the node calls.
@@ -194,6 +197,7 @@ impl State {
         serde_json::json!({
             "limits": &self.limits,
             "queued_bytes": c.queued_bytes.load(Ordering::Relaxed),
+            "inline_requests": n(&c.inline_requests),
             "hash_cache_bytes": self.hashes.lock().bytes(),
             "prefetch_bytes": self.prefetch.lock().bytes(),
             "session_bytes": self.sessions.lock().bytes(),
