@@ -245,16 +245,17 @@ impl Run {
             self.retrieve_time += took;
             self.retrieved_bytes += got.iter().map(|g| g.1.len() as u64).sum::<u64>();
         }
+        // PING and NOOP right after the retrieve, before the client's own verification, so
+        // neither finds the server idle longer than the calls before them.
+        let inst = self.inst();
+        self.call("ping", Op::Ping, vec![inst], timed)?;
+        self.call("noop", Op::Noop, vec![], timed)?;
         for (c, out) in got {
             self.stamp(i, c, &mut buf);
             if out[..] != buf[..out.len()] {
                 self.mismatches += 1;
             }
         }
-
-        let inst = self.inst();
-        self.call("ping", Op::Ping, vec![inst], timed)?;
-        self.call("noop", Op::Noop, vec![], timed)?;
         Ok(())
     }
 }
