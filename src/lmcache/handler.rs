@@ -99,8 +99,6 @@ pub(super) fn run_handler(s: &Shared, index: usize) {
     while !s.stop.load(Ordering::Acquire) {
         let next = {
             let mut q = h.queue.lock();
-            // The previous request's reply is queued: its connection is no longer running.
-            q.finish();
             let next = q.pop();
             if let Some(r) = &next {
                 s.frontend.counters().queued_bytes.fetch_sub(
@@ -116,5 +114,8 @@ pub(super) fn run_handler(s: &Shared, index: usize) {
         };
         let frames = execute(s, req);
         s.push_reply(frames);
+        // After the reply is queued (the I/O thread sends queued replies before any it runs
+        // itself), so the connection's next small request may run on the I/O thread.
+        h.queue.lock().finish();
     }
 }
