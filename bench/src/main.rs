@@ -10,6 +10,7 @@ mod baseline;
 mod disk;
 mod l2;
 mod l2kill;
+mod lmcache;
 mod node;
 mod opcount;
 mod payload;
@@ -151,6 +152,10 @@ enum Mode {
     /// Kill soak: native and LMCache clients SIGKILLed at random points while survivors store
     /// and verify; then the node must be clean (see bench/README.md).
     Soak(soak::SoakArgs),
+    /// LMCache-wire load generator: a DEALER speaking the real client's frames to any LMCache
+    /// server (kvnode's or LMCache's own); per-call HDR latencies, server cost over the NOOP
+    /// floor, store/retrieve GB/s.
+    Lmcache(lmcache::LmArgs),
     /// One client process of the kill soak (started by `soak`, never by hand).
     #[command(hide = true)]
     SoakWorker(soak_worker::WorkerArgs),
@@ -191,6 +196,7 @@ fn main() {
         Some(Mode::L2(a)) => l2::run(a),
         Some(Mode::L2Killloop(a)) => l2kill::run(a),
         Some(Mode::Soak(a)) => soak::run(a),
+        Some(Mode::Lmcache(a)) => lmcache::run(a),
         Some(Mode::SoakWorker(a)) => std::process::exit(soak_worker::run(a)),
         None => run(&args),
     };

@@ -6,11 +6,13 @@
 //! LMCache request onto the native core (sessions and per-key pending transfers live here, per
 //! client connection); `server` owns the ZMQ socket on one I/O thread and runs handlers on
 //! threads chosen by the client's identity, where `turns` serves the clients sharing a handler
-//! in turn, within byte budgets.
+//! in turn, within byte budgets; `handler` runs one request, on a handler thread or, when it is
+//! small and its connection idle, on the I/O thread itself.
 
 pub mod access;
 pub mod bounded;
 pub mod frontend;
+pub mod handler;
 pub mod pending;
 pub mod reply;
 pub mod server;

@@ -13,6 +13,12 @@
 //! tokens is refused before its tokens are allocated), run the request as the client it came
 //! from, and queue the reply `[identity, uid, type, (payload)]`; a byte on a socket pair wakes
 //! the I/O thread, which is the only thread that writes to the ROUTER.
+//! A small, cheap request (`handler::runs_inline`: at most `INLINE_MAX_REQUEST_BYTES` of
+//! payload) whose connection has nothing queued or running on its handler is run by the I/O
+//! thread itself and answered at once: no hand-off to a handler and back (issue 12 §4: the two
+//! hand-offs cost more than the work). Its connection's order holds (nothing of it is queued,
+//! running, or waiting in the reply queue, which is drained first); other connections are
+//! delayed by at most that one small request, in libzmq's fair-queued arrival order.
 //! Before routing, the I/O thread checks who sent each request (`access`): refused peers,
 //! and clients asking for node-wide operations, get the operation's negative answer there.
 
@@ -24,13 +30,13 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
-use std::time::Duration;
 
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
 use super::access::{self, LmAccessOptions, LmPeer, PeerGate};
-use super::frontend::{ClientId, LmFrontend, LogLimit};
+use super::frontend::{LmFrontend, LogLimit};
+use super::handler;
 use super::turns::{QueuedBytes, Turns};
 use super::wire::{self, Op};
 use crate::error::{Error, Result};
@@ -57,20 +63,20 @@ pub const MAX_REQUEST_BYTES: usize = 64 << 20;
 /// Bookkeeping bytes counted per queued frame beyond its payload.
 pub const FRAME_OVERHEAD_BYTES: usize = 64;
 
-/// One received request, routed to a handler.
-struct Incoming {
+/// One received request, routed to a handler (or run inline by the I/O thread).
+pub(super) struct Incoming {
     /// The client connection's ZMQ routing id.
-    identity: Arc<[u8]>,
+    pub(super) identity: Arc<[u8]>,
     /// The peer's uid, when the I/O thread resolved it (it is part of the client's identity
     /// for the frontend: see [`ClientId`]).
-    peer_uid: Option<u32>,
-    uid: Vec<u8>,
-    typ: Vec<u8>,
-    op: Op,
-    name: String,
-    payload: Vec<Vec<u8>>,
+    pub(super) peer_uid: Option<u32>,
+    pub(super) uid: Vec<u8>,
+    pub(super) typ: Vec<u8>,
+    pub(super) op: Op,
+    pub(super) name: String,
+    pub(super) payload: Vec<Vec<u8>>,
     /// When the I/O thread received it (its latency is counted from here).
-    received: std::time::Instant,
+    pub(super) received: std::time::Instant,
 }
 
 impl QueuedBytes for Incoming {
@@ -85,12 +91,12 @@ impl QueuedBytes for Incoming {
     }
 }
 
-struct Handler {
-    queue: Mutex<Turns<Incoming>>,
-    thread: OnceLock<Thread>,
+pub(super) struct Handler {
+    pub(super) queue: Mutex<Turns<Incoming>>,
+    pub(super) thread: OnceLock<Thread>,
 }
 
-/// Server-side time of one operation type (decode + execute + queue the reply), for isolating
+/// Server-side time of one operation type (decode + execute + encode the reply), for isolating
 /// kvnode's own share of what a client measures.
 #[derive(Default, Debug)]
 pub struct OpTime {
@@ -117,32 +123,34 @@ pub struct FrontendStats {
     pub refused: AtomicU64,
     /// Requests, errors (negative answers because the request was refused, over a limit,
     /// malformed, unsupported or failed) and latency per operation (index: `Op as usize`).
-    /// Latency runs from the I/O thread's receipt to the reply's queueing, for requests run by
-    /// a handler; those answered on the I/O thread are counted, not timed.
+    /// Latency runs from the I/O thread's receipt to the reply, for requests executed (by a
+    /// handler or inline on the I/O thread); trivial answers and refusals are counted, not
+    /// timed.
     pub ops: OpTable<LM_OP_SLOTS>,
 }
 
 /// Slots of [`FrontendStats::ops`]: one per [`Op`] variant.
 pub const LM_OP_SLOTS: usize = Op::Unsupported as usize + 1;
 
-struct Shared {
-    frontend: LmFrontend,
+pub(super) struct Shared {
+    pub(super) frontend: LmFrontend,
     replies: SegQueue<Vec<Vec<u8>>>,
     wake_tx: UnixStream,
-    handlers: Vec<Handler>,
-    stop: AtomicBool,
-    stats: FrontendStats,
+    pub(super) handlers: Vec<Handler>,
+    pub(super) stop: AtomicBool,
+    pub(super) stats: FrontendStats,
     /// Rate limit of the refusal log lines.
-    refusal_log: LogLimit,
+    pub(super) refusal_log: LogLimit,
     started: std::time::Instant,
 }
 
 impl Shared {
-    fn now_ms(&self) -> u64 {
+    pub(super) fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
 
-    fn push_reply(&self, frames: Vec<Vec<u8>>) {
+    /// Queues a reply for the I/O thread and wakes it.
+    pub(super) fn push_reply(&self, frames: Vec<Vec<u8>>) {
         self.replies.push(frames);
         // A full socket buffer means a wake-up is already pending: ignore WouldBlock.
         let _ = (&self.wake_tx).write(&[1]);
@@ -226,7 +234,7 @@ impl LmServer {
             threads.push(
                 thread::Builder::new()
                     .name(format!("kvnode-lmcache-{i}"))
-                    .spawn(move || run_handler(&s, i))?,
+                    .spawn(move || handler::run_handler(&s, i))?,
             );
         }
         let s = shared.clone();
@@ -264,6 +272,7 @@ impl LmServer {
             malformed = st.malformed.load(Ordering::Relaxed),
             unsupported = st.unsupported.load(Ordering::Relaxed),
             refused = st.refused.load(Ordering::Relaxed),
+            inline = fc.inline_requests.load(Ordering::Relaxed),
             queue_refused = fc.queue_refused.load(Ordering::Relaxed),
             over_limit = fc.over_limit.load(Ordering::Relaxed),
             not_owner = fc.not_owner.load(Ordering::Relaxed),
@@ -357,7 +366,15 @@ fn run_io(
                 match access::recv_request(&router) {
                     Ok((frames, source)) => {
                         let peer = gate.peer(source);
-                        accept(s, frames, &mut gate, peer)
+                        let reply = match accept(s, frames, &mut gate, peer) {
+                            Some(Route::Inline(req)) => handler::execute(s, req),
+                            Some(Route::Reply(frames)) => frames,
+                            None => continue,
+                        };
+                        // Replies the handlers queued go first: one of them may be this
+                        // connection's previous answer.
+                        send_replies(s, &router);
+                        send_reply(&router, reply);
                     }
                     Err(zmq::Error::EAGAIN) => break,
                     Err(e) => {
@@ -367,18 +384,41 @@ fn run_io(
                 }
             }
         }
-        while let Some(frames) = s.replies.pop() {
-            if let Err(e) = router.send_multipart(frames, 0) {
-                tracing::debug!(error = %e, "reply to a vanished LMCache client dropped");
-            }
-        }
+        send_replies(s, &router);
     }
 }
 
+/// Sends every reply the handlers queued.
+fn send_replies(s: &Shared, router: &zmq::Socket) {
+    while let Some(frames) = s.replies.pop() {
+        send_reply(router, frames);
+    }
+}
+
+fn send_reply(router: &zmq::Socket, frames: Vec<Vec<u8>>) {
+    if let Err(e) = router.send_multipart(frames, 0) {
+        tracing::debug!(error = %e, "reply to a vanished LMCache client dropped");
+    }
+}
+
+/// What the I/O thread does with a request [`accept`] did not queue for a handler.
+enum Route {
+    /// Send this answer now.
+    Reply(Vec<Vec<u8>>),
+    /// Run it now (small, and its connection has nothing queued or running).
+    Inline(Incoming),
+}
+
 /// Routes one multipart request from `peer`: requests `peer` may not make are answered
-/// negatively, trivial SYNC requests are answered here, the rest go to the identity's handler
-/// thread.
-fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPeer) {
+/// negatively, trivial SYNC requests are answered here, a small request whose connection is
+/// idle on its handler is run by the I/O thread, the rest go to the identity's handler thread
+/// (`None`; requests without uid/type frames cannot be answered and are dropped).
+fn accept(
+    s: &Shared,
+    mut frames: Vec<Vec<u8>>,
+    gate: &mut PeerGate,
+    peer: LmPeer,
+) -> Option<Route> {
     let received = std::time::Instant::now();
     s.stats.requests.fetch_add(1, Ordering::Relaxed);
     if frames.len() < 3 {
@@ -388,7 +428,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
             "LMCache request without uid/type frames dropped"
         );
         s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-        return;
+        return None;
     }
     let payload = frames.split_off(3);
     let typ = frames.pop().expect("len >= 3");
@@ -401,8 +441,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
             // An undecodable type: answer with the bare prefix (the client resolves None).
             tracing::warn!(error = %e, "LMCache request with an undecodable type frame");
             s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-            s.push_reply(vec![identity, uid, typ]);
-            return;
+            return Some(Route::Reply(vec![identity, uid, typ]));
         }
     };
     if !access::permits(peer.role, op) {
@@ -410,8 +449,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
         s.stats.refused.fetch_add(1, Ordering::Relaxed);
         s.stats.ops.count(op as usize, true);
         let reply = access::refusal(op).unwrap_or_else(|| s.frontend.stateless_reply(op));
-        respond(s, identity.into(), uid, typ, reply);
-        return;
+        return respond(identity.into(), uid, typ, reply);
     }
     let quick = match op {
         Op::GetChunkSize | Op::Noop | Op::GetExperimental if payload.is_empty() => {
@@ -421,15 +459,13 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
     };
     if let Some(reply) = quick {
         s.stats.ops.count(op as usize, false);
-        s.push_reply(vec![identity, uid, typ, reply]);
-        return;
+        return Some(Route::Reply(vec![identity, uid, typ, reply]));
     }
     if total > MAX_REQUEST_BYTES {
         tracing::warn!(op = %name, bytes = total, "LMCache request larger than the limit: refused");
         s.stats.malformed.fetch_add(1, Ordering::Relaxed);
         s.stats.ops.count(op as usize, true);
-        respond(s, identity.into(), uid, typ, s.frontend.stateless_reply(op));
-        return;
+        return respond(identity.into(), uid, typ, s.frontend.stateless_reply(op));
     }
     let h = handler_for(&identity, s.handlers.len());
     let identity: Arc<[u8]> = identity.into();
@@ -444,6 +480,15 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
         payload,
         received,
     };
+    if handler::runs_inline(op, total) && s.handlers[h].queue.lock().idle_for(&identity) {
+        // Nothing of this connection is queued or running, and only this thread queues: the
+        // request cannot overtake one of its connection's earlier ones.
+        s.frontend
+            .counters()
+            .inline_requests
+            .fetch_add(1, Ordering::Relaxed);
+        return Some(Route::Inline(req));
+    }
     let bytes = req.queued_bytes();
     let queued = &s.frontend.counters().queued_bytes;
     // Only this (the I/O) thread adds to the gauge, so the check and the add below cannot be
@@ -465,6 +510,7 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
             if let Some(t) = s.handlers[h].thread.get() {
                 t.unpark();
             }
+            None
         }
         Err((req, why)) => {
             s.frontend
@@ -482,91 +528,23 @@ fn accept(s: &Shared, mut frames: Vec<Vec<u8>>, gate: &mut PeerGate, peer: LmPee
                 );
             }
             respond(
-                s,
                 req.identity,
                 req.uid,
                 req.typ,
                 s.frontend.stateless_reply(req.op),
-            );
+            )
         }
     }
 }
 
-fn respond(s: &Shared, identity: Arc<[u8]>, uid: Vec<u8>, typ: Vec<u8>, reply: Option<Vec<u8>>) {
+/// The I/O thread's answer `reply` to a request.
+fn respond(
+    identity: Arc<[u8]>,
+    uid: Vec<u8>,
+    typ: Vec<u8>,
+    reply: Option<Vec<u8>>,
+) -> Option<Route> {
     let mut frames = vec![identity.to_vec(), uid, typ];
     frames.extend(reply);
-    s.push_reply(frames);
-}
-
-fn run_handler(s: &Shared, index: usize) {
-    let h = &s.handlers[index];
-    let _ = h.thread.set(thread::current());
-    let max_tokens = s.frontend.limits().max_tokens_per_request;
-    while !s.stop.load(Ordering::Acquire) {
-        let next = {
-            let mut q = h.queue.lock();
-            let next = q.pop();
-            if let Some(r) = &next {
-                s.frontend
-                    .counters()
-                    .queued_bytes
-                    .fetch_sub(r.queued_bytes(), Ordering::Relaxed);
-            }
-            next
-        };
-        let Some(req) = next else {
-            thread::park_timeout(Duration::from_millis(200));
-            continue;
-        };
-        let started = std::time::Instant::now();
-        let client = ClientId::from_shared(req.identity.clone(), req.peer_uid);
-        let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
-        // A negative answer because the request was refused or failed (metrics' errors).
-        let mut failed = false;
-        let reply = match wire::decode_request_limited(req.op, &req.name, &payload, max_tokens) {
-            Ok(r) => {
-                if matches!(r, wire::LmRequest::Unsupported { .. }) {
-                    s.stats.unsupported.fetch_add(1, Ordering::Relaxed);
-                    failed = true;
-                }
-                // A bug must not leave the client waiting for its whole timeout.
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    s.frontend.handle(&client, r)
-                }))
-                .unwrap_or_else(|_| {
-                    failed = true;
-                    tracing::error!(op = %req.name, "LMCache handler panicked (bug); answering negatively");
-                    s.frontend.stateless_reply(req.op)
-                })
-            }
-            Err(e @ wire::WireError::Limit { .. }) => {
-                s.frontend
-                    .counters()
-                    .over_limit
-                    .fetch_add(1, Ordering::Relaxed);
-                failed = true;
-                if let Some(suppressed) = s.refusal_log.allow(s.now_ms()) {
-                    tracing::warn!(op = %req.name, %client, error = %e, suppressed, "LMCache request over a limit: answering negatively");
-                }
-                s.frontend.stateless_reply(req.op)
-            }
-            Err(e) => {
-                tracing::warn!(op = %req.name, error = %e, "malformed LMCache request: answering negatively");
-                s.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                failed = true;
-                s.frontend.stateless_reply(req.op)
-            }
-        };
-        drop(payload);
-        let (op, received) = (req.op, req.received);
-        respond(s, req.identity, req.uid, req.typ, reply);
-        s.stats.ops.record(op as usize, failed, received);
-        if let Some(i) = TIMED_OPS.iter().position(|o| *o == req.op) {
-            let ns = started.elapsed().as_nanos() as u64;
-            let t = &s.stats.op_time[i];
-            t.count.fetch_add(1, Ordering::Relaxed);
-            t.total_ns.fetch_add(ns, Ordering::Relaxed);
-            t.max_ns.fetch_max(ns, Ordering::Relaxed);
-        }
-    }
+    Some(Route::Reply(frames))
 }

@@ -53,9 +53,11 @@ struct ClientQueue<T> {
 
 /// The queue of one handler. Invariant: `turns` lists every connection with queued items
 /// exactly once and no other; `bytes`/`len` are the sums over the connections' queues;
-/// `bytes <= per_handler`, every connection's `bytes <= per_client`, `len <= HANDLER_QUEUE`.
+/// `bytes <= per_handler`, every connection's `bytes <= per_client`, `len <= HANDLER_QUEUE`;
+/// `running` is the connection of the item last popped until [`Turns::finish`].
 pub struct Turns<T> {
     clients: HashMap<Arc<[u8]>, ClientQueue<T>>,
+    running: Option<Arc<[u8]>>,
     turns: VecDeque<Arc<[u8]>>,
     len: usize,
     bytes: usize,
@@ -68,6 +70,7 @@ impl<T: QueuedBytes> Turns<T> {
     pub fn new(per_client: usize, per_handler: usize) -> Turns<T> {
         Turns {
             clients: HashMap::new(),
+            running: None,
             turns: VecDeque::new(),
             len: 0,
             bytes: 0,
@@ -110,9 +113,10 @@ impl<T: QueuedBytes> Turns<T> {
     }
 
     /// The oldest item of the connection whose turn it is; that connection then goes to the
-    /// back of the line if it has more.
+    /// back of the line if it has more. The handler runs it until [`Turns::finish`].
     pub fn pop(&mut self) -> Option<T> {
         let client = self.turns.pop_front()?;
+        self.running = Some(client.clone());
         let q = self
             .clients
             .get_mut(&client)
@@ -128,6 +132,17 @@ impl<T: QueuedBytes> Turns<T> {
             self.turns.push_back(client);
         }
         Some(item)
+    }
+
+    /// The handler finished the item last popped (its reply is queued).
+    pub fn finish(&mut self) {
+        self.running = None;
+    }
+
+    /// Whether connection `client` has nothing queued and nothing running: a request of it run
+    /// elsewhere now cannot overtake one of its earlier requests.
+    pub fn idle_for(&self, client: &[u8]) -> bool {
+        self.running.as_deref() != Some(client) && !self.clients.contains_key(client)
     }
 
     /// Items waiting.
@@ -209,6 +224,25 @@ mod tests {
         t.pop();
         t.push(&id(1), Item(6, 60)).ok().unwrap();
         assert_eq!(t.bytes(), 240);
+    }
+
+    #[test]
+    fn a_connection_is_idle_only_with_nothing_queued_or_running() {
+        let mut t = Turns::new(1 << 20, 1 << 20);
+        assert!(t.idle_for(&id(1)));
+        t.push(&id(1), Item(0, 10)).ok().unwrap();
+        t.push(&id(1), Item(1, 10)).ok().unwrap();
+        assert!(!t.idle_for(&id(1)));
+        assert!(t.idle_for(&id(2)));
+        t.pop();
+        assert!(!t.idle_for(&id(1)), "one still queued");
+        t.finish();
+        t.pop();
+        assert!(!t.idle_for(&id(1)), "running");
+        t.push(&id(2), Item(2, 10)).ok().unwrap();
+        t.finish();
+        assert!(t.idle_for(&id(1)));
+        assert!(!t.idle_for(&id(2)));
     }
 
     #[test]

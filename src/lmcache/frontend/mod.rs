@@ -166,6 +166,9 @@ pub struct FrontendCounters {
     /// PINGs answered `false` so that a worker whose instance the node released registers
     /// again (its heartbeat's recovery).
     pub recovery_pings: AtomicU64,
+    /// Requests the server's I/O thread ran itself, with no hand-off to a handler thread (the
+    /// server counts).
+    pub inline_requests: AtomicU64,
 }
 
 /// The frontend's state; shared with the release hook the node calls.
@@ -202,6 +205,7 @@ impl State {
         serde_json::json!({
             "limits": &self.limits,
             "queued_bytes": c.queued_bytes.load(Ordering::Relaxed),
+            "inline_requests": n(&c.inline_requests),
             "hash_cache_bytes": self.hashes.lock().bytes(),
             "prefetch_bytes": self.prefetch.lock().bytes(),
             "session_bytes": self.sessions.lock().bytes(),
