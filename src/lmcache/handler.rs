@@ -20,23 +20,27 @@ pub const INLINE_MAX_REQUEST_BYTES: usize = 8 << 10;
 
 /// Whether `op` with `bytes` of payload may run on the I/O thread: cheap, bounded operations
 /// that never wait (kvnode's lookups complete synchronously, so WAIT_PREFETCH_STATUS answers at
-/// once). REGISTER, UNREGISTER, CLEAR and the rest stay on the handlers.
-pub fn runs_inline(op: Op, bytes: usize) -> bool {
-    bytes <= INLINE_MAX_REQUEST_BYTES
-        && matches!(
-            op,
-            Op::Ping
-                | Op::PrepareStore
-                | Op::CommitStore
-                | Op::Lookup
-                | Op::QueryPrefetchStatus
-                | Op::WaitPrefetchStatus
-                | Op::QueryPrefetchLookupHits
-                | Op::PrepareRetrieve
-                | Op::CommitRetrieve
-                | Op::EndSession
-                | Op::FreeLookupLocks
-        )
+/// once). REGISTER, UNREGISTER, CLEAR and the rest stay on the handlers. With a disk tier
+/// (`disk_tier`), LOOKUP and PREPARE_RETRIEVE may read objects from the disk, which can take
+/// up to the tier's I/O timeout: they stay on the handlers, so the socket thread (every client's
+/// replies) never waits for a device.
+pub fn runs_inline(op: Op, bytes: usize, disk_tier: bool) -> bool {
+    if bytes > INLINE_MAX_REQUEST_BYTES {
+        return false;
+    }
+    match op {
+        Op::Lookup | Op::PrepareRetrieve => !disk_tier,
+        Op::Ping
+        | Op::PrepareStore
+        | Op::CommitStore
+        | Op::QueryPrefetchStatus
+        | Op::WaitPrefetchStatus
+        | Op::QueryPrefetchLookupHits
+        | Op::CommitRetrieve
+        | Op::EndSession
+        | Op::FreeLookupLocks => true,
+        _ => false,
+    }
 }
 
 /// Decodes and executes `req`; returns its reply frames `[identity, uid, type, (payload)]`
@@ -125,5 +129,25 @@ pub(super) fn run_handler(s: &Shared, index: usize) {
         // After the reply is queued (the I/O thread sends queued replies before any it runs
         // itself), so the connection's next small request may run on the I/O thread.
         h.queue.lock().finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_reads_and_large_payloads_stay_off_the_socket_thread() {
+        assert!(runs_inline(Op::Lookup, 100, false));
+        assert!(!runs_inline(Op::Lookup, 100, true));
+        assert!(!runs_inline(Op::PrepareRetrieve, 100, true));
+        assert!(runs_inline(Op::CommitRetrieve, 100, true));
+        assert!(!runs_inline(
+            Op::PrepareStore,
+            INLINE_MAX_REQUEST_BYTES + 1,
+            false
+        ));
+        assert!(!runs_inline(Op::RegisterEngineDriven, 100, false));
+        assert!(!runs_inline(Op::Clear, 0, false));
     }
 }

@@ -16,7 +16,8 @@
 //! A small, cheap request (`handler::runs_inline`: at most `INLINE_MAX_REQUEST_BYTES` of
 //! payload) whose connection has nothing queued or running on its handler is run by the I/O
 //! thread itself and answered at once: no hand-off to a handler and back (issue 12 §4: the two
-//! hand-offs cost more than the work). Its connection's order holds (nothing of it is queued,
+//! hand-offs cost more than the work; with a disk tier, LOOKUP and PREPARE_RETRIEVE may wait
+//! for a device and stay on the handlers). Its connection's order holds (nothing of it is queued,
 //! running, or waiting in the reply queue, which is drained first); other connections are
 //! delayed by at most that one small request, in libzmq's fair-queued arrival order.
 //! Before routing, the I/O thread checks who sent each request (`access`): refused peers,
@@ -480,7 +481,9 @@ fn accept(
         payload,
         received,
     };
-    if handler::runs_inline(op, total) && s.handlers[h].queue.lock().idle_for(&identity) {
+    if handler::runs_inline(op, total, s.frontend.has_disk_tier())
+        && s.handlers[h].queue.lock().idle_for(&identity)
+    {
         // Nothing of this connection is queued or running, and only this thread queues: the
         // request cannot overtake one of its connection's earlier ones.
         s.frontend

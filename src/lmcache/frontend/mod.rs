@@ -319,6 +319,11 @@ impl LmFrontend {
         LmFrontend { ctx, state }
     }
 
+    /// Whether the node has a disk tier (lookups and retrieves may then wait for a device).
+    pub fn has_disk_tier(&self) -> bool {
+        self.ctx.l2.is_some()
+    }
+
     /// The budgets in force.
     pub fn limits(&self) -> &LmLimits {
         &self.state.limits
