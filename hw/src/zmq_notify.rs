@@ -51,7 +51,10 @@ mod tests {
     /// Receives one multipart message (waiting up to 5 s), with whether any frame carried the
     /// peer's connection properties.
     fn recv(router: &zmq::Socket) -> (Vec<Vec<u8>>, bool) {
-        assert!(router.poll(zmq::POLLIN, 5_000).unwrap() > 0, "nothing arrived");
+        assert!(
+            router.poll(zmq::POLLIN, 5_000).unwrap() > 0,
+            "nothing arrived"
+        );
         let mut frames = Vec::new();
         let mut tagged = false;
         loop {
@@ -76,7 +79,9 @@ mod tests {
         let dealer = ctx.socket(zmq::DEALER).unwrap();
         dealer.set_linger(1_000).unwrap();
         dealer.connect(&ep).unwrap();
-        dealer.send_multipart([b"a".to_vec(), b"b".to_vec()], 0).unwrap();
+        dealer
+            .send_multipart([b"a".to_vec(), b"b".to_vec()], 0)
+            .unwrap();
         dealer.send(Vec::<u8>::new(), 0).unwrap();
         let (connect, tagged) = recv(&router);
         assert_eq!(connect.len(), 2);
@@ -87,7 +92,10 @@ mod tests {
         assert!(tagged);
         let (forged, tagged) = recv(&router);
         assert_eq!(forged, vec![id.clone(), Vec::new()]);
-        assert!(tagged, "an empty frame the peer sent carries its properties");
+        assert!(
+            tagged,
+            "an empty frame the peer sent carries its properties"
+        );
         drop(dealer);
         let (disconnect, tagged) = recv(&router);
         assert_eq!(disconnect, vec![id, Vec::new()]);

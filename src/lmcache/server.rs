@@ -15,6 +15,9 @@
 //! the I/O thread, which is the only thread that writes to the ROUTER.
 //! Before routing, the I/O thread checks who sent each request (`access`): refused peers,
 //! and clients asking for node-wide operations, get the operation's negative answer there.
+//! The ROUTER reports connection opens and closes (`ZMQ_ROUTER_NOTIFY`): the I/O thread hands
+//! them to the frontend (`frontend::disconnect`), whose sweeper thread releases a closed
+//! client's instances after the grace.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -142,6 +145,8 @@ impl Shared {
 pub struct LmServer {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// Ends the countdowns of closed clients' instances (`None`: closes are not seen).
+    sweeper: Option<super::frontend::DisconnectSweeper>,
     /// The endpoint actually bound (e.g. `tcp://127.0.0.1:5555`).
     pub endpoint: String,
 }
@@ -159,9 +164,11 @@ impl LmServer {
     ) -> Result<LmServer> {
         access::check_bind_host(host, access.allow_remote)?;
         let zctx = zmq::Context::new();
-        let router = zctx
+        let mut router = zctx
             .socket(zmq::ROUTER)
             .map_err(|e| Error::new(crate::ErrorKind::Io, format!("zmq socket: {e}")))?;
+        // Before binding: every connection is then reported opened and closed.
+        let sweeper = frontend.attach_router(&mut router);
         let _ = router.set_linger(0);
         let _ = router.set_ipv6(host.starts_with('['));
         // libzmq refuses larger messages before buffering them (hostile peers).
@@ -228,6 +235,7 @@ impl LmServer {
         Ok(LmServer {
             shared,
             threads,
+            sweeper,
             endpoint,
         })
     }
@@ -279,6 +287,9 @@ impl LmServer {
         for t in self.threads {
             let _ = t.join();
         }
+        if let Some(sw) = self.sweeper {
+            sw.stop();
+        }
     }
 }
 
@@ -317,6 +328,10 @@ fn run_io(
             for _ in 0..1024 {
                 match access::recv_request(&router) {
                     Ok((frames, source)) => {
+                        if access::is_notification(&frames, &source) {
+                            s.frontend.connection_notice(&frames[0]);
+                            continue;
+                        }
                         let peer = gate.peer(source);
                         accept(s, frames, &mut gate, peer)
                     }

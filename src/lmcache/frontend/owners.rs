@@ -72,6 +72,8 @@ impl LmFrontend {
         let owner = self.state.owners.lock().get(&instance_id).cloned();
         match owner {
             Some(o) if o.generation == inst.generation && o.client == *client => Some(inst),
+            // The owner's connection closed and this one of the same user took over.
+            _ if self.adopt_orphan(client, &inst) => Some(inst),
             _ => {
                 self.state
                     .counters
@@ -91,12 +93,15 @@ impl LmFrontend {
     }
 
     /// PING: only the owner keeps its instance alive; a ping of another connection's instance
-    /// is answered (LMCache always answers true) and ignored.
+    /// is answered (LMCache always answers true) and ignored, unless that owner's connection
+    /// closed and this is the same user's (see `disconnect`).
     pub(super) fn ping(&self, client: &ClientId, instance_id: Option<u64>) {
         let mine = instance_id.is_none_or(|id| {
             let o = self.state.owners.lock();
             o.get(&id).is_some_and(|w| w.client == *client)
-        });
+        }) || instance_id
+            .and_then(|id| self.ctx.instances.get(id))
+            .is_some_and(|inst| self.adopt_orphan(client, &inst));
         if mine {
             self.call(Request::Ping { instance_id });
         } else {
