@@ -107,9 +107,19 @@ fn wait_for(
     }
 }
 
+/// A child client; killed when dropped (a failing test leaves no process behind).
+struct Victim(Child);
+
+impl Drop for Victim {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Spawns the child role `step` against `node` for instance `id` and waits for it to be in
 /// place (it printed `CHILD-READY`); the child then waits to be killed.
-fn spawn_at(node: &LmNode, step: &str, id: u64) -> Child {
+fn spawn_at(node: &LmNode, step: &str, id: u64) -> Victim {
     let mut child = spawn_child(
         "child_client_stops_at_a_step",
         &[
@@ -119,6 +129,7 @@ fn spawn_at(node: &LmNode, step: &str, id: u64) -> Child {
         ],
     );
     let mut out = BufReader::new(child.stdout.take().unwrap());
+    let child = Victim(child);
     let mut line = String::new();
     while !line.contains("CHILD-READY") {
         line.clear();
@@ -133,10 +144,10 @@ fn spawn_at(node: &LmNode, step: &str, id: u64) -> Child {
 }
 
 /// SIGKILLs `child`; returns when it was killed.
-fn kill(mut child: Child) -> Instant {
+fn kill(mut child: Victim) -> Instant {
     let at = Instant::now();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     at
 }
 

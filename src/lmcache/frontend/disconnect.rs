@@ -51,7 +51,8 @@ pub const MAX_OPEN_CONNECTIONS: usize = 65_536;
 /// Closed routing ids remembered, so requests of the connection that were still queued or
 /// running when its close was seen are recognised (the oldest is forgotten beyond it).
 pub const MAX_CLOSED_CONNECTIONS: usize = 65_536;
-/// How long a closed routing id is remembered (milliseconds).
+/// How long a closed routing id is remembered at least (milliseconds; longer when a countdown
+/// is longer).
 pub const CLOSED_MEMORY_MS: u64 = 60_000;
 /// The countdown of an instance that never pinged is at least the grace and otherwise the
 /// registration grace capped at this (milliseconds).
@@ -98,10 +99,12 @@ struct Connections {
 }
 
 impl Connections {
-    fn forget_old(&mut self, now_ms: u64) {
+    /// Forgets the closed ids older than `memory_ms`, and the oldest beyond
+    /// [`MAX_CLOSED_CONNECTIONS`].
+    fn forget_old(&mut self, now_ms: u64, memory_ms: u64) {
         while let Some((id, at)) = self.closed_order.front() {
             let current = self.closed.get(id) == Some(at);
-            let old = now_ms.saturating_sub(*at) >= CLOSED_MEMORY_MS
+            let old = now_ms.saturating_sub(*at) >= memory_ms
                 || self.closed.len() > MAX_CLOSED_CONNECTIONS;
             if current && !old {
                 break;
@@ -319,7 +322,8 @@ impl LmFrontend {
             c.open.remove(identity);
             c.closed.insert(id.clone(), now);
             c.closed_order.push_back((id.clone(), now));
-            c.forget_old(now);
+            // Remembered at least as long as a countdown runs (an adoption looks it up).
+            c.forget_old(now, self.unproven_grace_ms().max(CLOSED_MEMORY_MS));
         }
         {
             let mut q = d.closes.lock();
@@ -438,37 +442,31 @@ impl LmFrontend {
     }
 
     /// `client` asks for `inst`, which another connection owns: when that owner's connection
-    /// closed and its countdown runs, and `client` is of the same user (and open), `client`
-    /// becomes the owner under a new pairing epoch and the countdown ends. Whether it did.
+    /// closed (its countdown runs, or the close is not processed yet), and `client` is of the
+    /// same user (and open), `client` becomes the owner under a new pairing epoch and the
+    /// countdown ends. Whether it did.
     pub(super) fn adopt_orphan(&self, client: &ClientId, inst: &Instance) -> bool {
         let s = &self.state;
-        let candidate = s
-            .disconnects
-            .countdowns
-            .lock()
-            .get(&inst.id)
-            .is_some_and(|c| {
-                c.generation == inst.generation && c.owner != *client && c.owner.same_user(client)
-            });
-        if !candidate || s.disconnects.is_closed(client.identity()) {
+        let d = &s.disconnects;
+        let orphaned = |o: &Owner| {
+            o.generation == inst.generation
+                && o.client != *client
+                && o.client.same_user(client)
+                && d.is_closed(o.client.identity())
+        };
+        let candidate = s.owners.lock().get(&inst.id).is_some_and(orphaned);
+        if !candidate || d.is_closed(client.identity()) {
             return false;
         }
         // Lock order: pending, owners, countdowns (as REGISTER and the release hook).
         let mut pending = s.pending.lock();
         let mut owners = s.owners.lock();
-        let mut cd = s.disconnects.countdowns.lock();
-        let Some(c) = cd.get(&inst.id) else {
-            return false;
+        let mut cd = d.countdowns.lock();
+        let previous = match owners.get(&inst.id) {
+            Some(o) if orphaned(o) && !inst.is_released() => o.client.clone(),
+            _ => return false,
         };
-        let still = c.generation == inst.generation
-            && owners
-                .get(&inst.id)
-                .is_some_and(|o| o.client == c.owner && o.generation == inst.generation)
-            && !inst.is_released();
-        if !still {
-            return false;
-        }
-        let previous = cd.remove(&inst.id).expect("checked").owner;
+        cd.remove(&inst.id);
         pending.new_epoch(inst.id, inst.generation);
         owners.insert(
             inst.id,
@@ -478,10 +476,7 @@ impl LmFrontend {
             },
         );
         drop((pending, owners, cd));
-        s.disconnects
-            .counters
-            .adoptions
-            .fetch_add(1, Ordering::Relaxed);
+        d.counters.adoptions.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             instance = inst.id,
             %client,
@@ -589,9 +584,9 @@ mod tests {
             c.closed.insert(id.clone(), u64::from(i));
             c.closed_order.push_back((id, u64::from(i)));
         }
-        c.forget_old(10);
+        c.forget_old(10, CLOSED_MEMORY_MS);
         assert_eq!(c.closed.len(), 3);
-        c.forget_old(CLOSED_MEMORY_MS + 1);
+        c.forget_old(CLOSED_MEMORY_MS + 1, CLOSED_MEMORY_MS);
         assert_eq!(c.closed.len(), 1, "ids 0 and 1 aged out");
         assert!(c.closed.contains_key(&[2u8][..]));
         assert_eq!(c.closed_order.len(), 1);

@@ -321,6 +321,7 @@ impl Sim {
                     pinged: false,
                     hidden,
                     conns: vec![c.id()],
+                    closed_ms: None,
                 });
             }
         }
