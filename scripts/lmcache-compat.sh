@@ -10,7 +10,11 @@
 #      end_session), every retrieved byte verified, unregister;
 #   2. the vLLM-worker round trip (--worker-path-check): create_transfer_context over paged CPU
 #      KV tensors, submit_store / lookup / submit_retrieve into other blocks, compare blocks;
-#   3. the server stops cleanly on SIGTERM and leaves nothing behind in /dev/shm.
+#   3. kvnode only: a real LMCache worker process (the client's own register, ping and
+#      prepare_store) is SIGKILLed between prepare_store and commit_store; kvnode's status must
+#      show its instance released (its reserved slots freed) within 30 s, far below the reap
+#      timeout (120 s) and registration grace (3600 s): the connection close released it;
+#   4. the server stops cleanly on SIGTERM and leaves nothing behind in /dev/shm.
 # Opt-in: not part of scripts/test.sh. Needs PyPI access the first time (installs lmcache, with
 # torch and its CUDA libraries: ~6 GB per venv, ~1.5-3 min); later runs reuse the venv.
 #
@@ -426,6 +430,90 @@ if s.get("pending_writes") or s.get("pending_reads"):
   else
     printf '%s\n' "$st" >&2
     fail "kvnode status --socket $SOCK --json failed"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 5b. kvnode only: a real LMCache worker dies (SIGKILL) between prepare_store and commit_store.
+#     Its connection closes; kvnode must release the instance (the slots it reserved) within
+#     seconds (--worker-disconnect-grace-seconds, default 1 s), not after the reap timeout.
+if [ "$SERVER" = kvnode ]; then
+  VICTIM="$LOGDIR/victim_worker.py"
+  cat > "$VICTIM" <<'PYVICTIM'
+"""A real LMCache worker that registers, pings, prepares a store and waits to be killed."""
+import os, sys, time
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
+from lmcache.v1.multiprocess.transfer_context.base import (EngineDrivenContextMetadata,
+                                                            create_engine_driven_context)
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+url, T = sys.argv[1], 15
+client = RequestClientFactory.create(url)
+chunk = int(client.get_chunk_size().result(timeout=T))
+iid = os.getpid()
+resp = client.register_kv_cache_engine_driven_context(RegisterEngineDrivenContextPayload(
+    instance_id=iid, model_name="victim", world_size=1, block_size=16, num_layers=2,
+    hidden_dim_size=64, dtype_str="bfloat16", use_mla=False, num_physical_slots=chunk,
+)).result(timeout=T)
+client.ping(iid).result(timeout=T)
+shape = torch.Size([2, 2, chunk, 64])
+meta = EngineDrivenContextMetadata(layout_desc=MemoryLayoutDesc(shapes=[shape], dtypes=[torch.bfloat16]),
+                                   block_size=16, use_mla=False)
+edc = create_engine_driven_context(meta, client, T, shm_name=resp.shm_name,
+                                   pool_size=resp.pool_size, use_pickle=False)
+toks = tuple(range(7_000_000, 7_000_000 + 2 * chunk))
+key = IPCCacheServerKey(model_name="victim", world_size=1, worker_id=0, token_ids=toks, start=0,
+                        end=2 * chunk, request_id="victim", num_kv_readers=1)
+edc.prepare_store(key, iid)
+print("VICTIM-READY", iid, flush=True)
+time.sleep(3600)
+PYVICTIM
+  VICTIM_RUN=("${DRIVER_RUN[@]:0:${#DRIVER_RUN[@]}-1}" "$VICTIM")
+  log "real LMCache worker to be SIGKILLed after prepare_store: ${VICTIM_RUN[*]}"
+  "${VICTIM_RUN[@]}" "$URL" > "$LOGDIR/$TAG.victim.log" 2>&1 &
+  VPID=$!
+  viid=""
+  for _ in $(seq 1 1200); do
+    viid=$(awk '/^VICTIM-READY/{print $2}' "$LOGDIR/$TAG.victim.log")
+    [ -n "$viid" ] && break
+    kill -0 "$VPID" 2>/dev/null || break
+    sleep 0.1
+  done
+  kvstatus() { "$ROOT/target/release/kvnode" status --socket "$SOCK" --json 2>/dev/null; }
+  # Prints "<registered 0/1> <pending writes of the instance> <lmcache.disconnect_releases>".
+  victim_state() {
+    kvstatus | "$PY" -c '
+import json, sys
+s = json.load(sys.stdin); iid = int(sys.argv[1])
+mine = [i for i in s.get("instances", []) if i["id"] == iid]
+print(len(mine), mine[0]["pending_writes"] if mine else 0,
+      s.get("lmcache", {}).get("disconnect_releases", -1))' "$1"
+  }
+  if [ -z "$viid" ]; then
+    tail -n 20 "$LOGDIR/$TAG.victim.log" >&2
+    kill -KILL "$VPID" 2>/dev/null || true
+    fail "the LMCache worker to kill never got its store prepared (log: $LOGDIR/$TAG.victim.log)"
+  else
+    read -r reg pend rel0 <<<"$(victim_state "$viid")"
+    [ "$reg" = 1 ] && [ "$pend" -ge 1 ] || fail "worker $viid: expected a registered instance with a pending store, got registered=$reg pending_writes=$pend"
+    t_kill=$(date +%s%N)
+    kill -KILL "$VPID"
+    wait "$VPID" 2>/dev/null || true
+    released=0
+    for _ in $(seq 1 600); do
+      read -r reg pend rel <<<"$(victim_state "$viid")"
+      if [ "$reg" = 0 ]; then released=1; break; fi
+      sleep 0.05
+    done
+    ms=$(( ($(date +%s%N) - t_kill) / 1000000 ))
+    if [ "$released" = 1 ] && [ "$rel" -gt "$rel0" ]; then
+      log "killed worker $viid: instance released ${ms} ms after SIGKILL (disconnect_releases $rel0 -> $rel)"
+      echo "disconnect release of a SIGKILLed LMCache worker: ${ms} ms"
+    else
+      fail "killed worker $viid: instance not released by its connection close within 30 s (registered=$reg disconnect_releases=$rel)"
+    fi
   fi
 fi
 

@@ -227,6 +227,13 @@ struct LmcacheArgs {
     /// Seconds before a worker that never pinged is reaped.
     #[arg(long, default_value_t = 3600.0)]
     worker_registration_grace_seconds: f64,
+    /// Seconds a worker's instance is kept after its connection closed (a crash, a kill), for
+    /// it to come back over a new connection; then it is released (uncommitted stores freed,
+    /// read locks released). A worker that never pinged gets max(this, min(registration grace,
+    /// 10 s)). 0 disables: only the reaper releases. LMCache's values (30 s up to the reap
+    /// timeout) work as there [default: 1, or the config file's lmcache.worker_disconnect_grace_ms].
+    #[arg(long)]
+    worker_disconnect_grace_seconds: Option<f64>,
     /// Eviction policy (kvnode evicts LRU, later chunks first).
     #[arg(long, default_value = "LRU")]
     eviction_policy: String,
@@ -380,6 +387,9 @@ fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     };
     a.l2.apply(&mut cfg.l2)?;
     a.access.apply(&mut cfg.access);
+    if let Some(g) = a.worker_disconnect_grace_seconds {
+        cfg.lmcache.worker_disconnect_grace_ms = disconnect_grace_ms(g)?;
+    }
     let handlers = cfg.worker_threads();
     let (signals, stop) = install_signals()?;
     // The port is checked before the pool is built: a second server on a busy port fails at once,
@@ -470,6 +480,19 @@ fn socket_addr_arg(s: &str) -> Result<std::net::SocketAddr, String> {
     addrs
         .next()
         .ok_or_else(|| format!("address {s:?}: resolves to no address"))
+}
+
+/// `--worker-disconnect-grace-seconds` in milliseconds: a finite number of seconds >= 0 (a
+/// nonzero value rounds up to at least 1 ms).
+fn disconnect_grace_ms(secs: f64) -> Result<u64, String> {
+    let max = kvnode::lmcache::frontend::MAX_WORKER_DISCONNECT_GRACE_MS;
+    if !(secs >= 0.0 && secs.is_finite()) || secs * 1000.0 > max as f64 {
+        return Err(format!(
+            "--worker-disconnect-grace-seconds {secs}: expected seconds from 0 (off) to {}",
+            max / 1000
+        ));
+    }
+    Ok((secs * 1000.0).ceil() as u64)
 }
 
 /// The address to bind the LMCache ROUTER on: an IP address as given, `*` for every
@@ -759,6 +782,18 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn disconnect_grace_takes_lmcache_values_shorter_ones_and_zero() {
+        assert_eq!(disconnect_grace_ms(0.0), Ok(0));
+        assert_eq!(disconnect_grace_ms(0.0001), Ok(1));
+        assert_eq!(disconnect_grace_ms(1.0), Ok(1000));
+        assert_eq!(disconnect_grace_ms(120.0), Ok(120_000));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e9] {
+            let e = disconnect_grace_ms(bad).unwrap_err();
+            assert!(e.contains("--worker-disconnect-grace-seconds"), "{e}");
+        }
+    }
+
     use super::*;
 
     fn free_port() -> u16 {

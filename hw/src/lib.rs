@@ -15,6 +15,7 @@
 //! * [`socket_inode`] / [`tcp_socket_addresses`] tell which socket is open at a descriptor
 //!   number another library owns (libzmq's connections, for the LMCache endpoint's access check);
 //!   [`tcp_socket_owner`] asks the kernel who owns a TCP socket (netlink `sock_diag`).
+//! * [`zmq_notify::set_router_notify`] turns on a ZMQ ROUTER's connect/disconnect notifications.
 
 #![cfg_attr(not(target_os = "linux"), allow(unused))]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -43,6 +44,7 @@ mod sockaddr;
 mod sockdiag;
 mod sys;
 mod uring;
+pub mod zmq_notify;
 
 #[cfg(test)]
 mod block_tests;

@@ -113,6 +113,13 @@ pub fn recv_request(router: &zmq::Socket) -> zmq::Result<(Vec<Vec<u8>>, Option<S
     }
 }
 
+/// Whether a received message is a ROUTER connect/disconnect notification (see
+/// `kvnode_hw::zmq_notify`): the routing id and one empty frame, and no connection properties
+/// (an empty frame a peer sends carries its connection's, so a peer cannot forge one).
+pub fn is_notification(frames: &[Vec<u8>], source: &Option<Source>) -> bool {
+    source.is_none() && frames.len() == 2 && frames[1].is_empty()
+}
+
 /// Whether a peer with `role` may run `op`: refused peers nothing, clients everything but the
 /// node-wide operations (CLEAR), admins everything.
 pub fn permits(role: Role, op: Op) -> bool {

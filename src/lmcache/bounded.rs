@@ -184,6 +184,27 @@ impl<V> ClientMap<V> {
         Some(e.value)
     }
 
+    /// Removes and returns every entry of the clients whose ZMQ routing id is `identity` (its
+    /// connection closed). O(clients).
+    pub fn remove_identity(&mut self, identity: &[u8]) -> Vec<Dropped<V>> {
+        let gone: Vec<ClientId> = self
+            .clients
+            .keys()
+            .filter(|c| c.identity() == identity)
+            .cloned()
+            .collect();
+        let mut out = Vec::new();
+        for c in gone {
+            let Some(st) = self.clients.remove(&c) else {
+                continue;
+            };
+            self.bytes -= st.bytes;
+            self.len -= st.entries.len();
+            out.extend(st.entries.into_iter().map(|(k, e)| (c.clone(), k, e.value)));
+        }
+        out
+    }
+
     /// Removes `key` of `client` if its current sequence is `seq` (the item is not stale).
     fn take_if_current(&mut self, client: &ClientId, key: &Arc<str>, seq: u64) -> Option<V> {
         let current = self
@@ -368,6 +389,31 @@ mod tests {
         assert_eq!(m.bytes(), 0);
         assert_eq!(m.clients(), 0, "no state kept for clients without entries");
         assert_eq!(m.expired(), 2);
+    }
+
+    #[test]
+    fn a_closed_connections_entries_go_and_the_accounting_follows() {
+        let mut m = ClientMap::new(Budget {
+            total: 1 << 20,
+            per_client: 1 << 20,
+            ttl_ms: 1000,
+        });
+        let other_user = ClientId::new(&[0, 1], Some(9));
+        m.insert(&client(1), "a", 1u32, 10, 0);
+        m.insert(&client(1), "b", 2, 10, 0);
+        m.insert(&other_user, "a", 3, 10, 0);
+        m.insert(&client(2), "a", 4, 10, 0);
+        let before = m.bytes();
+        let mut gone = m.remove_identity(&[0, 1]);
+        gone.sort_by_key(|d| d.2);
+        assert_eq!(gone.iter().map(|d| d.2).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.bytes(), before - 3 * entry_size("a", 10));
+        assert_eq!(m.get(&client(2), "a", 0), Some(&4));
+        assert!(m.remove_identity(&[0, 1]).is_empty());
+        // Stale order items of the removed entries are skipped.
+        assert!(m.expire(5_000).iter().all(|d| d.2 == 4));
+        assert!(m.is_empty());
     }
 
     #[test]

@@ -22,6 +22,9 @@
 //! delayed by at most that one small request, in libzmq's fair-queued arrival order.
 //! Before routing, the I/O thread checks who sent each request (`access`): refused peers,
 //! and clients asking for node-wide operations, get the operation's negative answer there.
+//! The ROUTER reports connection opens and closes (`ZMQ_ROUTER_NOTIFY`): the I/O thread hands
+//! them to the frontend (`frontend::disconnect`), whose sweeper thread releases a closed
+//! client's instances after the grace.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -162,6 +165,8 @@ impl Shared {
 pub struct LmServer {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// Ends the countdowns of closed clients' instances (`None`: closes are not seen).
+    sweeper: Option<super::frontend::DisconnectSweeper>,
     /// The endpoint actually bound (e.g. `tcp://127.0.0.1:5555`).
     pub endpoint: String,
 }
@@ -179,9 +184,11 @@ impl LmServer {
     ) -> Result<LmServer> {
         access::check_bind_host(host, access.allow_remote)?;
         let zctx = zmq::Context::new();
-        let router = zctx
+        let mut router = zctx
             .socket(zmq::ROUTER)
             .map_err(|e| Error::new(crate::ErrorKind::Io, format!("zmq socket: {e}")))?;
+        // Before binding: every connection is then reported opened and closed.
+        let sweeper = frontend.attach_router(&mut router);
         let _ = router.set_linger(0);
         let _ = router.set_ipv6(host.starts_with('['));
         // libzmq refuses larger messages before buffering them (hostile peers).
@@ -248,6 +255,7 @@ impl LmServer {
         Ok(LmServer {
             shared,
             threads,
+            sweeper,
             endpoint,
         })
     }
@@ -305,6 +313,9 @@ impl LmServer {
         }
         for t in self.threads {
             let _ = t.join();
+        }
+        if let Some(sw) = self.sweeper {
+            sw.stop();
         }
     }
 }
@@ -366,6 +377,10 @@ fn run_io(
             for _ in 0..1024 {
                 match access::recv_request(&router) {
                     Ok((frames, source)) => {
+                        if access::is_notification(&frames, &source) {
+                            s.frontend.connection_notice(&frames[0]);
+                            continue;
+                        }
                         let peer = gate.peer(source);
                         let reply = match accept(s, frames, &mut gate, peer) {
                             Some(Route::Inline(req)) => handler::execute(s, req),

@@ -37,7 +37,7 @@ pub struct LmActor {
     pub orphans: std::collections::BTreeSet<u64>,
     /// The connection of its current process (a new process connects anew).
     pub client: ClientId,
-    incarnation: u32,
+    pub(super) incarnation: u32,
 }
 
 impl LmActor {
@@ -62,8 +62,8 @@ impl LmActor {
         )
     }
 
-    /// A new process of this worker: a new connection.
-    fn reconnect(&mut self) {
+    /// A new process of this worker (or the same one after a network cut): a new connection.
+    pub(super) fn reconnect(&mut self) {
         self.incarnation += 1;
         self.client = Self::connection(self.id, self.incarnation);
     }
@@ -94,21 +94,31 @@ impl LmActor {
 
 const LM_SALTS: [&str; 4] = ["", "", "", "t1"];
 
-/// The connection of the engine's scheduler: LOOKUPs, prefetch queries, lock frees and
-/// session ends come from it (as in vLLM), while the workers' retrieves take its sessions'
-/// locks over.
-fn scheduler() -> ClientId {
-    ClientId::new(b"lm-scheduler", Some(kvnode_hw::effective_uid()))
-}
-
 impl Sim {
+    /// The connection of the engine's scheduler: LOOKUPs, prefetch queries, lock frees and
+    /// session ends come from it (as in vLLM), while the workers' retrieves take its sessions'
+    /// locks over. A closed one is replaced by a new connection (a new routing id).
+    pub(super) fn scheduler(&self) -> ClientId {
+        ClientId::new(
+            format!("lm-scheduler-{}", self.lm_scheduler).as_bytes(),
+            Some(kvnode_hw::effective_uid()),
+        )
+    }
+
     /// One request of `client` (a worker's connection, or [`scheduler`]'s).
-    fn lm_call(&mut self, client: &ClientId, req: LmRequest) -> LmReply {
+    pub(super) fn lm_call(&mut self, client: &ClientId, req: LmRequest) -> LmReply {
         self.stats.requests += 1;
         self.frontend.handle_typed(client, req)
     }
 
-    fn ipc_key(&self, p: usize, a: usize, b: usize, salt: &str, worker: Option<u32>) -> IpcKey {
+    pub(super) fn ipc_key(
+        &self,
+        p: usize,
+        a: usize,
+        b: usize,
+        salt: &str,
+        worker: Option<u32>,
+    ) -> IpcKey {
         IpcKey {
             model_name: LM_MODEL.into(),
             world_size: 1,
@@ -122,7 +132,7 @@ impl Sim {
         }
     }
 
-    fn lm_span(&mut self) -> LmKey {
+    pub(super) fn lm_span(&mut self) -> LmKey {
         let p = self.rng.index(self.prompts.len());
         let a = if self.rng.chance(70) {
             0
@@ -169,6 +179,8 @@ impl Sim {
             4,  // 8 end session
             2,  // 9 unregister
             1,  // 10 fall silent
+            2,  // 11 its connection closes (a crash, a network cut): see lm_disconnect
+            1,  // 12 the scheduler's connection closes
         ];
         match self.rng.weighted(&weights) {
             0 => self.lm_restart(i),
@@ -193,8 +205,9 @@ impl Sim {
             7 => {
                 let (p, a, b, salt) = self.lm_span();
                 let key = self.ipc_key(p, a, b, salt, None);
+                let sched = self.scheduler();
                 let r = self.no_intern("FREE_LOOKUP_LOCKS", |s| {
-                    s.lm_call(&scheduler(), LmRequest::FreeLookupLocks { key, tp_size: 1 })
+                    s.lm_call(&sched, LmRequest::FreeLookupLocks { key, tp_size: 1 })
                 })?;
                 self.log(format!(
                     "lm FREE_LOOKUP_LOCKS p{p}[{a}..{b}) {salt:?} -> {r:?}"
@@ -204,8 +217,9 @@ impl Sim {
             8 => {
                 let (p, _, _, salt) = self.lm_span();
                 let request_id = format!("lm-p{p}-{salt}");
+                let sched = self.scheduler();
                 let r = self.lm_call(
-                    &scheduler(),
+                    &sched,
                     LmRequest::EndSession {
                         request_id: request_id.clone(),
                     },
@@ -227,12 +241,14 @@ impl Sim {
                 }
                 self.forget_instance(id, false)
             }
-            _ => {
+            10 => {
                 self.lms[i].dead = true;
                 let id = self.lms[i].id;
                 self.log(format!("lm {id} falls silent"));
                 Ok(())
             }
+            11 => self.lm_connection_closes(i),
+            _ => self.lm_scheduler_closes(),
         }
     }
 
@@ -294,6 +310,7 @@ impl Sim {
                     pinged: false,
                     hidden: HIDDEN,
                     conns: Vec::new(),
+                    closed_ms: None,
                 })
             }
         }
@@ -558,11 +575,12 @@ impl Sim {
         self.named(LM_MODEL, salt);
         self.stats.lookups += 1;
         let tp_size = if self.rng.chance(25) { 2 } else { 1 };
+        let sched = self.scheduler();
         let r = self.no_intern("LMCache LOOKUP", |s| {
-            s.lm_call(&scheduler(), LmRequest::Lookup { key, tp_size })
+            s.lm_call(&sched, LmRequest::Lookup { key, tp_size })
         })?;
         let hits = self.lm_call(
-            &scheduler(),
+            &sched,
             LmRequest::QueryPrefetchStatus {
                 request_id: request_id.clone(),
             },

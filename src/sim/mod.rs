@@ -13,6 +13,7 @@
 mod check;
 pub mod l2;
 mod lm;
+mod lm_disconnect;
 pub mod model;
 mod native;
 mod releases;
@@ -95,6 +96,12 @@ pub struct SimStats {
     pub revived: u64,
     /// LMCache workers that crashed and restarted under the same id before being reaped.
     pub lm_restarts: u64,
+    /// LMCache connections closed (workers and schedulers).
+    pub lm_disconnects: u64,
+    /// LMCache instances the frontend released after their connection closed.
+    pub lm_disconnect_releases: u64,
+    /// LMCache instances taken over by a new connection after their owner's closed.
+    pub lm_adoptions: u64,
     /// xxh3 of every trace line: equal for two runs of one seed, or the run is not deterministic.
     pub trace_digest: u64,
     /// Simulated milliseconds.
@@ -153,6 +160,9 @@ pub(crate) struct Registration {
     pub hidden: u32,
     /// Connections that registered this instance object and are still open (native only).
     pub conns: Vec<u64>,
+    /// When the connection owning it (LMCache) closed with nobody taking it over, and whether
+    /// it had pinged then: the frontend must release it within its disconnect countdown.
+    pub closed_ms: Option<(u64, bool)>,
 }
 
 impl Registration {
@@ -194,6 +204,10 @@ pub struct Sim {
     /// The scheduler connection whose LOOKUP created each live session `s*` (the node's own
     /// user's name space); a session of another connection refuses FREE, END and LOOKUP.
     session_creators: std::collections::BTreeMap<String, u64>,
+    /// Incarnation of the LMCache scheduler's connection (a closed one reconnects anew).
+    lm_scheduler: u32,
+    /// Connections of LMCache schedulers that closed: none of their sessions may hold a lock.
+    closed_schedulers: Vec<crate::lmcache::frontend::ClientId>,
     stats: SimStats,
 }
 
@@ -223,6 +237,9 @@ pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
         .adopted_locks
         .load(std::sync::atomic::Ordering::Relaxed);
     sim.stats.sessions_evicted = sim.ctx.sessions.evicted();
+    let d = sim.frontend.disconnect_counters();
+    sim.stats.lm_disconnect_releases = d.releases.load(std::sync::atomic::Ordering::Relaxed);
+    sim.stats.lm_adoptions = d.adoptions.load(std::sync::atomic::Ordering::Relaxed);
     Ok(sim.stats)
 }
 
@@ -260,6 +277,8 @@ impl Sim {
             named: HashMap::new(),
             lookups: VecDeque::new(),
             session_creators: Default::default(),
+            lm_scheduler: 0,
+            closed_schedulers: Vec::new(),
             stats: SimStats::default(),
             opts,
         };
@@ -336,6 +355,13 @@ impl Sim {
             4 => self.maintenance()?,
             _ => self.clear()?,
         }
+        // The frontend's sweeper: closes seen, countdowns ended.
+        let released = self.frontend.sweep_disconnects();
+        if released > 0 {
+            self.log(format!(
+                "{released} LMCache instance(s) released after their connection closed"
+            ));
+        }
         self.reaper.step(&*self.ctx);
         self.observe_releases()?;
         self.check()
@@ -396,6 +422,9 @@ mod tests {
                     total.reaped += s.reaped;
                     total.lm_restarts += s.lm_restarts;
                     total.sessions_evicted += s.sessions_evicted;
+                    total.lm_disconnects += s.lm_disconnects;
+                    total.lm_disconnect_releases += s.lm_disconnect_releases;
+                    total.lm_adoptions += s.lm_adoptions;
                 }
                 Err(f) => panic!("{f}"),
             }
@@ -405,6 +434,10 @@ mod tests {
         assert!(total.adopted >= 5 * SMOKE_SEEDS, "{total:?}");
         assert!(total.reaped > 0 && total.lm_restarts > 0, "{total:?}");
         assert!(total.sessions_evicted > 0, "{total:?}");
+        assert!(
+            total.lm_disconnect_releases > 0 && total.lm_adoptions > 0,
+            "connection closes exercised: {total:?}"
+        );
     }
 
     /// A seed reproduces exactly (same steps, requests and simulated time).

@@ -23,7 +23,11 @@ impl Sim {
         for a in &self.lms {
             if let Some(r) = &a.reg {
                 if !self.is_live(&r.inst) {
-                    released.push((a.id, false, r.deadline_ms()));
+                    // Its connection closed: the frontend may release it from the grace on.
+                    let earliest = r
+                        .closed_ms
+                        .map_or(u64::MAX, |(c, p)| self.disconnect_window(c, p).0);
+                    released.push((a.id, false, r.deadline_ms().min(earliest)));
                 }
             }
         }

@@ -36,6 +36,12 @@ pub const DEFAULT_SESSION_BYTES_PER_CLIENT: usize = 16 << 20;
 pub const DEFAULT_STATE_TTL_SECS: u64 = 600;
 /// Longest [`LmLimits::state_ttl_secs`] accepted (30 days).
 pub const MAX_STATE_TTL_SECS: u64 = 30 * 24 * 3600;
+/// Default [`LmLimits::worker_disconnect_grace_ms`]: a second, so a dead client's instance is
+/// released about a second after its connection closes.
+pub const DEFAULT_WORKER_DISCONNECT_GRACE_MS: u64 = 1_000;
+/// Longest [`LmLimits::worker_disconnect_grace_ms`] accepted (a day; LMCache's own bound is the
+/// reap timeout, and the reaper releases a silent worker first anyway).
+pub const MAX_WORKER_DISCONNECT_GRACE_MS: u64 = 24 * 3600 * 1000;
 
 /// Budgets of the LMCache frontend. A "client" is one ZMQ connection (one LMCache
 /// `MessageQueueClient`). Invariant after [`LmLimits::validate`]: every value is > 0, each
@@ -76,6 +82,11 @@ pub struct LmLimits {
     /// Cached hashes, unqueried LOOKUP results and lookup sessions unused this long are
     /// dropped (seconds).
     pub state_ttl_secs: u64,
+    /// Milliseconds an instance is kept after the connection that owns it closed, for the
+    /// client to come back over a new connection (`--worker-disconnect-grace-seconds`); an
+    /// instance that never pinged gets the longer unproven countdown (see
+    /// `frontend::disconnect`). 0 = connection closes are ignored (the reaper alone releases).
+    pub worker_disconnect_grace_ms: u64,
 }
 
 impl Default for LmLimits {
@@ -93,6 +104,7 @@ impl Default for LmLimits {
             session_bytes: DEFAULT_SESSION_BYTES,
             session_bytes_per_client: DEFAULT_SESSION_BYTES_PER_CLIENT,
             state_ttl_secs: DEFAULT_STATE_TTL_SECS,
+            worker_disconnect_grace_ms: DEFAULT_WORKER_DISCONNECT_GRACE_MS,
         }
     }
 }
@@ -164,6 +176,13 @@ impl LmLimits {
                 self.state_ttl_secs
             )));
         }
+        if self.worker_disconnect_grace_ms > MAX_WORKER_DISCONNECT_GRACE_MS {
+            return Err(Error::invalid(format!(
+                "lmcache.worker_disconnect_grace_ms = {} exceeds {MAX_WORKER_DISCONNECT_GRACE_MS} \
+                 (a day)",
+                self.worker_disconnect_grace_ms
+            )));
+        }
         Ok(())
     }
 
@@ -204,6 +223,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("state_ttl_secs"), "{e}");
+        let e = LmLimits {
+            worker_disconnect_grace_ms: MAX_WORKER_DISCONNECT_GRACE_MS + 1,
+            ..LmLimits::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("worker_disconnect_grace_ms"), "{e}");
         let parsed: LmLimits = toml::from_str("queued_bytes_per_client = 1024").unwrap();
         assert_eq!(parsed.queued_bytes_per_client, 1024);
         assert_eq!(parsed.hash_cache_bytes, DEFAULT_HASH_CACHE_BYTES);

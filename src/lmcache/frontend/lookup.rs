@@ -95,6 +95,16 @@ impl LookupSessions {
         self.map.remove(client, request_id).is_some()
     }
 
+    /// Forgets every session of the clients whose routing id is `identity` (their connection
+    /// closed) and returns them (the caller ends them on the node).
+    pub(super) fn identity_gone(&mut self, identity: &[u8]) -> Vec<DroppedSession> {
+        let gone = self.map.remove_identity(identity);
+        for (c, r, _) in &gone {
+            self.forget_holder(c, r);
+        }
+        gone
+    }
+
     /// Marks `client`'s session for `request_id` used; whether it has a live one.
     fn touch(&mut self, client: &ClientId, request_id: &str, now_ms: u64) -> bool {
         self.map.get(client, request_id, now_ms).is_some()

@@ -43,6 +43,7 @@ use crate::server::dispatch;
 use crate::transport::ReplySink;
 
 mod client;
+mod disconnect;
 mod hashes;
 mod limits;
 mod lookup;
@@ -51,6 +52,10 @@ mod owners;
 mod transfer;
 
 pub use self::client::ClientId;
+pub use self::disconnect::{
+    ConnectionEvent, DisconnectCounters, DisconnectSweeper, CLOSED_MEMORY_MS,
+    MAX_CLOSED_CONNECTIONS, MAX_OPEN_CONNECTIONS, SWEEP_INTERVAL_MS, UNPROVEN_GRACE_CAP_MS,
+};
 pub use self::limits::*;
 
 use self::hashes::{DigestKey, HashEntry};
@@ -58,8 +63,9 @@ use self::lookup::LookupSessions;
 pub use self::owners::LogLimit;
 use self::owners::Owner;
 
-/// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects,
-/// so these instances are released by UNREGISTER or by the reaper).
+/// Connection id the frontend uses for instances it registers (ZMQ hides peer disconnects from
+/// the native core: these instances are released by UNREGISTER, by the reaper, or by the
+/// frontend when the ROUTER reports their client's connection closed, see `disconnect`).
 pub const FRONTEND_CONNECTION_ID: u64 = u64::MAX - 1;
 /// Bytes of pending-transfer bookkeeping (beyond: a new PREPARE is refused, never an older
 /// transfer dropped).
@@ -191,11 +197,13 @@ struct State {
     lost: Mutex<lost::LostInstances>,
     counters: FrontendCounters,
     refusal_log: LogLimit,
+    /// Connection opens and closes, and the countdowns of instances whose owner's closed.
+    disconnects: disconnect::Disconnects,
 }
 
 impl State {
     /// The status report's `lmcache` part: budgets, what is held, refusals.
-    fn status(&self) -> serde_json::Value {
+    fn status(&self, unproven_ms: u64) -> serde_json::Value {
         let c = &self.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let (pending_bytes, pending_transfers) = {
@@ -226,6 +234,8 @@ impl State {
             "takeovers": n(&c.takeovers),
             "sessions_dropped": n(&c.sessions_dropped),
             "hash_mismatches": n(&c.hash_mismatches),
+            "disconnect_releases": n(&self.disconnects.counters().releases),
+            "disconnect": LmFrontend::disconnect_status(self, unproven_ms),
         })
     }
 
@@ -300,6 +310,7 @@ impl LmFrontend {
             lost: Mutex::default(),
             counters: FrontendCounters::default(),
             refusal_log: LogLimit::default(),
+            disconnects: disconnect::Disconnects::new(),
             limits,
         });
         let weak: Weak<State> = Arc::downgrade(&state);
@@ -309,14 +320,16 @@ impl LmFrontend {
             }
         }));
         let weak: Weak<State> = Arc::downgrade(&state);
-        ctx.add_status_part(
+        let f = LmFrontend { ctx, state };
+        let unproven_ms = f.unproven_grace_ms();
+        f.ctx.add_status_part(
             "lmcache",
             Box::new(move || {
                 weak.upgrade()
-                    .map_or(serde_json::Value::Null, |s| s.status())
+                    .map_or(serde_json::Value::Null, |s| s.status(unproven_ms))
             }),
         );
-        LmFrontend { ctx, state }
+        f
     }
 
     /// Whether the node has a disk tier (lookups and retrieves may then wait for a device).
@@ -440,6 +453,12 @@ impl LmFrontend {
 
     /// Executes one decoded request of `client` and returns its typed reply.
     pub fn handle_typed(&self, client: &ClientId, req: LmRequest) -> LmReply {
+        let reply = self.execute(client, req);
+        self.after_request(client);
+        reply
+    }
+
+    fn execute(&self, client: &ClientId, req: LmRequest) -> LmReply {
         let _acting = ActingAs::set(client.uid());
         if let Some((op, id)) = Self::request_id(&req) {
             let max = self.state.limits.max_request_id_bytes;

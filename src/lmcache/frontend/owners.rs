@@ -80,6 +80,8 @@ impl LmFrontend {
         let owner = self.state.owners.lock().get(&instance_id).cloned();
         match owner {
             Some(o) if o.generation == inst.generation && o.client == *client => Some(inst),
+            // The owner's connection closed and this one of the same user took over.
+            _ if self.adopt_orphan(client, &inst) => Some(inst),
             _ => {
                 self.state
                     .counters
@@ -99,9 +101,10 @@ impl LmFrontend {
     }
 
     /// PING: only the owner keeps its instance alive; a ping of another connection's instance
-    /// is answered `true` (as LMCache always does) and ignored. The answer is `false` once for
-    /// an instance the node released while its user's worker owned it (`lost`): that worker's
-    /// heartbeat then registers it again.
+    /// is answered `true` (as LMCache always does) and ignored, unless that owner's connection
+    /// closed and this is the same user's (see `disconnect`: it adopts the instance). The
+    /// answer is `false` once for an instance the node released while its user's worker owned
+    /// it (`lost`): that worker's heartbeat then registers it again.
     pub(super) fn ping(&self, client: &ClientId, instance_id: Option<u64>) -> bool {
         let Some(id) = instance_id else {
             self.call(Request::Ping { instance_id });
@@ -110,7 +113,11 @@ impl LmFrontend {
         let mine = {
             let o = self.state.owners.lock();
             o.get(&id).is_some_and(|w| w.client == *client)
-        };
+        } || self
+            .ctx
+            .instances
+            .get(id)
+            .is_some_and(|inst| self.adopt_orphan(client, &inst));
         if mine {
             self.call(Request::Ping { instance_id });
             return true;

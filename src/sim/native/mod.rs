@@ -322,6 +322,7 @@ impl Sim {
                     pinged: false,
                     hidden,
                     conns: vec![c.id()],
+                    closed_ms: None,
                 });
             }
         }

@@ -1,0 +1,594 @@
+//! Releasing what an LMCache client held once its connection closed (issue 12 §1).
+//!
+//! ZMQ hides disconnects from the application, so without this a crashed worker's instance
+//! (its uncommitted stores' slots, its read locks) waits for the reaper (`reap_timeout`, or
+//! `registration_grace` for a worker that never pinged). The server turns on libzmq's ROUTER
+//! notifications (`ZMQ_ROUTER_NOTIFY`): the ROUTER then delivers `[routing id, empty frame]`
+//! when a connection completes its handshake and again when it ends, through the connection's
+//! own pipe, so the close arrives after every request the connection sent. [`Disconnects`]
+//! tells the two apart by the routing ids it knows to be open.
+//!
+//! Semantics (compatible with LMCache's `--worker-disconnect-grace-seconds`):
+//! * Only the connection that registered an instance may use it (issue 11's ownership), so
+//!   "every connection that used the instance is gone" is "its owner's connection closed".
+//!   Only such instances start a countdown: the grace (default 1 s) for an instance that has
+//!   pinged, the longer *unproven* countdown for one that never did (see
+//!   [`LmFrontend::unproven_grace_ms`]). At the end of the countdown the instance is released
+//!   through the node's release path (pending stores deleted and freed, never published; read
+//!   locks released), counted in status (`lmcache.disconnect.releases`) and logged.
+//! * A request for the instance over another connection of the same user (a worker that
+//!   reconnected with a new routing id) before the countdown ends cancels it: that connection
+//!   becomes the owner, under a new pairing epoch (as a re-REGISTER would: its COMMITs are never
+//!   paired with transfers prepared over the closed connection, which stay reserved until the
+//!   node's write TTL). Another user's connection cannot. The closed connection's own requests
+//!   still queued when the close is seen run in order (an UNREGISTER sent just before exiting
+//!   still unregisters, a COMMIT still publishes what was committed) but never cancel it.
+//! * The closed connection's lookup sessions end at once (their read locks released), and its
+//!   prefetch results and cached hashes go. Requests of that connection that were already
+//!   running when the close was seen are caught after they finish (see
+//!   [`LmFrontend::after_request`]).
+//! * Registrations over a transport with no known connection (notifications refused by the
+//!   linked libzmq, more than [`MAX_OPEN_CONNECTIONS`] open connections, a frontend driven
+//!   without ZMQ) are released by the timeouts alone; so is everything when the grace is 0.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::lookup::session_name;
+use super::owners::Owner;
+use super::{ClientId, LmFrontend};
+use crate::modules::instances::Instance;
+use crate::protocol::Request;
+
+/// Routing ids of open connections remembered (beyond: a new connection is not tracked, and
+/// its instances are released by the timeouts alone).
+pub const MAX_OPEN_CONNECTIONS: usize = 65_536;
+/// Closed routing ids remembered, so requests of the connection that were still queued or
+/// running when its close was seen are recognised (the oldest is forgotten beyond it).
+pub const MAX_CLOSED_CONNECTIONS: usize = 65_536;
+/// How long a closed routing id is remembered at least (milliseconds; longer when a countdown
+/// is longer).
+pub const CLOSED_MEMORY_MS: u64 = 60_000;
+/// The countdown of an instance that never pinged is at least the grace and otherwise the
+/// registration grace capped at this (milliseconds).
+pub const UNPROVEN_GRACE_CAP_MS: u64 = 10_000;
+/// How often the sweeper thread looks for countdowns that ended (milliseconds).
+pub const SWEEP_INTERVAL_MS: u64 = 25;
+
+/// What a ROUTER notification meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionEvent {
+    /// A connection with a routing id not open before: it opened.
+    Opened,
+    /// An open connection's routing id: it closed.
+    Closed,
+    /// A new connection beyond [`MAX_OPEN_CONNECTIONS`]: not tracked.
+    Untracked,
+}
+
+/// Whether the server learns of closed connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Notify {
+    /// No ZMQ endpoint attached (the frontend is driven directly).
+    Detached,
+    On,
+    Off(String),
+}
+
+#[derive(Debug, Clone)]
+struct Countdown {
+    generation: u64,
+    owner: ClientId,
+    closed_ms: u64,
+    due_ms: u64,
+}
+
+/// The routing ids known open and recently closed. Invariant: an id is in at most one of
+/// `open` and `closed`; `closed_order` lists every id of `closed` (plus stale items) oldest
+/// first, and `closed` holds at most [`MAX_CLOSED_CONNECTIONS`] ids.
+#[derive(Default)]
+struct Connections {
+    open: HashSet<Arc<[u8]>>,
+    closed: HashMap<Arc<[u8]>, u64>,
+    closed_order: VecDeque<(Arc<[u8]>, u64)>,
+}
+
+impl Connections {
+    /// Forgets the closed ids older than `memory_ms`, and the oldest beyond
+    /// [`MAX_CLOSED_CONNECTIONS`].
+    fn forget_old(&mut self, now_ms: u64, memory_ms: u64) {
+        while let Some((id, at)) = self.closed_order.front() {
+            let current = self.closed.get(id) == Some(at);
+            let old = now_ms.saturating_sub(*at) >= memory_ms
+                || self.closed.len() > MAX_CLOSED_CONNECTIONS;
+            if current && !old {
+                break;
+            }
+            let (id, at) = self.closed_order.pop_front().expect("front");
+            if current || self.closed.get(&id) == Some(&at) {
+                self.closed.remove(&id);
+            }
+        }
+    }
+}
+
+/// Counters of connection closes, for status and logs.
+#[derive(Default, Debug)]
+pub struct DisconnectCounters {
+    /// Connections opened (notified).
+    pub opened: AtomicU64,
+    /// Connections closed (notified).
+    pub closed: AtomicU64,
+    /// New connections not tracked ([`MAX_OPEN_CONNECTIONS`]).
+    pub untracked: AtomicU64,
+    /// Instances released because their owner's connection closed.
+    pub releases: AtomicU64,
+    /// Countdowns cancelled by a request over another connection of the same user.
+    pub adoptions: AtomicU64,
+    /// Lookup sessions ended because their connection closed.
+    pub sessions_ended: AtomicU64,
+}
+
+/// The frontend's view of its clients' connections. Invariant: a countdown names the exact
+/// registration (id, generation) and the owner whose close started it; it releases the
+/// instance only if that owner still owns that registration when it ends.
+pub(super) struct Disconnects {
+    conns: RwLock<Connections>,
+    /// Closes seen and not yet processed (routing id, node-clock ms), at most one per closed
+    /// id remembered.
+    closes: Mutex<Vec<(Arc<[u8]>, u64)>>,
+    countdowns: Mutex<BTreeMap<u64, Countdown>>,
+    notify: Mutex<Notify>,
+    sweeper: std::sync::OnceLock<thread::Thread>,
+    counters: DisconnectCounters,
+}
+
+impl Disconnects {
+    pub(super) fn new() -> Disconnects {
+        Disconnects {
+            conns: RwLock::default(),
+            closes: Mutex::default(),
+            countdowns: Mutex::default(),
+            notify: Mutex::new(Notify::Detached),
+            sweeper: std::sync::OnceLock::new(),
+            counters: DisconnectCounters::default(),
+        }
+    }
+
+    /// The counters.
+    pub(super) fn counters(&self) -> &DisconnectCounters {
+        &self.counters
+    }
+
+    fn is_closed(&self, identity: &[u8]) -> bool {
+        self.conns.read().closed.contains_key(identity)
+    }
+}
+
+/// Stops the sweeper thread when dropped or stopped.
+pub struct DisconnectSweeper {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DisconnectSweeper {
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for DisconnectSweeper {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+impl LmFrontend {
+    /// The grace after a connection close (ms; 0: closes are ignored).
+    pub fn disconnect_grace_ms(&self) -> u64 {
+        self.state.limits.worker_disconnect_grace_ms
+    }
+
+    /// The countdown of an instance that never pinged: the registration grace (LMCache's rule)
+    /// capped at [`UNPROVEN_GRACE_CAP_MS`], and never shorter than the grace. LMCache's main
+    /// branch waits the whole registration grace (an hour by default); kvnode caps it because
+    /// the engine's workers register at start-up and start their heartbeat only at their first
+    /// store or retrieve, so "never pinged" is mostly a worker that died during start-up (an
+    /// out-of-memory error while capturing CUDA graphs), and an operator restarting vLLM
+    /// wants that registration gone in seconds, not in an hour. The longer countdown still
+    /// leaves a worker whose connection was re-established time for its first request.
+    pub fn unproven_grace_ms(&self) -> u64 {
+        let grace = self.disconnect_grace_ms();
+        let registration = self.ctx.config.registration_grace().as_millis() as u64;
+        grace.max(registration.min(UNPROVEN_GRACE_CAP_MS))
+    }
+
+    /// Counters of connection closes.
+    pub fn disconnect_counters(&self) -> &DisconnectCounters {
+        &self.state.disconnects.counters
+    }
+
+    /// Turns on the ROUTER's connect/disconnect notifications for `router` (not yet bound or
+    /// connected) and starts the sweeper thread that ends countdowns. When the grace is 0, or
+    /// the linked libzmq refuses the option, instances are released by the timeouts alone (a
+    /// warning says why, and status reports it): `None`.
+    pub fn attach_router(&self, router: &mut zmq::Socket) -> Option<DisconnectSweeper> {
+        use kvnode_hw::zmq_notify::{set_router_notify, ZMQ_NOTIFY_CONNECT, ZMQ_NOTIFY_DISCONNECT};
+        let d = &self.state.disconnects;
+        if self.disconnect_grace_ms() == 0 {
+            *d.notify.lock() =
+                Notify::Off("the grace is 0 (--worker-disconnect-grace-seconds)".into());
+            return None;
+        }
+        if let Err(e) = set_router_notify(router, ZMQ_NOTIFY_CONNECT | ZMQ_NOTIFY_DISCONNECT) {
+            let why =
+                format!("libzmq refused ZMQ_ROUTER_NOTIFY ({e}): built without its DRAFT API");
+            tracing::warn!(
+                reason = %why,
+                "LMCache clients' connection closes cannot be seen: a dead client's instance is \
+                 released by the reaper (--worker-reap-timeout-seconds / \
+                 --worker-registration-grace-seconds) alone"
+            );
+            *d.notify.lock() = Notify::Off(why);
+            return None;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let f = LmFrontend {
+            ctx: self.ctx.clone(),
+            state: self.state.clone(),
+        };
+        let flag = stop.clone();
+        let thread = thread::Builder::new()
+            .name("kvnode-lmcache-disconnect".into())
+            .spawn(move || {
+                let _ = f.state.disconnects.sweeper.set(thread::current());
+                while !flag.load(Ordering::Acquire) {
+                    f.sweep_disconnects();
+                    thread::park_timeout(Duration::from_millis(SWEEP_INTERVAL_MS));
+                }
+            });
+        match thread {
+            Ok(t) => {
+                *d.notify.lock() = Notify::On;
+                Some(DisconnectSweeper {
+                    stop,
+                    thread: Some(t),
+                })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the LMCache disconnect thread: closes are ignored");
+                *d.notify.lock() = Notify::Off(format!("no sweeper thread: {e}"));
+                None
+            }
+        }
+    }
+
+    /// A ROUTER notification for `identity` (the server recognised it: two frames, the second
+    /// empty, no connection properties): a close when the id is known open, else an open.
+    pub fn connection_notice(&self, identity: &[u8]) -> ConnectionEvent {
+        let open = self.state.disconnects.conns.read().open.contains(identity);
+        if open {
+            self.connection_closed(identity);
+            ConnectionEvent::Closed
+        } else {
+            self.connection_opened(identity)
+        }
+    }
+
+    /// A connection with routing id `identity` opened (a peer that sets its own routing id may
+    /// reuse the id of a closed connection: it is no longer taken as closed).
+    pub fn connection_opened(&self, identity: &[u8]) -> ConnectionEvent {
+        let d = &self.state.disconnects;
+        let mut c = d.conns.write();
+        c.closed.remove(identity);
+        if c.open.len() >= MAX_OPEN_CONNECTIONS {
+            drop(c);
+            d.counters.untracked.fetch_add(1, Ordering::Relaxed);
+            return ConnectionEvent::Untracked;
+        }
+        c.open.insert(identity.into());
+        drop(c);
+        d.counters.opened.fetch_add(1, Ordering::Relaxed);
+        ConnectionEvent::Opened
+    }
+
+    /// The connection with routing id `identity` closed: recorded at once (cheap: the server's
+    /// I/O thread calls it); the next [`LmFrontend::sweep_disconnects`] (the sweeper thread,
+    /// woken now) ends its lookup sessions and starts the countdown of the instances it owns
+    /// (see the module docs). Ignored when the grace is 0.
+    pub fn connection_closed(&self, identity: &[u8]) {
+        if self.disconnect_grace_ms() == 0 {
+            return;
+        }
+        let d = &self.state.disconnects;
+        let now = self.ctx.now_ms();
+        let id: Arc<[u8]> = identity.into();
+        {
+            let mut c = d.conns.write();
+            c.open.remove(identity);
+            c.closed.insert(id.clone(), now);
+            c.closed_order.push_back((id.clone(), now));
+            // Remembered at least as long as a countdown runs (an adoption looks it up).
+            c.forget_old(now, self.unproven_grace_ms().max(CLOSED_MEMORY_MS));
+        }
+        {
+            let mut q = d.closes.lock();
+            q.retain(|(x, _)| *x != id);
+            if q.len() < MAX_CLOSED_CONNECTIONS {
+                q.push((id, now));
+            }
+        }
+        d.counters.closed.fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = d.sweeper.get() {
+            t.unpark();
+        }
+    }
+
+    /// Processes the closes recorded since the last call (sessions ended, countdowns started),
+    /// then releases the instances whose countdown ended; returns how many were released. The
+    /// sweeper thread calls it every [`SWEEP_INTERVAL_MS`]; the simulator after its steps.
+    pub fn sweep_disconnects(&self) -> usize {
+        let closes = std::mem::take(&mut *self.state.disconnects.closes.lock());
+        for (identity, closed_ms) in closes {
+            let (sessions, instances) = self.forget_connection(&identity, closed_ms);
+            tracing::info!(
+                client = %ClientId::new(&identity, None),
+                sessions_ended = sessions,
+                instances_counting_down = instances,
+                grace_ms = self.disconnect_grace_ms(),
+                "LMCache client connection closed"
+            );
+        }
+        self.release_disconnected()
+    }
+
+    /// Called after every request of `client`: when its connection closed while the request
+    /// was queued or running, what the request created for it (a session, a registration)
+    /// goes the way of the rest. (Paired with [`LmFrontend::connection_closed`], which marks the
+    /// connection closed before it looks: one of the two sees what the request created.)
+    pub(super) fn after_request(&self, client: &ClientId) {
+        let closed_ms = self
+            .state
+            .disconnects
+            .conns
+            .read()
+            .closed
+            .get(client.identity())
+            .copied();
+        if let Some(at) = closed_ms {
+            self.forget_connection(client.identity(), at);
+        }
+    }
+
+    /// Ends the sessions and drops the per-request state of the clients with routing id
+    /// `identity`, and starts the countdown of the instances they own; returns (sessions
+    /// ended, countdowns started). Idempotent.
+    fn forget_connection(&self, identity: &[u8], closed_ms: u64) -> (usize, usize) {
+        let s = &self.state;
+        let sessions = s.sessions.lock().identity_gone(identity);
+        s.prefetch.lock().remove_identity(identity);
+        s.hashes.lock().remove_identity(identity);
+        let n = sessions.len();
+        for (client, request_id, _) in sessions {
+            s.disconnects
+                .counters
+                .sessions_ended
+                .fetch_add(1, Ordering::Relaxed);
+            self.call(Request::EndSession {
+                request_id: session_name(&client, &request_id),
+            });
+        }
+        let owned: Vec<(u64, Owner)> = s
+            .owners
+            .lock()
+            .iter()
+            .filter(|(_, o)| o.client.identity() == identity)
+            .map(|(id, o)| (*id, o.clone()))
+            .collect();
+        let mut started = 0;
+        for (id, owner) in owned {
+            let Some(inst) = self.ctx.instances.get(id) else {
+                continue;
+            };
+            if inst.generation == owner.generation
+                && self.start_countdown(&inst, owner.client, closed_ms)
+            {
+                started += 1;
+            }
+        }
+        (n, started)
+    }
+
+    /// Starts the countdown of `inst` whose owner `owner` is gone (kept if already running for
+    /// the same owner); whether one runs now.
+    /// (`closed_ms`: when the close was seen, where the countdown starts).
+    fn start_countdown(&self, inst: &Instance, owner: ClientId, closed_ms: u64) -> bool {
+        let now = closed_ms;
+        let wait = if inst.pinged.load(Ordering::Relaxed) {
+            self.disconnect_grace_ms()
+        } else {
+            self.unproven_grace_ms()
+        };
+        let mut cd = self.state.disconnects.countdowns.lock();
+        let same = cd
+            .get(&inst.id)
+            .is_some_and(|c| c.generation == inst.generation && c.owner == owner);
+        if !same {
+            cd.insert(
+                inst.id,
+                Countdown {
+                    generation: inst.generation,
+                    owner,
+                    closed_ms: now,
+                    due_ms: now.saturating_add(wait),
+                },
+            );
+        }
+        true
+    }
+
+    /// `client` asks for `inst`, which another connection owns: when that owner's connection
+    /// closed (its countdown runs, or the close is not processed yet), and `client` is of the
+    /// same user (and open), `client` becomes the owner under a new pairing epoch and the
+    /// countdown ends. Whether it did.
+    pub(super) fn adopt_orphan(&self, client: &ClientId, inst: &Instance) -> bool {
+        let s = &self.state;
+        let d = &s.disconnects;
+        let orphaned = |o: &Owner| {
+            o.generation == inst.generation
+                && o.client != *client
+                && o.client.same_user(client)
+                && d.is_closed(o.client.identity())
+        };
+        let candidate = s.owners.lock().get(&inst.id).is_some_and(orphaned);
+        if !candidate || d.is_closed(client.identity()) {
+            return false;
+        }
+        // Lock order: pending, owners, countdowns (as REGISTER and the release hook).
+        let mut pending = s.pending.lock();
+        let mut owners = s.owners.lock();
+        let mut cd = d.countdowns.lock();
+        let previous = match owners.get(&inst.id) {
+            Some(o) if orphaned(o) && !inst.is_released() => o.client.clone(),
+            _ => return false,
+        };
+        cd.remove(&inst.id);
+        pending.new_epoch(inst.id, inst.generation);
+        owners.insert(
+            inst.id,
+            Owner {
+                client: client.clone(),
+                generation: inst.generation,
+            },
+        );
+        drop((pending, owners, cd));
+        d.counters.adoptions.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            instance = inst.id,
+            %client,
+            %previous,
+            "LMCache instance used over a new connection of the same user after its owner's \
+             connection closed: the countdown is cancelled and the new connection owns it"
+        );
+        true
+    }
+
+    /// Releases the instances whose countdown ended; returns how many.
+    fn release_disconnected(&self) -> usize {
+        let s = &self.state;
+        let now = self.ctx.now_ms();
+        let due: Vec<u64> = s
+            .disconnects
+            .countdowns
+            .lock()
+            .iter()
+            .filter(|(_, c)| c.due_ms <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut released = 0;
+        for id in due {
+            let inst = self.ctx.instances.get(id);
+            // Marked released under the owners lock, so no adoption can slip in between the
+            // check and the release.
+            let marked = {
+                let owners = s.owners.lock();
+                let mut cd = s.disconnects.countdowns.lock();
+                match cd.get(&id) {
+                    Some(c) if c.due_ms <= now => {}
+                    _ => continue,
+                }
+                let c = cd.remove(&id).expect("checked");
+                inst.filter(|i| {
+                    i.generation == c.generation
+                        && owners
+                            .get(&id)
+                            .is_some_and(|o| o.client == c.owner && o.generation == c.generation)
+                        && i.mark_released()
+                })
+                .map(|i| (i, c))
+            };
+            let Some((inst, c)) = marked else {
+                continue;
+            };
+            let r = self.ctx.finish_release(&inst, "disconnected");
+            self.ctx
+                .counters
+                .disconnected
+                .fetch_add(1, Ordering::Relaxed);
+            s.disconnects
+                .counters
+                .releases
+                .fetch_add(1, Ordering::Relaxed);
+            released += 1;
+            tracing::info!(
+                instance = id,
+                client = %c.owner,
+                after_close_ms = self.ctx.now_ms().saturating_sub(c.closed_ms),
+                freed_writes = r.writes,
+                released_reads = r.reads,
+                "LMCache instance released: its client's connection closed"
+            );
+        }
+        released
+    }
+
+    /// The status report's `disconnect` part of `lmcache`.
+    pub(super) fn disconnect_status(state: &super::State, unproven_ms: u64) -> serde_json::Value {
+        let d = &state.disconnects;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let notify = match &*d.notify.lock() {
+            Notify::Detached => "off: no ZMQ endpoint".to_owned(),
+            Notify::On => "on".to_owned(),
+            Notify::Off(why) => format!("off: {why}"),
+        };
+        let c = &d.counters;
+        serde_json::json!({
+            "notifications": notify,
+            "grace_seconds": state.limits.worker_disconnect_grace_ms as f64 / 1000.0,
+            "unproven_grace_seconds": unproven_ms as f64 / 1000.0,
+            "open_connections": d.conns.read().open.len(),
+            "opened": n(&c.opened),
+            "closed": n(&c.closed),
+            "untracked": n(&c.untracked),
+            "counting_down": d.countdowns.lock().len(),
+            "releases": n(&c.releases),
+            "adoptions": n(&c.adoptions),
+            "sessions_ended": n(&c.sessions_ended),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_ids_are_forgotten_by_age_and_count() {
+        let mut c = Connections::default();
+        for i in 0..3u8 {
+            let id: Arc<[u8]> = vec![i].into();
+            c.closed.insert(id.clone(), u64::from(i));
+            c.closed_order.push_back((id, u64::from(i)));
+        }
+        c.forget_old(10, CLOSED_MEMORY_MS);
+        assert_eq!(c.closed.len(), 3);
+        c.forget_old(CLOSED_MEMORY_MS + 1, CLOSED_MEMORY_MS);
+        assert_eq!(c.closed.len(), 1, "ids 0 and 1 aged out");
+        assert!(c.closed.contains_key(&[2u8][..]));
+        assert_eq!(c.closed_order.len(), 1);
+    }
+}
