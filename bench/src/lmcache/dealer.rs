@@ -123,6 +123,7 @@ pub fn key(model: &str, tokens: &[u32], worker: Option<u32>, request_id: &str) -
             end: tokens.len() as u64,
             request_id: request_id.into(),
             cache_salt: String::new(),
+            num_kv_readers: 1,
         },
         true,
     )
