@@ -278,6 +278,60 @@ fn huge_heads_slow_clients_and_floods_hang_neither_the_endpoint_nor_the_node() {
     node.client().noop().unwrap();
 }
 
+/// Review finding (issue 12): about 30 idle connections, re-opened as the server closed them,
+/// kept every worker and the waiting room full, so no scrape got through. Heads are now
+/// collected under `poll` for many connections at once, and the oldest idle one makes room:
+/// scrapes succeed while someone holds more idle connections than there are slots.
+#[test]
+fn idle_connections_held_open_do_not_starve_scrapes() {
+    let node = NodeProc::start("metrics-idle", &["--metrics-addr", "127.0.0.1:0"]);
+    let addr = logged_metrics_addr(|| node.log());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            // More idle connections than the pending slots, re-opened as they close.
+            let want = kvnode::metrics::http::HTTP_PENDING + 32;
+            let mut idle: Vec<TcpStream> = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // Drop the ones the server closed (EOF or reset); keep the open ones.
+                idle.retain(|s| {
+                    let mut b = [0u8; 1];
+                    s.set_nonblocking(true).unwrap();
+                    match (&*s).read(&mut b) {
+                        Ok(0) => false,
+                        Ok(_) => true,
+                        Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+                    }
+                });
+                while idle.len() < want {
+                    match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+                        Ok(s) => idle.push(s),
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    // Let the holder fill every slot first.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut ok = 0;
+    for _ in 0..10 {
+        if let Ok((200, body)) = http(addr, b"GET /metrics HTTP/1.1\r\n\r\n") {
+            Exposition::parse(&body).unwrap();
+            ok += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    holder.join().unwrap();
+    assert!(
+        ok >= 8,
+        "only {ok} of 10 scrapes were answered while idle connections were held"
+    );
+    node.client().noop().unwrap();
+}
+
 #[test]
 fn disable_metrics_leaves_nothing_listening() {
     let port = lm::free_port();

@@ -1,17 +1,21 @@
 //! A tiny, bounded HTTP/1.x responder for `GET /metrics` (and `HEAD`): anything else gets a
 //! plain 404, 405 or 400, and every connection is closed after one answer.
 //!
-//! Bounds, so the metrics port cannot be used to exhaust the node: [`HTTP_WORKERS`] threads
-//! serve one connection each; at most [`HTTP_WAITING`] accepted connections wait for them
-//! (beyond, a new connection is closed at once, unanswered); a request's head must arrive
-//! within [`HTTP_HEAD_BYTES`] (else 431) and the whole exchange, reading the head and writing
-//! the answer, within [`HTTP_DEADLINE`] of the accept (else the connection is closed). A
-//! request body is never read. Memory: at most `HTTP_WORKERS` heads and answers at once.
+//! Bounds, so the metrics port cannot be used to exhaust the node or to starve scrapes: one
+//! thread accepts and collects request heads for up to [`HTTP_PENDING`] connections at once,
+//! with non-blocking reads under `poll` (an idle connection costs a slot, never a thread); a
+//! head must arrive within [`HTTP_HEAD_DEADLINE`] of the accept and within [`HTTP_HEAD_BYTES`]
+//! (else 431); when every slot is taken, the oldest connection still sending its head is
+//! closed for the new one, so a scraper, whose head arrives at once, gets through even while
+//! someone holds idle connections open. Complete heads go to [`HTTP_WORKERS`] threads (at most
+//! [`HTTP_WAITING`] wait for them; beyond, the connection is closed unanswered), which write the
+//! answer within [`HTTP_DEADLINE`] of the accept. A request body is never read. Memory: at most
+//! `HTTP_PENDING` heads of `HTTP_HEAD_BYTES`, and `HTTP_WORKERS` answers at once.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,6 +26,10 @@ pub const HTTP_WORKERS: usize = 2;
 pub const HTTP_WAITING: usize = 16;
 /// Most bytes of a request's head (request line and headers).
 pub const HTTP_HEAD_BYTES: usize = 8 << 10;
+/// Connections whose head is still arriving, at most (the oldest is closed for a new one).
+pub const HTTP_PENDING: usize = 128;
+/// Longest a request's head may take to arrive, from the accept.
+pub const HTTP_HEAD_DEADLINE: Duration = Duration::from_secs(2);
 /// Longest one connection may take, from accept to the last byte of its answer.
 pub const HTTP_DEADLINE: Duration = Duration::from_secs(5);
 /// How often idle threads look at the stop flag.
@@ -43,7 +51,7 @@ impl HttpServer {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = sync_channel::<(TcpStream, Instant)>(HTTP_WAITING);
+        let (tx, rx) = sync_channel::<Ready>(HTTP_WAITING);
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::new();
         for i in 0..HTTP_WORKERS {
@@ -92,36 +100,96 @@ impl Drop for HttpServer {
     }
 }
 
-fn accept_loop(listener: &TcpListener, tx: &SyncSender<(TcpStream, Instant)>, stop: &AtomicBool) {
+/// A connection whose request head is still arriving.
+struct Pending {
+    stream: TcpStream,
+    accepted: Instant,
+    head: Vec<u8>,
+}
+
+/// A connection handed to a worker: its head (`None`: over [`HTTP_HEAD_BYTES`]) and when it was
+/// accepted.
+type Ready = (TcpStream, Option<Vec<u8>>, Instant);
+
+fn accept_loop(listener: &TcpListener, tx: &SyncSender<Ready>, stop: &AtomicBool) {
     let timeout = rustix::event::Timespec {
         tv_sec: 0,
         tv_nsec: STOP_POLL.as_nanos() as _,
     };
+    let mut pending: std::collections::VecDeque<Pending> = std::collections::VecDeque::new();
     let mut dropped = 0u64;
+    let mut note_drop = |why: &str| {
+        dropped += 1;
+        if dropped.is_power_of_two() {
+            tracing::warn!(dropped, why, "metrics endpoint busy: closing connections");
+        }
+    };
     while !stop.load(Ordering::Acquire) {
-        let mut fds = [rustix::event::PollFd::new(
-            listener,
-            rustix::event::PollFlags::IN,
-        )];
-        if rustix::event::poll(&mut fds, Some(&timeout)).unwrap_or(0) == 0 {
+        let (listener_ready, readable) = {
+            let mut fds = Vec::with_capacity(pending.len() + 1);
+            fds.push(rustix::event::PollFd::new(
+                listener,
+                rustix::event::PollFlags::IN,
+            ));
+            for p in &pending {
+                fds.push(rustix::event::PollFd::new(
+                    &p.stream,
+                    rustix::event::PollFlags::IN,
+                ));
+            }
+            let _ = rustix::event::poll(&mut fds, Some(&timeout));
+            let ready = |f: &rustix::event::PollFd<'_>| !f.revents().is_empty();
+            let readable: Vec<bool> = fds[1..].iter().map(ready).collect();
+            (ready(&fds[0]), readable)
+        };
+        // Heads that arrived (or connections that broke), then the expired ones.
+        let now = Instant::now();
+        let mut keep = std::collections::VecDeque::with_capacity(pending.len());
+        for (mut p, ready) in pending.drain(..).zip(readable) {
+            if ready {
+                match read_available(&mut p) {
+                    HeadState::Complete => {
+                        let head = std::mem::take(&mut p.head);
+                        if tx.try_send((p.stream, Some(head), p.accepted)).is_err() {
+                            note_drop("workers busy");
+                        }
+                        continue;
+                    }
+                    HeadState::TooLarge => {
+                        if tx.try_send((p.stream, None, p.accepted)).is_err() {
+                            note_drop("workers busy");
+                        }
+                        continue;
+                    }
+                    HeadState::Closed => continue,
+                    HeadState::More => {}
+                }
+            }
+            if now.duration_since(p.accepted) < HTTP_HEAD_DEADLINE {
+                keep.push_back(p);
+            }
+        }
+        pending = keep;
+        if !listener_ready {
             continue;
         }
         loop {
             match listener.accept() {
-                Ok((stream, _)) => match tx.try_send((stream, Instant::now())) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                        // Closed unanswered: the workers are busy and enough connections wait.
-                        dropped += 1;
-                        if dropped.is_power_of_two() {
-                            tracing::warn!(
-                                dropped,
-                                waiting = HTTP_WAITING,
-                                "metrics endpoint busy: closing new connections unanswered"
-                            );
-                        }
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
                     }
-                },
+                    if pending.len() >= HTTP_PENDING {
+                        // The oldest head still arriving goes: a scraper sends its head at once.
+                        pending.pop_front();
+                        note_drop("too many connections sending their request head");
+                    }
+                    pending.push_back(Pending {
+                        stream,
+                        accepted: Instant::now(),
+                        head: Vec::new(),
+                    });
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     // E.g. EMFILE: the node's descriptors are short; back off for a poll round.
@@ -134,14 +202,52 @@ fn accept_loop(listener: &TcpListener, tx: &SyncSender<(TcpStream, Instant)>, st
     }
 }
 
-fn work(rx: &Mutex<Receiver<(TcpStream, Instant)>>, stop: &AtomicBool, render: &Render) {
+/// Where a pending connection's head stands after reading what arrived.
+enum HeadState {
+    Complete,
+    TooLarge,
+    Closed,
+    More,
+}
+
+/// Reads what arrived on `p` without blocking.
+fn read_available(p: &mut Pending) -> HeadState {
+    let mut buf = [0u8; 1024];
+    loop {
+        match p.stream.read(&mut buf) {
+            Ok(0) => return HeadState::Closed,
+            Ok(n) => {
+                let before = p.head.len();
+                p.head.extend_from_slice(&buf[..n]);
+                // The blank line may straddle two reads: look back a few bytes.
+                let end = p.head[before.saturating_sub(3)..]
+                    .windows(4)
+                    .any(|w| w == b"\r\n\r\n")
+                    || p.head[before.saturating_sub(1)..]
+                        .windows(2)
+                        .any(|w| w == b"\n\n");
+                if end {
+                    return HeadState::Complete;
+                }
+                if p.head.len() > HTTP_HEAD_BYTES {
+                    return HeadState::TooLarge;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return HeadState::More,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return HeadState::Closed,
+        }
+    }
+}
+
+fn work(rx: &Mutex<Receiver<Ready>>, stop: &AtomicBool, render: &Render) {
     while !stop.load(Ordering::Acquire) {
         let next = {
             let Ok(rx) = rx.lock() else { return };
             rx.recv_timeout(STOP_POLL)
         };
         match next {
-            Ok((stream, accepted)) => serve(stream, accepted + HTTP_DEADLINE, render),
+            Ok((stream, head, accepted)) => serve(stream, head, accepted + HTTP_DEADLINE, render),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
@@ -183,42 +289,13 @@ fn parse(head: &[u8]) -> Ask {
     }
 }
 
-/// Reads the request head until its blank line. `Ok(None)`: over [`HTTP_HEAD_BYTES`].
-fn read_head(stream: &mut TcpStream, deadline: Instant) -> std::io::Result<Option<Vec<u8>>> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(left))?;
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        let before = head.len();
-        head.extend_from_slice(&buf[..n]);
-        // The blank line may straddle two reads: look back a few bytes.
-        let end = head[before.saturating_sub(3)..]
-            .windows(4)
-            .any(|w| w == b"\r\n\r\n")
-            || head[before.saturating_sub(1)..]
-                .windows(2)
-                .any(|w| w == b"\n\n");
-        if end {
-            return Ok(Some(head));
-        }
-        if head.len() > HTTP_HEAD_BYTES {
-            return Ok(None);
-        }
+fn serve(mut stream: TcpStream, head: Option<Vec<u8>>, deadline: Instant, render: &Render) {
+    if stream.set_nonblocking(false).is_err() {
+        return;
     }
-}
-
-fn serve(mut stream: TcpStream, deadline: Instant, render: &Render) {
-    let ask = match read_head(&mut stream, deadline) {
-        Ok(Some(head)) => parse(&head),
-        Ok(None) => {
+    let ask = match head {
+        Some(head) => parse(&head),
+        None => {
             answer(
                 &mut stream,
                 deadline,
@@ -229,8 +306,6 @@ fn serve(mut stream: TcpStream, deadline: Instant, render: &Render) {
             );
             return;
         }
-        // Too slow, gone or broken: close without a word.
-        Err(_) => return,
     };
     match ask {
         Ask::Metrics { head_only } => {
