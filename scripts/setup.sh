@@ -49,6 +49,12 @@ dev_shm_huge() {
 }
 reserve_hugepages() { # N
   local want=$1 have
+  case "$want" in
+    ''|*[!0-9]*) log "hugepage count '$want' is not a whole number of 2 MiB pages"; exit 2 ;;
+  esac
+  if [ "${#want}" -gt 7 ]; then
+    log "hugepage count $want is more than 9999999 pages (about 19 TiB)"; exit 2
+  fi
   have=$(cat "$NR")
   if [ "$have" -ge "$want" ]; then
     log "2 MiB hugepages already reserved: $have (asked for $want)"
@@ -141,6 +147,9 @@ done
 # 3. Hugepages for the pool (root only; the node itself never needs root). Recorded, so that
 # `scripts/setup.sh --undo-hugepages` restores the value from before.
 want=${KVNODE_HUGEPAGES:-640}
+case "$want" in
+  ''|*[!0-9]*) log "KVNODE_HUGEPAGES='$want' is not a whole number of 2 MiB pages"; exit 2 ;;
+esac
 if [ "$want" -gt 0 ] && [ -w "$NR" ]; then
   reserve_hugepages "$want"
 else
