@@ -101,6 +101,12 @@ pub struct PoolOptions {
     /// unlinked first) instead of a memfd; unlinked when the pool drops.
     /// Hugepages there: see [`SharedPool::create`].
     pub posix_shm_name: Option<String>,
+    /// Opt-in (default false): a root node may put a named segment on huge pages by
+    /// bind-mounting a private hugetlbfs / huge tmpfs file over `/dev/shm/<name>`. The mount is
+    /// seen only in the node's mount namespace (and those it propagates to): every client must
+    /// run there, or it opens an empty placeholder. Refused (with a warning, falling back) when
+    /// the node is not in PID 1's mount namespace. Ignored without `posix_shm_name`.
+    pub segment_bind_mount: bool,
     /// When set and raised (a signal during start-up), pre-faulting stops at the next 1 GiB and
     /// creation fails: a node asked to stop never spends minutes building a pool first.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -114,6 +120,7 @@ impl Default for PoolOptions {
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: None,
+            segment_bind_mount: false,
             cancel: None,
         }
     }
@@ -300,52 +307,66 @@ fn try_hugetlb(opts: &PoolOptions, name: &CString, backing: PoolBacking) -> HwRe
     finish(opts, region, fd, backing, None, "memfd (hugetlb)".into())
 }
 
+/// The way to hugepages for a named segment that needs neither root nor a shared mount
+/// namespace, and the opt-in that needs both, for messages.
+const HUGE_SEGMENT_HOWTO: &str = "for huge pages, remount /dev/shm with huge=within_size \
+     (scripts/setup.sh --shm-huge, host-wide, seen in every mount namespace sharing /dev/shm), or \
+     run a root node with --segment-bind-mount (every client must share the node's mount \
+     namespace)";
+
 fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> {
     let path = format!("{}/{shm_name}", sys::DEV_SHM);
-    let mut why_not: Vec<String> = Vec::new();
-    let hugetlb: &[HugeFs] = match opts.prefer {
-        PagePreference::Huge1G => &[HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
-        PagePreference::Huge2M => &[HugeFs::Hugetlb2M],
-        PagePreference::Thp | PagePreference::Pages4K => &[],
-    };
-    let mut candidates: Vec<HugeFs> = hugetlb.to_vec();
     let want_thp = opts.prefer != PagePreference::Pages4K;
     let dev_shm_thp = want_thp && sys::dev_shm_thp_active();
-    if want_thp && !dev_shm_thp {
-        if sys::shmem_thp_denied() {
-            why_not
-                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
-        } else {
-            candidates.push(HugeFs::HugeTmpfs);
-        }
-    }
-    for fs in candidates {
-        if fs == HugeFs::HugeTmpfs && !why_not.is_empty() {
-            tracing::warn!(
-                path,
-                why = why_not.join("; "),
-                "no hugetlb pages for the POSIX shm segment; trying transparent huge pages"
-            );
-        }
-        match prepare_huge(opts, fs) {
-            Ok((huge, region)) => return finish_mounted(opts, shm_name, &path, huge, region),
+    let mut why_not: Vec<String> = Vec::new();
+    // Taking the name first: a name held by a live node (or a foreign mount there) fails here,
+    // before any option; a dead node's mount is removed before pages are reserved.
+    let (mut seg, placeholder) = ShmSegment::create(shm_name)?;
+    // From here on `seg` unlinks the name again (and removes its mount) if anything fails.
+    let placeholder = File::from(placeholder);
+    for fs in mount_candidates(opts, want_thp, dev_shm_thp, &mut why_not) {
+        match try_mounted(opts, &mut seg, &placeholder, fs) {
+            Ok((huge, region)) => {
+                let backing = match huge.fs() {
+                    HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G,
+                    HugeFs::Hugetlb2M => PoolBacking::Hugetlb2M,
+                    HugeFs::HugeTmpfs => PoolBacking::Thp,
+                };
+                let detail = format!("private {} file bind-mounted at {path}", fs.describe());
+                return Ok(assemble(
+                    opts,
+                    region,
+                    huge.into_file(),
+                    backing,
+                    Some(seg),
+                    detail,
+                ));
+            }
             Err(e) if is_cancelled(opts) => return Err(e),
-            Err(e) => why_not.push(format!("{}: {e}", fs.describe())),
+            // Our own mount could not be removed: the name is not a plain segment any more.
+            Err(e) if seg.is_mounted() => return Err(e),
+            Err(e) => {
+                tracing::warn!(
+                    path,
+                    option = fs.describe(),
+                    error = %e,
+                    "bind-mounted hugepage segment unavailable, falling back"
+                );
+                why_not.push(format!("{}: {e}", fs.describe()));
+            }
         }
     }
     if want_thp && !dev_shm_thp && !sys::shmem_thp_denied() {
         why_not.push(format!(
-            "{} is a tmpfs without huge= (scripts/setup.sh --shm-huge remounts it)",
+            "{} is a tmpfs without huge= ({HUGE_SEGMENT_HOWTO})",
             sys::DEV_SHM
         ));
     }
-    let (seg, fd) = ShmSegment::create(shm_name)?;
-    // From here on `seg` unlinks the name again if anything fails.
     let len = round_up(opts.bytes, ALIGN_2M as u64).expect("bounded by MAX_POOL_BYTES");
-    let file = File::from(fd);
-    file.set_len(len)
+    placeholder
+        .set_len(len)
         .map_err(|e| HwError::os("ftruncate (posix shm)", e))?;
-    let fd = OwnedFd::from(file);
+    let fd = OwnedFd::from(placeholder);
     let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
     let backing = if dev_shm_thp {
         thp_or_4k(&region, true, true, "/dev/shm")
@@ -371,7 +392,7 @@ fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> 
                 path,
                 why,
                 "the POSIX shm segment is on 4 KiB pages: every first touch of a page in a \
-                 client's mapping faults (run scripts/setup.sh --hugepages as root)"
+                 client's mapping faults"
             );
         }
         format!("tmpfs {} (4 KiB pages: {why})", sys::DEV_SHM)
@@ -386,6 +407,67 @@ fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> 
         )
     };
     finish(opts, region, fd, backing, Some(seg), detail)
+}
+
+/// The bind-mounted file systems to try for a named segment, best first; why the others are
+/// not tried goes to `why_not`. None without the opt-in, or when the node is not in PID 1's
+/// mount namespace (its mount would be invisible to the host's clients: warned).
+fn mount_candidates(
+    opts: &PoolOptions,
+    want_thp: bool,
+    dev_shm_thp: bool,
+    why_not: &mut Vec<String>,
+) -> Vec<HugeFs> {
+    if !opts.segment_bind_mount {
+        return Vec::new();
+    }
+    let refused = match sys::in_init_mount_namespace() {
+        Ok(true) => None,
+        Ok(false) => Some("the node is not in PID 1's mount namespace".to_owned()),
+        Err(e) => Some(format!(
+            "cannot tell whether the node is in PID 1's mount namespace ({e})"
+        )),
+    };
+    if let Some(why) = refused {
+        tracing::warn!(
+            why,
+            "--segment-bind-mount refused: the bind mount would be seen only in the node's own \
+             mount namespace, and clients elsewhere would open an empty placeholder; falling back"
+        );
+        why_not.push(format!("--segment-bind-mount refused: {why}"));
+        return Vec::new();
+    }
+    let mut candidates: Vec<HugeFs> = match opts.prefer {
+        PagePreference::Huge1G => vec![HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
+        PagePreference::Huge2M => vec![HugeFs::Hugetlb2M],
+        PagePreference::Thp | PagePreference::Pages4K => vec![],
+    };
+    if want_thp && !dev_shm_thp {
+        if sys::shmem_thp_denied() {
+            why_not
+                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
+        } else {
+            candidates.push(HugeFs::HugeTmpfs);
+        }
+    }
+    candidates
+}
+
+/// One mount-based option: a private hugepage file of the pool's size, mapped, pre-faulted
+/// (when asked) and bind-mounted over `seg`. On failure nothing of it is left: the file system
+/// instance goes with `huge`, and `mount_over` undoes its own steps.
+fn try_mounted(
+    opts: &PoolOptions,
+    seg: &mut ShmSegment,
+    placeholder: &File,
+    fs: HugeFs,
+) -> HwResult<(PrivateHugeFile, PoolRegion)> {
+    let (huge, region) = prepare_huge(opts, fs)?;
+    if opts.prefault {
+        region.prefault_fresh(opts.cancel.as_deref())?;
+    }
+    seg.mount_over(&huge, placeholder)?;
+    Ok((huge, region))
 }
 
 /// A private hugepage file of the pool's size, mapped (for hugetlb this reserves the pages, so
@@ -421,27 +503,6 @@ fn prepare_huge(opts: &PoolOptions, fs: HugeFs) -> HwResult<(PrivateHugeFile, Po
     Ok((huge, region))
 }
 
-/// Exposes `huge` at the segment's name and finishes the pool on it.
-fn finish_mounted(
-    opts: &PoolOptions,
-    shm_name: &str,
-    path: &str,
-    huge: PrivateHugeFile,
-    region: PoolRegion,
-) -> HwResult<SharedPool> {
-    let (seg, placeholder) = ShmSegment::create_over(shm_name, Some(&huge))?;
-    drop(placeholder);
-    let fs = huge.fs();
-    let backing = match fs {
-        HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G,
-        HugeFs::Hugetlb2M => PoolBacking::Hugetlb2M,
-        HugeFs::HugeTmpfs => PoolBacking::Thp,
-    };
-    let fd = huge.into_file();
-    let detail = format!("private {} file bind-mounted at {path}", fs.describe());
-    finish(opts, region, fd, backing, Some(seg), detail)
-}
-
 /// Applies the THP advice to a shmem mapping and decides Thp vs Pages4K.
 fn thp_or_4k(region: &PoolRegion, want_thp: bool, active: bool, what: &str) -> PoolBacking {
     if !want_thp {
@@ -465,6 +526,7 @@ fn thp_or_4k(region: &PoolRegion, want_thp: bool, active: bool, what: &str) -> P
     }
 }
 
+/// Pre-faults the pool (when asked), then [`assemble`]s it.
 fn finish(
     opts: &PoolOptions,
     region: PoolRegion,
@@ -473,24 +535,38 @@ fn finish(
     shm: Option<ShmSegment>,
     detail: String,
 ) -> HwResult<SharedPool> {
+    if opts.prefault {
+        region.prefault_fresh(opts.cancel.as_deref())?;
+    }
+    Ok(assemble(opts, region, fd, backing, shm, detail))
+}
+
+/// The pool on `region` (already pre-faulted when `opts.prefault`), its backing verified.
+fn assemble(
+    opts: &PoolOptions,
+    region: PoolRegion,
+    fd: OwnedFd,
+    backing: PoolBacking,
+    shm: Option<ShmSegment>,
+    detail: String,
+) -> SharedPool {
     if !opts.prefault {
-        return Ok(SharedPool {
+        return SharedPool {
             region,
             fd,
             backing,
             detail: format!("{detail}; pages not verified (not pre-faulted)"),
             shm,
-        });
+        };
     }
-    region.prefault_fresh(opts.cancel.as_deref())?;
     let (backing, detail) = verify_backing(&region, backing, detail);
-    Ok(SharedPool {
+    SharedPool {
         region,
         fd,
         backing,
         detail,
         shm,
-    })
+    }
 }
 
 /// Checks in the node's own `/proc/self/smaps` what really backs the freshly pre-faulted
