@@ -421,6 +421,22 @@ fn mount_candidates(
     if !opts.segment_bind_mount {
         return Vec::new();
     }
+    let mut candidates: Vec<HugeFs> = match opts.prefer {
+        PagePreference::Huge1G => vec![HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
+        PagePreference::Huge2M => vec![HugeFs::Hugetlb2M],
+        PagePreference::Thp | PagePreference::Pages4K => vec![],
+    };
+    if want_thp && !dev_shm_thp {
+        if sys::shmem_thp_denied() {
+            why_not
+                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
+        } else {
+            candidates.push(HugeFs::HugeTmpfs);
+        }
+    }
+    if candidates.is_empty() {
+        return candidates;
+    }
     let refused = match sys::in_init_mount_namespace() {
         Ok(true) => None,
         Ok(false) => Some("the node is not in PID 1's mount namespace".to_owned()),
@@ -436,19 +452,6 @@ fn mount_candidates(
         );
         why_not.push(format!("--segment-bind-mount refused: {why}"));
         return Vec::new();
-    }
-    let mut candidates: Vec<HugeFs> = match opts.prefer {
-        PagePreference::Huge1G => vec![HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
-        PagePreference::Huge2M => vec![HugeFs::Hugetlb2M],
-        PagePreference::Thp | PagePreference::Pages4K => vec![],
-    };
-    if want_thp && !dev_shm_thp {
-        if sys::shmem_thp_denied() {
-            why_not
-                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
-        } else {
-            candidates.push(HugeFs::HugeTmpfs);
-        }
     }
     candidates
 }

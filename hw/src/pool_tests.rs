@@ -563,7 +563,8 @@ fn with_hugepages_lock<R>(f: impl FnOnce() -> R) -> R {
             .ok()
     });
     if let Some(file) = &file {
-        if let Err(e) = file.lock() {
+        // Bounded: another test process holds it only around one read-modify-write.
+        if let Err(e) = crate::lock_exclusive(file, std::time::Duration::from_secs(600)) {
             eprintln!("cannot lock the hugepage lock file: {e}");
         }
     }

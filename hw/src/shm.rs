@@ -85,6 +85,11 @@ const LOCK_SUFFIX: &str = ".lock";
 /// How a lock file records the bind mount its node made at the segment's path: this prefix,
 /// then the mount's token (see [`crate::segment_mount`]). An empty lock file records none.
 const MARKER_PREFIX: &str = "kvnode-segment-mount ";
+/// The mode of a segment file the node created (and of the placeholder once no mount covers it).
+const SEGMENT_MODE: u32 = 0o600;
+/// The mode of the placeholder while a bind mount covers it: a non-root client of a mount
+/// namespace without the mount gets `EACCES` instead of an empty file (root is not stopped).
+const MOUNTED_PLACEHOLDER_MODE: u32 = 0o000;
 /// The most of a lock file read when looking for the mount record.
 const MAX_MARKER_BYTES: u64 = 256;
 
@@ -358,7 +363,7 @@ impl ShmSegment {
     ) -> HwResult<()> {
         let path = segment_path(&self.name);
         placeholder
-            .set_permissions(std::fs::Permissions::from_mode(0))
+            .set_permissions(std::fs::Permissions::from_mode(MOUNTED_PLACEHOLDER_MODE))
             .map_err(|e| HwError::os_path("fchmod (placeholder)", &path, e))?;
         let res = self.with_lock(|l| l.write_marker(huge.token()));
         let res = res.and_then(|()| {
@@ -379,7 +384,7 @@ impl ShmSegment {
         }) {
             tracing::debug!(error = %e, "no lock to clear the mount record in");
         }
-        if let Err(e) = placeholder.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+        if let Err(e) = placeholder.set_permissions(std::fs::Permissions::from_mode(SEGMENT_MODE)) {
             tracing::warn!(path, error = %e, "could not give the segment its mode 0600 back");
         }
         Err(e)
