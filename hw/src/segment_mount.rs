@@ -11,8 +11,11 @@
 //! while the mount exists: a node restarting after a crash unmounts a mount at the path only
 //! when both agree (see [`recover_stale`]), so it never touches a mount it did not make.
 //!
-//! Mounting needs `CAP_SYS_ADMIN` (root); without it [`PrivateHugeFile::create`] fails with
-//! `EPERM` and the pool falls back.
+//! Used only when the node opted in (`PoolOptions::segment_bind_mount`) and runs in PID 1's
+//! mount namespace: the mount is seen only in the node's mount namespace (and those it
+//! propagates to), so a client elsewhere would open the empty placeholder. Mounting needs
+//! `CAP_SYS_ADMIN` (root); without it [`PrivateHugeFile::create`] fails with `EPERM`, and any
+//! failure here makes the pool fall back to the next option.
 
 use std::ffi::CString;
 use std::fs::File;

@@ -261,8 +261,8 @@ fn not_a_lock_file(path: &str, segment: &str, what: &str) -> HwError {
 }
 
 /// A named segment this process created. Invariant: while `lock` holds the name's lock file,
-/// `/dev/shm/<name>` was created by us (`O_EXCL`, under that lock) with mode 0600, with device
-/// and inode (`dev`, `ino`). [`ShmSegment::unlink_if_ours`] (also on drop) unlinks the name if
+/// `/dev/shm/<name>` was created by us (`O_EXCL`, under that lock) with mode 0600 (0000 while
+/// a bind mount of ours covers it), with device and inode (`dev`, `ino`). [`ShmSegment::unlink_if_ours`] (also on drop) unlinks the name if
 /// it still refers to that inode and then releases the lock.
 #[derive(Debug)]
 pub(crate) struct ShmSegment {
