@@ -2,9 +2,10 @@
 # The LMCache segment's page backing, measured with LMCache's own engine-driven SHM client
 # (shared/peer/lmcache_driver.py): for each backing `kvnode lmcache-server` can give its segment
 #   4k          --pages 4k: 4 KiB pages of /dev/shm (what a node without root gets)
-#   thp         --pages thp: a private huge=within_size tmpfs file bind-mounted at the name (root;
-#               the same pages as /dev/shm remounted huge=within_size)
-#   hugetlb-2m  --pages 2m with 2 MiB hugepages reserved for the run (root)
+#   thp         --pages thp --segment-bind-mount: a private huge=within_size tmpfs file
+#               bind-mounted at the name (root; the same pages as /dev/shm remounted
+#               huge=within_size)
+#   hugetlb-2m  --pages 2m --segment-bind-mount with 2 MiB hugepages reserved for the run (root)
 # it prints store and retrieve GB/s end to end, the client's copy into / out of the segment,
 # and, in the same run, the client's own memcpy (torch copy_ between two private, pre-touched
 # buffers of one chunk's size): the ceiling a copy into the segment could reach.
@@ -12,6 +13,8 @@
 #
 # Usage: scripts/bench-segment.sh [--venv DIR] [--reps N] [--modes "4k thp hugetlb-2m"]
 # Root only for thp and hugetlb-2m; the hugepages it reserves are taken off again at exit.
+# Each run uses a free port, its own segment name and socket, no metrics endpoint, and writes
+# to target/bench-segment/run-<pid>, so that runs in parallel do not collide.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -36,9 +39,9 @@ done
 if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
 cargo build --release --locked -p kvnode >&2
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/kvnode"
-OUT=$ROOT/target/bench-segment
+OUT=$ROOT/target/bench-segment/run-$$
 mkdir -p "$OUT"
-PORT=5591
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 SOCK=$OUT/native.sock
 NR=/proc/sys/vm/nr_hugepages
 ADDED=0
@@ -51,10 +54,10 @@ trap cleanup EXIT
 
 for mode in $MODES; do
   case $mode in
-    4k) pages=4k ;;
-    thp) pages=thp ;;
+    4k) pages=4k; mount_flag="" ;;
+    thp) pages=thp; mount_flag=--segment-bind-mount ;;
     hugetlb-2m)
-      pages=2m
+      pages=2m; mount_flag=--segment-bind-mount
       if [ "$ADDED" = 0 ] && [ -w $NR ]; then
         before=$(cat $NR); echo $(( before + 1040 )) > $NR; ADDED=$(( $(cat $NR) - before ))
       fi ;;
@@ -63,8 +66,8 @@ for mode in $MODES; do
   for r in $(seq 1 "$REPS"); do
     rm -f "$SOCK"
     taskset -c 0 "$BIN" lmcache-server --host 127.0.0.1 --port $PORT --chunk-size 256 \
-      --l1-size-gb 2 --shm-name "segbench$PORT" --supported-transfer-mode engine_driven \
-      --socket "$SOCK" --pages "$pages" > "$OUT/$mode.$r.server.log" 2>&1 &
+      --l1-size-gb 2 --shm-name "segbench$$" --supported-transfer-mode engine_driven \
+      --disable-metrics --socket "$SOCK" --pages "$pages" $mount_flag > "$OUT/$mode.$r.server.log" 2>&1 &
     PID=$!
     for _ in $(seq 1 600); do "$BIN" status --json --socket "$SOCK" > "$OUT/$mode.$r.status.json" 2>/dev/null && break; sleep 0.2; done
     taskset -c 1 "$PY" "$DRIVER" --url tcp://127.0.0.1:$PORT --clear --layers 32 --hidden 1024 \

@@ -127,6 +127,7 @@ pub fn memcpy_baseline(
         prefault: true,
         name: "kvnode-bench-memcpy".into(),
         posix_shm_name: None,
+        segment_bind_mount: false,
         cancel: None,
     })
     .map_err(|e| format!("memcpy baseline: creating the {total}-byte pool failed: {e}"))?;

@@ -117,6 +117,7 @@ impl RawFile {
             prefault: true,
             name: "kvnode-bench-raw".into(),
             posix_shm_name: None,
+            segment_bind_mount: false,
             cancel: None,
         })
         .map_err(|e| format!("raw baseline pool: {e}"))?;

@@ -20,6 +20,7 @@ fn pool(bytes: u64) -> Arc<SharedPool> {
             prefault: true,
             name: "kvnode-hw-block-test".into(),
             posix_shm_name: None,
+            segment_bind_mount: false,
             cancel: None,
         })
         .expect("pool"),

@@ -12,6 +12,7 @@ fn small_pool() -> SharedPool {
         prefault: false,
         name: "kvnode-hw-fdpass-test".into(),
         posix_shm_name: None,
+        segment_bind_mount: false,
         cancel: None,
     })
     .unwrap()

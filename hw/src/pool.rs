@@ -7,7 +7,6 @@ use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::error::{HwError, HwResult};
 use crate::region::{round_up, PoolRegion, ALIGN_2M};
-use crate::segment_mount::{HugeFs, PrivateHugeFile};
 use crate::shm::ShmSegment;
 use crate::sys;
 
@@ -101,6 +100,12 @@ pub struct PoolOptions {
     /// unlinked first) instead of a memfd; unlinked when the pool drops.
     /// Hugepages there: see [`SharedPool::create`].
     pub posix_shm_name: Option<String>,
+    /// Opt-in (default false): a root node may put a named segment on huge pages by
+    /// bind-mounting a private hugetlbfs / huge tmpfs file over `/dev/shm/<name>`. The mount is
+    /// seen only in the node's mount namespace (and those it propagates to): every client must
+    /// run there, or it opens an empty placeholder. Refused (with a warning, falling back) when
+    /// the node is not in PID 1's mount namespace. Ignored without `posix_shm_name`.
+    pub segment_bind_mount: bool,
     /// When set and raised (a signal during start-up), pre-faulting stops at the next 1 GiB and
     /// creation fails: a node asked to stop never spends minutes building a pool first.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -114,6 +119,7 @@ impl Default for PoolOptions {
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: None,
+            segment_bind_mount: false,
             cancel: None,
         }
     }
@@ -300,148 +306,6 @@ fn try_hugetlb(opts: &PoolOptions, name: &CString, backing: PoolBacking) -> HwRe
     finish(opts, region, fd, backing, None, "memfd (hugetlb)".into())
 }
 
-fn create_posix_shm(opts: &PoolOptions, shm_name: &str) -> HwResult<SharedPool> {
-    let path = format!("{}/{shm_name}", sys::DEV_SHM);
-    let mut why_not: Vec<String> = Vec::new();
-    let hugetlb: &[HugeFs] = match opts.prefer {
-        PagePreference::Huge1G => &[HugeFs::Hugetlb1G, HugeFs::Hugetlb2M],
-        PagePreference::Huge2M => &[HugeFs::Hugetlb2M],
-        PagePreference::Thp | PagePreference::Pages4K => &[],
-    };
-    let mut candidates: Vec<HugeFs> = hugetlb.to_vec();
-    let want_thp = opts.prefer != PagePreference::Pages4K;
-    let dev_shm_thp = want_thp && sys::dev_shm_thp_active();
-    if want_thp && !dev_shm_thp {
-        if sys::shmem_thp_denied() {
-            why_not
-                .push("shmem THP is disabled (transparent_hugepage/shmem_enabled = deny)".into());
-        } else {
-            candidates.push(HugeFs::HugeTmpfs);
-        }
-    }
-    for fs in candidates {
-        if fs == HugeFs::HugeTmpfs && !why_not.is_empty() {
-            tracing::warn!(
-                path,
-                why = why_not.join("; "),
-                "no hugetlb pages for the POSIX shm segment; trying transparent huge pages"
-            );
-        }
-        match prepare_huge(opts, fs) {
-            Ok((huge, region)) => return finish_mounted(opts, shm_name, &path, huge, region),
-            Err(e) if is_cancelled(opts) => return Err(e),
-            Err(e) => why_not.push(format!("{}: {e}", fs.describe())),
-        }
-    }
-    if want_thp && !dev_shm_thp && !sys::shmem_thp_denied() {
-        why_not.push(format!(
-            "{} is a tmpfs without huge= (scripts/setup.sh --shm-huge remounts it)",
-            sys::DEV_SHM
-        ));
-    }
-    let (seg, fd) = ShmSegment::create(shm_name)?;
-    // From here on `seg` unlinks the name again if anything fails.
-    let len = round_up(opts.bytes, ALIGN_2M as u64).expect("bounded by MAX_POOL_BYTES");
-    let file = File::from(fd);
-    file.set_len(len)
-        .map_err(|e| HwError::os("ftruncate (posix shm)", e))?;
-    let fd = OwnedFd::from(file);
-    let region = PoolRegion::map_shared(fd.as_fd(), len as usize, ALIGN_2M, len)?;
-    let backing = if dev_shm_thp {
-        thp_or_4k(&region, true, true, "/dev/shm")
-    } else {
-        let advice = if want_thp {
-            libc::MADV_HUGEPAGE
-        } else {
-            libc::MADV_NOHUGEPAGE
-        };
-        if let Err(e) = region.madvise(advice) {
-            tracing::debug!(error = %e, "madvise failed");
-        }
-        PoolBacking::Pages4K
-    };
-    let detail = if backing == PoolBacking::Pages4K {
-        let why = if want_thp {
-            why_not.join("; ")
-        } else {
-            "4k pages were asked for".to_owned()
-        };
-        if want_thp {
-            tracing::warn!(
-                path,
-                why,
-                "the POSIX shm segment is on 4 KiB pages: every first touch of a page in a \
-                 client's mapping faults (run scripts/setup.sh --hugepages as root)"
-            );
-        }
-        format!("tmpfs {} (4 KiB pages: {why})", sys::DEV_SHM)
-    } else {
-        format!(
-            "tmpfs {} huge={}",
-            sys::DEV_SHM,
-            std::fs::read_to_string("/proc/self/mounts")
-                .ok()
-                .and_then(|m| sys::dev_shm_huge_option(&m).map(str::to_owned))
-                .unwrap_or_else(|| "?".into())
-        )
-    };
-    finish(opts, region, fd, backing, Some(seg), detail)
-}
-
-/// A private hugepage file of the pool's size, mapped (for hugetlb this reserves the pages, so
-/// a shortage fails here, before anything is visible at the segment's name).
-fn prepare_huge(opts: &PoolOptions, fs: HugeFs) -> HwResult<(PrivateHugeFile, PoolRegion)> {
-    let page = match fs {
-        HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G.page_bytes(),
-        HugeFs::Hugetlb2M | HugeFs::HugeTmpfs => ALIGN_2M as u64,
-    };
-    let len = round_up(opts.bytes, page).expect("bounded by MAX_POOL_BYTES");
-    let huge = PrivateHugeFile::create(fs, len)?;
-    let region = match PoolRegion::map_shared(huge.file(), len as usize, page as usize, len) {
-        Ok(r) => r,
-        Err(e) if e.raw_os_error() == Some(libc::ENOMEM) && fs != HugeFs::HugeTmpfs => {
-            let dir = match fs {
-                HugeFs::Hugetlb1G => sys::HUGE_1G_DIR,
-                _ => sys::HUGE_2M_DIR,
-            };
-            return Err(HwError::Invalid(format!(
-                "not enough free hugetlb pages: the pool needs {}, {} are free and unreserved \
-                 (raise {dir}/nr_hugepages, e.g. scripts/setup.sh --hugepages)",
-                len / page,
-                sys::hugepages_available(dir).unwrap_or(0)
-            )));
-        }
-        Err(e) => return Err(e),
-    };
-    if fs == HugeFs::HugeTmpfs {
-        if let Err(e) = region.madvise(libc::MADV_HUGEPAGE) {
-            tracing::debug!(error = %e, "madvise(MADV_HUGEPAGE) failed");
-        }
-    }
-    Ok((huge, region))
-}
-
-/// Exposes `huge` at the segment's name and finishes the pool on it.
-fn finish_mounted(
-    opts: &PoolOptions,
-    shm_name: &str,
-    path: &str,
-    huge: PrivateHugeFile,
-    region: PoolRegion,
-) -> HwResult<SharedPool> {
-    let (seg, placeholder) = ShmSegment::create_over(shm_name, Some(&huge))?;
-    drop(placeholder);
-    let fs = huge.fs();
-    let backing = match fs {
-        HugeFs::Hugetlb1G => PoolBacking::Hugetlb1G,
-        HugeFs::Hugetlb2M => PoolBacking::Hugetlb2M,
-        HugeFs::HugeTmpfs => PoolBacking::Thp,
-    };
-    let fd = huge.into_file();
-    let detail = format!("private {} file bind-mounted at {path}", fs.describe());
-    finish(opts, region, fd, backing, Some(seg), detail)
-}
-
 /// Applies the THP advice to a shmem mapping and decides Thp vs Pages4K.
 fn thp_or_4k(region: &PoolRegion, want_thp: bool, active: bool, what: &str) -> PoolBacking {
     if !want_thp {
@@ -465,6 +329,7 @@ fn thp_or_4k(region: &PoolRegion, want_thp: bool, active: bool, what: &str) -> P
     }
 }
 
+/// Pre-faults the pool (when asked), then [`assemble`]s it.
 fn finish(
     opts: &PoolOptions,
     region: PoolRegion,
@@ -473,24 +338,38 @@ fn finish(
     shm: Option<ShmSegment>,
     detail: String,
 ) -> HwResult<SharedPool> {
+    if opts.prefault {
+        region.prefault_fresh(opts.cancel.as_deref())?;
+    }
+    Ok(assemble(opts, region, fd, backing, shm, detail))
+}
+
+/// The pool on `region` (already pre-faulted when `opts.prefault`), its backing verified.
+fn assemble(
+    opts: &PoolOptions,
+    region: PoolRegion,
+    fd: OwnedFd,
+    backing: PoolBacking,
+    shm: Option<ShmSegment>,
+    detail: String,
+) -> SharedPool {
     if !opts.prefault {
-        return Ok(SharedPool {
+        return SharedPool {
             region,
             fd,
             backing,
             detail: format!("{detail}; pages not verified (not pre-faulted)"),
             shm,
-        });
+        };
     }
-    region.prefault_fresh(opts.cancel.as_deref())?;
     let (backing, detail) = verify_backing(&region, backing, detail);
-    Ok(SharedPool {
+    SharedPool {
         region,
         fd,
         backing,
         detail,
         shm,
-    })
+    }
 }
 
 /// Checks in the node's own `/proc/self/smaps` what really backs the freshly pre-faulted
@@ -558,6 +437,10 @@ fn memfd_create(name: &CString, flags: libc::c_uint) -> std::io::Result<OwnedFd>
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 }
+
+#[path = "pool_shm.rs"]
+mod shm_chain;
+use shm_chain::create_posix_shm;
 
 #[cfg(test)]
 #[path = "pool_tests.rs"]

@@ -12,6 +12,7 @@ fn opts(bytes: u64, prefer: PagePreference) -> PoolOptions {
         prefault: true,
         name: "kvnode-hw-test".into(),
         posix_shm_name: None,
+        segment_bind_mount: false,
         cancel: None,
     }
 }
@@ -305,7 +306,7 @@ fn posix_shm_pool() {
     o.posix_shm_name = Some(name.clone());
     let pool = SharedPool::create(&o).unwrap();
     assert!(
-        backing_as_expected(&pool, PagePreference::Huge2M, 3 * MIB),
+        backing_as_expected(&pool, PagePreference::Huge2M, 3 * MIB, false),
         "{:?}: {}",
         pool.backing(),
         pool.backing_detail()
@@ -381,7 +382,8 @@ fn posix_shm_drop_keeps_foreign_segment() {
     assert!(!std::path::Path::new(&path).exists());
 }
 
-/// Restores a sysfs/procfs knob on drop (also when the test panics).
+/// Restores a sysfs knob on drop (also when the test panics); not for `nr_hugepages`, which
+/// other processes change concurrently (see [`more_hugepages`]).
 struct Restore {
     path: &'static str,
     old: String,
@@ -397,19 +399,9 @@ impl Drop for Restore {
 
 #[test]
 fn hugetlb_2m_with_reserved_pages() {
-    const NR: &str = "/proc/sys/vm/nr_hugepages";
     let _g = hugepage_test_lock();
-    let Some(old) = sys::read_u64(NR) else {
-        eprintln!("skip: no {NR}");
+    let Some(_reservation) = more_hugepages(16) else {
         return;
-    };
-    if let Err(e) = std::fs::write(NR, format!("{}", old + 16)) {
-        eprintln!("skip: cannot raise nr_hugepages (not root?): {e}");
-        return;
-    }
-    let _restore = Restore {
-        path: NR,
-        old: old.to_string(),
     };
     let avail = sys::hugepages_available(sys::HUGE_2M_DIR).unwrap_or(0);
     if avail < 8 {
@@ -493,11 +485,12 @@ fn thp_when_shmem_thp_enabled() {
     assert_eq!(shmem_pmd_kb(p4.region().as_ptr() as usize).unwrap_or(0), 0);
 }
 
-/// The backings a POSIX shm pool may get here: hugetlb when root with enough free pages (the
-/// count may change under other processes, so 2M is only "possible"), THP from /dev/shm when
-/// it is mounted huge=, or from a private huge tmpfs when root, else 4k.
-fn expected_shm(prefer: PagePreference, bytes: u64) -> Vec<PoolBacking> {
-    let root = crate::peer::effective_uid() == 0;
+/// The backings a POSIX shm pool may get here: with the bind-mount opt-in, hugetlb when root
+/// with enough free pages (the count may change under other processes, so 2M is only
+/// "possible") or THP from a private huge tmpfs when root; THP from /dev/shm when it is
+/// mounted huge=; else 4k.
+fn expected_shm(prefer: PagePreference, bytes: u64, bind_mount: bool) -> Vec<PoolBacking> {
+    let root = bind_mount && crate::peer::effective_uid() == 0;
     let mut v = vec![];
     if root && prefer == PagePreference::Huge2M {
         let need = round_up(bytes, 2 * MIB).unwrap() / (2 * MIB);
@@ -518,8 +511,13 @@ fn expected_shm(prefer: PagePreference, bytes: u64) -> Vec<PoolBacking> {
 
 /// Whether `pool`'s backing is one [`expected_shm`] allows (or 4k because the kernel had no
 /// huge pages to give, which the detail then says).
-fn backing_as_expected(pool: &SharedPool, prefer: PagePreference, bytes: u64) -> bool {
-    expected_shm(prefer, bytes).contains(&pool.backing())
+fn backing_as_expected(
+    pool: &SharedPool,
+    prefer: PagePreference,
+    bytes: u64,
+    bind_mount: bool,
+) -> bool {
+    expected_shm(prefer, bytes, bind_mount).contains(&pool.backing())
         || (pool.backing() == PoolBacking::Pages4K
             && pool.backing_detail().contains("THP asked for but only"))
 }
@@ -543,24 +541,112 @@ impl Drop for MountGuard {
     }
 }
 
-/// Raises `nr_hugepages` by `more` for the test's duration; `None` (skip) when not root.
-fn more_hugepages(more: u64) -> Option<Restore> {
-    const NR: &str = "/proc/sys/vm/nr_hugepages";
-    let old = sys::read_u64(NR)?;
-    if let Err(e) = std::fs::write(NR, format!("{}", old + more)) {
-        eprintln!("skip: cannot raise nr_hugepages (not root?): {e}");
-        return None;
+/// The file every kvnode test process locks (exclusive `flock`) around each read-modify-write
+/// of `nr_hugepages` (tests/lmcache_segment.rs uses the same files): with every change relative
+/// (add N, later take exactly the N added off), concurrent test processes never drift the
+/// host's value. The first one that can be opened is used (`/tmp` when `/run` is not writable).
+const HUGEPAGES_LOCK_FILES: [&str; 2] = [
+    "/run/kvnode-test-hugepages.lock",
+    "/tmp/kvnode-test-hugepages.lock",
+];
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+/// Runs `f` holding the cross-process hugepage lock (without it when no lock file can be
+/// opened: then nr_hugepages is not writable either).
+fn with_hugepages_lock<R>(f: impl FnOnce() -> R) -> R {
+    let file = HUGEPAGES_LOCK_FILES.iter().find_map(|p| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(p)
+            .ok()
+    });
+    if let Some(file) = &file {
+        // Bounded: another test process holds it only around one read-modify-write.
+        if let Err(e) = crate::lock_exclusive(file, std::time::Duration::from_secs(600)) {
+            eprintln!("cannot lock the hugepage lock file: {e}");
+        }
     }
-    Some(Restore {
-        path: NR,
-        old: old.to_string(),
+    f()
+}
+
+/// `nr_hugepages` raised by `added` pages (what the kernel really added) for the test's
+/// duration; on drop exactly those are taken off again, relative to the value then.
+struct HugepageReservation {
+    added: u64,
+}
+
+impl Drop for HugepageReservation {
+    fn drop(&mut self) {
+        with_hugepages_lock(|| {
+            let Some(now) = sys::read_u64(NR_HUGEPAGES) else {
+                return;
+            };
+            let back = now.saturating_sub(self.added);
+            if let Err(e) = std::fs::write(NR_HUGEPAGES, back.to_string()) {
+                eprintln!("failed to lower {NR_HUGEPAGES} back to {back}: {e}");
+            }
+        });
+    }
+}
+
+/// Raises `nr_hugepages` by `more` for the test's duration; `None` (skip) when not root.
+fn more_hugepages(more: u64) -> Option<HugepageReservation> {
+    with_hugepages_lock(|| {
+        let old = sys::read_u64(NR_HUGEPAGES)?;
+        if let Err(e) = std::fs::write(NR_HUGEPAGES, (old + more).to_string()) {
+            eprintln!("skip: cannot raise nr_hugepages (not root?): {e}");
+            return None;
+        }
+        let now = sys::read_u64(NR_HUGEPAGES).unwrap_or(old);
+        Some(HugepageReservation {
+            added: now.saturating_sub(old),
+        })
     })
 }
 
+/// Options for the named segment `name`, with the bind-mount opt-in.
 fn shm_opts(name: &str, bytes: u64, prefer: PagePreference) -> PoolOptions {
     let mut o = opts(bytes, prefer);
     o.posix_shm_name = Some(name.to_owned());
+    o.segment_bind_mount = true;
     o
+}
+
+/// Without the bind-mount opt-in even a root node (with hugetlb pages free) makes no mount:
+/// the segment is /dev/shm's own file (THP when /dev/shm is mounted huge=), and on 4 KiB pages
+/// its detail names both ways to huge pages.
+#[test]
+fn without_the_opt_in_a_named_segment_is_never_a_bind_mount() {
+    let _g = hugepage_test_lock();
+    let _reservation = more_hugepages(8);
+    let name = unique_shm_name("no-opt-in");
+    let path = format!("/dev/shm/{name}");
+    let _guard = MountGuard(path.clone());
+    let mut o = shm_opts(&name, 8 * MIB, PagePreference::Huge2M);
+    o.segment_bind_mount = false;
+    let pool = SharedPool::create(&o).unwrap();
+    let detail = pool.backing_detail().to_owned();
+    assert!(
+        sys::mounts_at(&path).unwrap().is_empty(),
+        "no mount: {detail}"
+    );
+    assert!(
+        backing_as_expected(&pool, PagePreference::Huge2M, 8 * MIB, false),
+        "{:?}: {detail}",
+        pool.backing()
+    );
+    if pool.backing() == PoolBacking::Pages4K {
+        assert!(
+            detail.contains("--shm-huge") && detail.contains("--segment-bind-mount"),
+            "{detail}"
+        );
+    }
+    let md = std::fs::metadata(&path).unwrap();
+    assert_eq!(md.permissions().mode() & 0o7777, 0o600);
+    drop(pool);
+    assert!(std::fs::symlink_metadata(&path).is_err());
 }
 
 /// As root with free hugetlb pages, the named segment is a hugetlbfs file bind-mounted at
@@ -574,7 +660,7 @@ fn posix_shm_on_hugetlb_pages_is_a_bind_mount_removed_on_drop() {
         eprintln!("skip: not root, so no mounts");
         return;
     }
-    let Some(_restore) = more_hugepages(8) else {
+    let Some(_reservation) = more_hugepages(8) else {
         return;
     };
     if sys::hugepages_available(sys::HUGE_2M_DIR).unwrap_or(0) < 4 {
@@ -752,7 +838,7 @@ fn posix_shm_thp_from_a_private_tmpfs_and_4k_without_mounts() {
     let _guard = MountGuard(path.clone());
     let pool = SharedPool::create(&shm_opts(&name, 8 * MIB, PagePreference::Thp)).unwrap();
     assert!(
-        backing_as_expected(&pool, PagePreference::Thp, 8 * MIB),
+        backing_as_expected(&pool, PagePreference::Thp, 8 * MIB, true),
         "{:?} {}",
         pool.backing(),
         pool.backing_detail()

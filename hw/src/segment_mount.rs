@@ -11,8 +11,11 @@
 //! while the mount exists: a node restarting after a crash unmounts a mount at the path only
 //! when both agree (see [`recover_stale`]), so it never touches a mount it did not make.
 //!
-//! Mounting needs `CAP_SYS_ADMIN` (root); without it [`PrivateHugeFile::create`] fails with
-//! `EPERM` and the pool falls back.
+//! Used only when the node opted in (`PoolOptions::segment_bind_mount`) and runs in PID 1's
+//! mount namespace: the mount is seen only in the node's mount namespace (and those it
+//! propagates to), so a client elsewhere would open the empty placeholder. Mounting needs
+//! `CAP_SYS_ADMIN` (root); without it [`PrivateHugeFile::create`] fails with `EPERM`, and any
+//! failure here makes the pool fall back to the next option.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -303,11 +306,16 @@ fn detach(path: &str) -> std::io::Result<()> {
 /// Removes this node's mount at `path` (the one named by `token`) if it is still the topmost
 /// mount there; anything else is left alone with a warning. Returns whether `path` is free of
 /// that mount afterwards.
+///
+/// Reading mountinfo and `umount2(path)` are two steps: another root process stacking a mount
+/// at `path` in between would have its mount detached instead of ours. That is detected after
+/// the fact (ours is still there: warned, and `false`, so the lock file keeps its record and the
+/// next start on the name removes ours); the other process's mount is not restored.
 pub(crate) fn unmount_if_ours(path: &str, token: &str) -> bool {
     match sys::mounts_at(path) {
         Ok(m) => match m.last() {
             Some(top) if is_ours(top, token) => match detach(path) {
-                Ok(()) => true,
+                Ok(()) => check_detached(path, token, sys::mounts_at(path)),
                 Err(e) => {
                     tracing::warn!(path, error = %e, "could not unmount the segment's bind mount");
                     false
@@ -326,6 +334,28 @@ pub(crate) fn unmount_if_ours(path: &str, token: &str) -> bool {
         Err(e) => {
             tracing::warn!(error = %e, "cannot read /proc/self/mountinfo; not unmounting");
             false
+        }
+    }
+}
+
+/// After detaching the top mount at `path` believing it ours: whether ours is gone (`after` is
+/// mountinfo read again). If ours is still there, a mount stacked on it in between was detached
+/// instead (see [`unmount_if_ours`]): warned, `false`.
+fn check_detached(path: &str, token: &str, after: std::io::Result<Vec<sys::MountEntry>>) -> bool {
+    match after {
+        Ok(m) if m.iter().any(|e| is_ours(e, token)) => {
+            tracing::warn!(
+                path,
+                "a mount stacked over the segment's bind mount between kvnode's check and its \
+                 unmount was detached instead of the segment's; the segment's mount stays (the \
+                 next node of this name removes it)"
+            );
+            false
+        }
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot re-read /proc/self/mountinfo after unmounting");
+            true
         }
     }
 }
@@ -409,6 +439,18 @@ mod tests {
             t
         ));
         assert!(!is_ours(&entry("tmpfs", "/", "tmpfs"), t));
+    }
+
+    /// After detaching what looked like its own top mount, a node whose mount is still there
+    /// (someone stacked one in between, which got detached instead) says it is not unmounted.
+    #[test]
+    fn a_mount_stacked_in_between_is_noticed_after_detaching() {
+        let t = "abc-1";
+        let ours = entry("kvnode-segment-abc-1", "/segment", "hugetlbfs");
+        assert!(!check_detached("/dev/shm/x", t, Ok(vec![ours])));
+        assert!(check_detached("/dev/shm/x", t, Ok(vec![])));
+        let other = entry("tmpfs", "/", "tmpfs");
+        assert!(check_detached("/dev/shm/x", t, Ok(vec![other])));
     }
 
     #[test]

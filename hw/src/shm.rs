@@ -85,6 +85,11 @@ const LOCK_SUFFIX: &str = ".lock";
 /// How a lock file records the bind mount its node made at the segment's path: this prefix,
 /// then the mount's token (see [`crate::segment_mount`]). An empty lock file records none.
 const MARKER_PREFIX: &str = "kvnode-segment-mount ";
+/// The mode of a segment file the node created (and of the placeholder once no mount covers it).
+const SEGMENT_MODE: u32 = 0o600;
+/// The mode of the placeholder while a bind mount covers it: a non-root client of a mount
+/// namespace without the mount gets `EACCES` instead of an empty file (root is not stopped).
+const MOUNTED_PLACEHOLDER_MODE: u32 = 0o000;
 /// The most of a lock file read when looking for the mount record.
 const MAX_MARKER_BYTES: u64 = 256;
 
@@ -256,8 +261,8 @@ fn not_a_lock_file(path: &str, segment: &str, what: &str) -> HwError {
 }
 
 /// A named segment this process created. Invariant: while `lock` holds the name's lock file,
-/// `/dev/shm/<name>` was created by us (`O_EXCL`, under that lock) with mode 0600, with device
-/// and inode (`dev`, `ino`). [`ShmSegment::unlink_if_ours`] (also on drop) unlinks the name if
+/// `/dev/shm/<name>` was created by us (`O_EXCL`, under that lock) with mode 0600 (0000 while
+/// a bind mount of ours covers it), with device and inode (`dev`, `ino`). [`ShmSegment::unlink_if_ours`] (also on drop) unlinks the name if
 /// it still refers to that inode and then releases the lock.
 #[derive(Debug)]
 pub(crate) struct ShmSegment {
@@ -280,19 +285,12 @@ impl ShmSegment {
     /// node of an earlier version locked the segment itself), and the name still refers to the
     /// file just checked. A segment a running node holds is never touched: the call fails naming
     /// it. Returns the guard and the fd (which carries no lock, so it may go to clients).
+    ///
+    /// Before creating anything, a bind mount a node that died left at the name is removed if
+    /// the lock file records it (see [`segment_mount::recover_stale`]); any other mount there
+    /// is an error naming it. A hugepage file goes over the new segment with
+    /// [`ShmSegment::mount_over`].
     pub(crate) fn create(name: &str) -> HwResult<(ShmSegment, OwnedFd)> {
-        Self::create_over(name, None)
-    }
-
-    /// [`ShmSegment::create`], then, when `huge` is given, bind-mounts its file over the new
-    /// (empty) segment, recording the mount's token in the lock file first: the name then opens
-    /// `huge`'s file. Before creating anything, a bind mount a node that died left at the name
-    /// is removed if the lock file records it (see [`segment_mount::recover_stale`]); any other
-    /// mount there is an error naming it. The returned fd is the placeholder's.
-    pub(crate) fn create_over(
-        name: &str,
-        huge: Option<&PrivateHugeFile>,
-    ) -> HwResult<(ShmSegment, OwnedFd)> {
         let c = c_name(name)?;
         if name.ends_with(LOCK_SUFFIX) {
             return Err(HwError::Invalid(format!(
@@ -334,7 +332,7 @@ impl ShmSegment {
             }
         };
         // From here on, dropping `seg` unlinks the name (still ours) and releases the lock.
-        let mut seg = ShmSegment {
+        let seg = ShmSegment {
             name: name.to_owned(),
             c_name: c,
             dev: md.dev(),
@@ -345,13 +343,57 @@ impl ShmSegment {
         // The umask may have removed bits from 0600; force exactly 0600.
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(|e| HwError::os_path("fchmod", &path, e))?;
-        if let Some(huge) = huge {
-            seg.with_lock(|l| l.write_marker(huge.token()))?;
-            seg.mount_token = Some(huge.token().to_owned());
-            // From here on, dropping `seg` also unmounts (if mounted) and clears the record.
-            huge.expose(&path)?;
-        }
         Ok((seg, OwnedFd::from(file)))
+    }
+
+    /// Bind-mounts `huge`'s file over this (empty) segment, recording the mount's token in the
+    /// lock file first: the name then opens `huge`'s file in this mount namespace (and in those
+    /// the mount propagates to). `placeholder` is the segment's own descriptor: while the mount
+    /// is up its mode is 0000, so that a non-root client of a mount namespace that does not see
+    /// the mount gets `EACCES` opening the name instead of an empty file whose mapping raises
+    /// SIGBUS (root bypasses the mode: a partial guard only).
+    ///
+    /// On failure everything this call did is undone (record, mode, any mount it made) and the
+    /// segment is the plain empty one again, unless the mount could not be removed: then
+    /// [`ShmSegment::is_mounted`] stays true and the segment must not serve as a plain one.
+    pub(crate) fn mount_over(
+        &mut self,
+        huge: &PrivateHugeFile,
+        placeholder: &File,
+    ) -> HwResult<()> {
+        let path = segment_path(&self.name);
+        placeholder
+            .set_permissions(std::fs::Permissions::from_mode(MOUNTED_PLACEHOLDER_MODE))
+            .map_err(|e| HwError::os_path("fchmod (placeholder)", &path, e))?;
+        let res = self.with_lock(|l| l.write_marker(huge.token()));
+        let res = res.and_then(|()| {
+            self.mount_token = Some(huge.token().to_owned());
+            // From here on, dropping `self` also unmounts (if mounted) and clears the record.
+            huge.expose(&path)
+        });
+        let Err(e) = res else { return Ok(()) };
+        if let Some(token) = &self.mount_token {
+            if !segment_mount::unmount_if_ours(&path, token) {
+                return Err(e);
+            }
+        }
+        self.mount_token = None;
+        if let Err(e) = self.with_lock(|l| {
+            l.clear_marker();
+            Ok(())
+        }) {
+            tracing::debug!(error = %e, "no lock to clear the mount record in");
+        }
+        if let Err(e) = placeholder.set_permissions(std::fs::Permissions::from_mode(SEGMENT_MODE)) {
+            tracing::warn!(path, error = %e, "could not give the segment its mode 0600 back");
+        }
+        Err(e)
+    }
+
+    /// Whether a bind mount this segment made may still cover its name (see
+    /// [`ShmSegment::mount_over`]).
+    pub(crate) fn is_mounted(&self) -> bool {
+        self.mount_token.is_some()
     }
 
     /// Name without the leading slash.

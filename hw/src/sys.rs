@@ -187,6 +187,37 @@ pub(crate) fn mapping_pages_in(smaps: &str, addr: usize) -> Option<MappingPages>
     found.then_some(m)
 }
 
+/// Whether this process is in the mount namespace of PID 1: only there is a mount the node
+/// makes seen by processes of the host's namespace. Compares `/proc/self/ns/mnt` with
+/// `/proc/1/ns/mnt`; where PID 1's is not readable (a PID 1 with capabilities this process
+/// lacks), compares the mount IDs of the two processes' mountinfo instead (a mount belongs to
+/// exactly one namespace, so sharing any mount ID means sharing the namespace). `Err` says why
+/// it cannot tell, which callers treat as "not known to be".
+pub(crate) fn in_init_mount_namespace() -> Result<bool, String> {
+    let read = |p: &str| fs::read_link(p).map_err(|e| format!("cannot read {p}: {e}"));
+    let mine = read("/proc/self/ns/mnt")?;
+    match read("/proc/1/ns/mnt") {
+        Ok(init) => Ok(mine == init),
+        Err(link_err) => {
+            let ids = |p: &str| {
+                fs::read_to_string(p)
+                    .map(|t| mount_ids(&t))
+                    .map_err(|e| format!("{link_err}; cannot read {p}: {e}"))
+            };
+            let (init, me) = (ids("/proc/1/mountinfo")?, ids("/proc/self/mountinfo")?);
+            Ok(init.iter().any(|id| me.contains(id)))
+        }
+    }
+}
+
+/// The mount IDs (first field) of a mountinfo text.
+pub(crate) fn mount_ids(mountinfo: &str) -> std::collections::HashSet<u64> {
+    mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').next()?.parse().ok())
+        .collect()
+}
+
 /// One line of `/proc/self/mountinfo`, the fields kvnode looks at.
 ///
 /// Invariant: `mount_point` is unescaped (`\040` -> space, ...); the others are as printed.

@@ -91,6 +91,14 @@ pub(crate) struct LmcacheArgs {
     /// Preferred page size for the pool (POSIX shm gets THP or 4k pages).
     #[arg(long, default_value = "2m")]
     pages: String,
+    /// As root, put the segment on huge pages by bind-mounting a private hugetlbfs (or huge
+    /// tmpfs) file over /dev/shm/<name> (TOML: segment_bind_mount). Off by default: the mount is
+    /// seen only in the node's mount namespace, so EVERY client must run in it (or in one the
+    /// mount propagates to); a client elsewhere (e.g. a container bind-mounting /dev/shm) would
+    /// open an empty file. Refused when the node is not in PID 1's mount namespace. Without it,
+    /// remount /dev/shm huge=within_size (scripts/setup.sh --shm-huge) for huge pages.
+    #[arg(long)]
+    segment_bind_mount: bool,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, default_value = "info")]
     log: String,
@@ -158,6 +166,7 @@ pub(crate) fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     };
     a.l2.apply(&mut cfg.l2)?;
     a.access.apply(&mut cfg.access);
+    cfg.segment_bind_mount |= a.segment_bind_mount;
     if let Some(g) = a.worker_disconnect_grace_seconds {
         cfg.lmcache.worker_disconnect_grace_ms = disconnect_grace_ms(g)?;
     }

@@ -314,6 +314,11 @@ pub struct NodeConfig {
     /// Back the pool with the named POSIX shm segment `/dev/shm/<shm_name>` (what LMCache
     /// clients open by name) instead of an anonymous memfd; empty = memfd.
     pub shm_name: String,
+    /// Opt-in (default false; `--segment-bind-mount`): a root node puts the `shm_name` segment
+    /// on huge pages by bind-mounting a private hugetlbfs / huge tmpfs file over its name. Seen
+    /// only in the node's mount namespace: every client must run there (or in one the mount
+    /// propagates to). Refused, with a warning, when the node is not in PID 1's mount namespace.
+    pub segment_bind_mount: bool,
     /// Permission bits of the socket file.
     pub socket_mode: u32,
     /// Requested pool size in bytes (rounded up to 2 MiB).
@@ -355,6 +360,7 @@ impl Default for NodeConfig {
         NodeConfig {
             socket: default_socket_path(),
             shm_name: String::new(),
+            segment_bind_mount: false,
             socket_mode: 0o600,
             pool_bytes: 1 << 30,
             pages: "2m".into(),

@@ -115,6 +115,7 @@ impl Node {
             prefault: true,
             name: "kvnode-pool".into(),
             posix_shm_name: (!config.shm_name.is_empty()).then(|| config.shm_name.clone()),
+            segment_bind_mount: config.segment_bind_mount,
             cancel,
         })
         .map_err(|e| {

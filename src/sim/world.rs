@@ -93,6 +93,7 @@ pub fn build_node(clock: &Clock) -> Arc<NodeContext> {
         prefault: false,
         name: "kvnode-sim".into(),
         posix_shm_name: None,
+        segment_bind_mount: false,
         cancel: None,
     })
     .expect("a small memfd pool for the simulator");

@@ -227,6 +227,7 @@ fn unit_pool() -> Arc<SharedPool> {
             prefault: true,
             name: "l2-unit".into(),
             posix_shm_name: None,
+            segment_bind_mount: false,
             cancel: None,
         })
         .unwrap(),

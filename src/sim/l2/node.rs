@@ -99,6 +99,7 @@ impl Node {
                 prefault: true,
                 name: "kvnode-l2sim".into(),
                 posix_shm_name: None,
+                segment_bind_mount: false,
                 cancel: None,
             })
             .expect("a small 4 KiB-page pool"),
