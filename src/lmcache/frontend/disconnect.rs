@@ -6,7 +6,7 @@
 //! notifications (`ZMQ_ROUTER_NOTIFY`): the ROUTER then delivers `[routing id, empty frame]`
 //! when a connection completes its handshake and again when it ends, through the connection's
 //! own pipe, so the close arrives after every request the connection sent. [`Disconnects`]
-//! tells the two apart by the routing ids it knows to be open.
+//! tells the two apart by the routing ids it knows to be open (see `connections`).
 //!
 //! Semantics (compatible with LMCache's `--worker-disconnect-grace-seconds`):
 //! * Only the connection that registered an instance may use it (issue 11's ownership), so
@@ -23,6 +23,14 @@
 //!   node's write TTL). Another user's connection cannot. The closed connection's own requests
 //!   still queued when the close is seen run in order (an UNREGISTER sent just before exiting
 //!   still unregisters, a COMMIT still publishes what was committed) but never cancel it.
+//! * A peer that sets its own routing id reconnects with it: the reopened connection's requests
+//!   are the owner's as far as ownership goes, and are told from the closed connection's by
+//!   their stamp (every notice increments it on the I/O thread; a request carries its value at
+//!   reception, `ClientId::stamp`). libzmq accepts the reopened connection only after the old
+//!   pipe, close notice included, was read, so a request stamped after the close came over
+//!   the reopened connection: its first request for the instance cancels the countdown, or
+//!   keeps it from starting when the sweeper has not processed the close yet ([`Countdowns`]'s
+//!   `reclaimed`), under a new pairing epoch ([`LmFrontend::reclaim`]).
 //! * The closed connection's lookup sessions end at once (their read locks released), and its
 //!   prefetch results and cached hashes go. Requests of that connection that were already
 //!   running when the close was seen are caught after they finish (see
