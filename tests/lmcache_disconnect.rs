@@ -357,3 +357,68 @@ fn a_zero_grace_releases_nothing_on_disconnect() {
     assert!(notify.starts_with("off"), "{notify}");
     assert_eq!(s["lmcache"]["disconnect"]["grace_seconds"], 0.0);
 }
+
+/// A DEALER that sets its routing id (`ZMQ_ROUTING_ID`), as a worker configured with a fixed
+/// identity: after a network cut libzmq reconnects it with the same id.
+fn dealer_with_id(port: u16, routing_id: &[u8]) -> Dealer {
+    let ctx = zmq::Context::new();
+    let sock = ctx.socket(zmq::DEALER).unwrap();
+    sock.set_identity(routing_id).unwrap();
+    sock.set_rcvtimeo(60_000).unwrap();
+    sock.set_linger(0).unwrap();
+    sock.set_sndhwm(0).unwrap();
+    sock.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    Dealer {
+        sock,
+        _ctx: ctx,
+        uid: 0,
+    }
+}
+
+/// Issue 12 §1 review: a worker whose connection closed and that comes back with the SAME
+/// routing id (a DEALER with a fixed identity reconnects with it) keeps the instance it uses;
+/// one it does not use is released when the countdown ends (the reopen alone cancels nothing).
+#[test]
+fn a_worker_back_with_the_same_routing_id_keeps_the_instance_it_uses() {
+    const ID: &[u8] = b"worker-fixed-id";
+    let node = node("sameid", &["--worker-disconnect-grace-seconds", "3"]);
+    let mut first = dealer_with_id(node.port, ID);
+    register(&mut first, 91);
+    register(&mut first, 92);
+    ping(&mut first, 91);
+    ping(&mut first, 92);
+    drop(first);
+    wait_for(&node, "the close to be seen", |s| {
+        num(s, &["lmcache", "disconnect", "counting_down"]) == 2
+    });
+    let mut back = dealer_with_id(node.port, ID);
+    // Both countdowns started at the same close, so they end in the same sweep: once 92 is
+    // released, 91's countdown would have ended too. 91 is pinged throughout, as a worker's
+    // heartbeat does.
+    let deadline = Instant::now() + RELEASE_DEADLINE;
+    let s = loop {
+        ping(&mut back, 91);
+        let s = status(&node);
+        if instance_ids(&s) == vec![91] {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "92 not released within {RELEASE_DEADLINE:?}: {s:#}\nlog:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(
+        num(&s, &["lmcache", "disconnect", "reconnects"]),
+        1,
+        "{s:#}"
+    );
+    assert_eq!(num(&s, &["lmcache", "disconnect", "counting_down"]), 0);
+    assert_eq!(num(&s, &["lmcache", "disconnect_releases"]), 1);
+    // The reconnected worker still owns 91: it stores.
+    store(&mut back, 91, &toks(11, 2), "sameid-store");
+    let s = status(&node);
+    assert_eq!(instance_ids(&s), vec![91]);
+    assert_eq!(num(&s, &["objects", "ready"]), 2);
+}

@@ -49,7 +49,7 @@ pub fn runs_inline(op: Op, bytes: usize, disk_tier: bool) -> bool {
 pub(super) fn execute(s: &Shared, req: Incoming) -> Vec<Vec<u8>> {
     let started = Instant::now();
     let max_tokens = s.frontend.limits().max_tokens_per_request;
-    let client = ClientId::from_shared(req.identity.clone(), req.peer_uid);
+    let client = ClientId::from_shared(req.identity.clone(), req.peer_uid).with_stamp(req.stamp);
     let payload: Vec<&[u8]> = req.payload.iter().map(Vec::as_slice).collect();
     // A negative answer because the request was refused or failed (the metrics' errors).
     let mut failed = false;

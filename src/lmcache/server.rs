@@ -74,6 +74,9 @@ pub(super) struct Incoming {
     /// The peer's uid, when the I/O thread resolved it (it is part of the client's identity
     /// for the frontend: see [`ClientId`]).
     pub(super) peer_uid: Option<u32>,
+    /// The frontend's connection stamp when the request was received (orders it against its
+    /// connection's open and close notices: `frontend::disconnect`).
+    pub(super) stamp: u64,
     pub(super) uid: Vec<u8>,
     pub(super) typ: Vec<u8>,
     pub(super) op: Op,
@@ -489,6 +492,7 @@ fn accept(
         identity: identity.clone(),
         // The kernel's owner of the peer's socket (`None`: a remote peer, not identified).
         peer_uid: peer.uid,
+        stamp: s.frontend.connection_stamp(),
         uid,
         typ,
         op,

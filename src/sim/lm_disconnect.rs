@@ -84,10 +84,38 @@ impl Sim {
             .as_ref()
             .is_some_and(|r| self.is_live(&r.inst));
         if live && self.rng.chance(50) {
-            // Back over a new connection before the grace is up: a request for its instance
-            // takes it over.
-            self.lms[i].reconnect();
-            let c = self.lms[i].client.clone();
+            // Back before the grace is up, over a new connection: with a new routing id, or
+            // (a DEALER that sets its routing id) the same one reopened. A request for its
+            // instance over it keeps the instance; a request of the closed connection still
+            // queued behind the reopen (stamped before the close) does not.
+            let c = if self.rng.chance(50) {
+                self.lms[i].reconnect();
+                self.lms[i].client.clone()
+            } else {
+                self.frontend.connection_opened(old.identity());
+                self.maybe_sweep_now();
+                if self.rng.chance(50) {
+                    let before = self.reconnects();
+                    let r = self.lm_call(
+                        &old,
+                        LmRequest::Ping {
+                            instance_id: Some(id),
+                        },
+                    );
+                    self.log(format!(
+                        "lm {id} PING of the closed connection run after its id reopened -> {r:?}"
+                    ));
+                    if self.reconnects() != before {
+                        return Err(format!(
+                            "a request of the closed connection of instance {id} (stamped \
+                             before its close) counted as a reconnect"
+                        ));
+                    }
+                }
+                let c = old.clone().with_stamp(self.frontend.connection_stamp());
+                self.lms[i].client = c.clone();
+                c
+            };
             self.touched(id, true);
             let r = self.lm_call(
                 &c,
@@ -143,6 +171,13 @@ impl Sim {
 
     /// Sometimes the frontend's sweeper processes a close before the closed connection's queued
     /// requests run (they then find their connection closed when they finish).
+    fn reconnects(&self) -> u64 {
+        self.frontend
+            .disconnect_counters()
+            .reconnects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn maybe_sweep_now(&mut self) {
         if self.rng.chance(50) {
             let n = self.frontend.sweep_disconnects();

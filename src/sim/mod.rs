@@ -102,6 +102,9 @@ pub struct SimStats {
     pub lm_disconnect_releases: u64,
     /// LMCache instances taken over by a new connection after their owner's closed.
     pub lm_adoptions: u64,
+    /// LMCache workers that reconnected with their own routing id and kept their instance
+    /// (the frontend's `reconnects`, checked against the simulator's count).
+    pub lm_reconnects: u64,
     /// xxh3 of every trace line: equal for two runs of one seed, or the run is not deterministic.
     pub trace_digest: u64,
     /// Simulated milliseconds.
@@ -240,6 +243,7 @@ pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
     let d = sim.frontend.disconnect_counters();
     sim.stats.lm_disconnect_releases = d.releases.load(std::sync::atomic::Ordering::Relaxed);
     sim.stats.lm_adoptions = d.adoptions.load(std::sync::atomic::Ordering::Relaxed);
+    sim.stats.lm_reconnects = d.reconnects.load(std::sync::atomic::Ordering::Relaxed);
     Ok(sim.stats)
 }
 
@@ -425,6 +429,7 @@ mod tests {
                     total.lm_disconnects += s.lm_disconnects;
                     total.lm_disconnect_releases += s.lm_disconnect_releases;
                     total.lm_adoptions += s.lm_adoptions;
+                    total.lm_reconnects += s.lm_reconnects;
                 }
                 Err(f) => panic!("{f}"),
             }
@@ -435,7 +440,7 @@ mod tests {
         assert!(total.reaped > 0 && total.lm_restarts > 0, "{total:?}");
         assert!(total.sessions_evicted > 0, "{total:?}");
         assert!(
-            total.lm_disconnect_releases > 0 && total.lm_adoptions > 0,
+            total.lm_disconnect_releases > 0 && total.lm_adoptions > 0 && total.lm_reconnects > 0,
             "connection closes exercised: {total:?}"
         );
     }

@@ -7,11 +7,28 @@ use std::sync::Arc;
 /// One client connection of the LMCache frontend. Invariant: two requests carry equal
 /// `ClientId`s exactly when they came over the same connection (the ROUTER gives every
 /// connection its own routing id while it is connected; a peer that sets its own routing id
-/// cannot take one that is in use) from the same user.
-#[derive(Clone, PartialEq, Eq, Hash)]
+/// cannot take one that is in use) from the same user. The `stamp` is not part of the
+/// identity: it orders the request against connection opens and closes (see `disconnect`).
+#[derive(Clone)]
 pub struct ClientId {
     identity: Arc<[u8]>,
     uid: Option<u32>,
+    stamp: u64,
+}
+
+impl PartialEq for ClientId {
+    fn eq(&self, other: &ClientId) -> bool {
+        self.identity == other.identity && self.uid == other.uid
+    }
+}
+
+impl Eq for ClientId {}
+
+impl std::hash::Hash for ClientId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.identity.hash(state);
+        self.uid.hash(state);
+    }
 }
 
 impl ClientId {
@@ -21,12 +38,30 @@ impl ClientId {
         ClientId {
             identity: identity.into(),
             uid,
+            stamp: 0,
         }
     }
 
     /// Like [`ClientId::new`], sharing the routing id the server already holds.
     pub fn from_shared(identity: Arc<[u8]>, uid: Option<u32>) -> ClientId {
-        ClientId { identity, uid }
+        ClientId {
+            identity,
+            uid,
+            stamp: 0,
+        }
+    }
+
+    /// The same client, for a request the server received when the frontend's connection
+    /// stamp was `stamp` (`LmFrontend::connection_stamp`; 0, the default: unknown, taken as
+    /// older than every connection notice).
+    pub fn with_stamp(mut self, stamp: u64) -> ClientId {
+        self.stamp = stamp;
+        self
+    }
+
+    /// The connection stamp the request was received at (see [`ClientId::with_stamp`]).
+    pub fn stamp(&self) -> u64 {
+        self.stamp
     }
 
     /// The ZMQ routing id.

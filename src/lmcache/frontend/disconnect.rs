@@ -6,7 +6,7 @@
 //! notifications (`ZMQ_ROUTER_NOTIFY`): the ROUTER then delivers `[routing id, empty frame]`
 //! when a connection completes its handshake and again when it ends, through the connection's
 //! own pipe, so the close arrives after every request the connection sent. [`Disconnects`]
-//! tells the two apart by the routing ids it knows to be open.
+//! tells the two apart by the routing ids it knows to be open (see `connections`).
 //!
 //! Semantics (compatible with LMCache's `--worker-disconnect-grace-seconds`):
 //! * Only the connection that registered an instance may use it (issue 11's ownership), so
@@ -23,6 +23,14 @@
 //!   node's write TTL). Another user's connection cannot. The closed connection's own requests
 //!   still queued when the close is seen run in order (an UNREGISTER sent just before exiting
 //!   still unregisters, a COMMIT still publishes what was committed) but never cancel it.
+//! * A peer that sets its own routing id reconnects with it: the reopened connection's requests
+//!   are the owner's as far as ownership goes, and are told from the closed connection's by
+//!   their stamp (every notice increments it on the I/O thread; a request carries its value at
+//!   reception, `ClientId::stamp`). libzmq accepts the reopened connection only after the old
+//!   pipe, close notice included, was read, so a request stamped after the close came over
+//!   the reopened connection: its first request for the instance cancels the countdown, or
+//!   keeps it from starting when the sweeper has not processed the close yet ([`Countdowns`]'s
+//!   `reclaimed`), under a new pairing epoch ([`LmFrontend::reclaim`]).
 //! * The closed connection's lookup sessions end at once (their read locks released), and its
 //!   prefetch results and cached hashes go. Requests of that connection that were already
 //!   running when the close was seen are caught after they finish (see
@@ -31,8 +39,8 @@
 //!   linked libzmq, more than [`MAX_OPEN_CONNECTIONS`] open connections, a frontend driven
 //!   without ZMQ) are released by the timeouts alone; so is everything when the grace is 0.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -45,12 +53,14 @@ use super::{ClientId, LmFrontend};
 use crate::modules::instances::Instance;
 use crate::protocol::Request;
 
-/// Routing ids of open connections remembered (beyond: a new connection is not tracked, and
-/// its instances are released by the timeouts alone).
-pub const MAX_OPEN_CONNECTIONS: usize = 65_536;
-/// Closed routing ids remembered, so requests of the connection that were still queued or
-/// running when its close was seen are recognised (the oldest is forgotten beyond it).
-pub const MAX_CLOSED_CONNECTIONS: usize = 65_536;
+mod connections;
+
+use connections::{Connections, NotOpen};
+pub use connections::{
+    EXPIRY_CHECKS_PER_SWEEP, MAX_CLOSED_CONNECTIONS, MAX_OPEN_CONNECTIONS, MAX_UNTRACKED_BYTES,
+    OPEN_IDLE_EXPIRY_MS, UNTRACKED_ENTRY_OVERHEAD,
+};
+
 /// How long a closed routing id is remembered at least (milliseconds; longer when a countdown
 /// is longer).
 pub const CLOSED_MEMORY_MS: u64 = 60_000;
@@ -65,7 +75,7 @@ pub const SWEEP_INTERVAL_MS: u64 = 25;
 pub enum ConnectionEvent {
     /// A connection with a routing id not open before: it opened.
     Opened,
-    /// An open connection's routing id: it closed.
+    /// An open connection's routing id (tracked, or remembered untracked): it closed.
     Closed,
     /// A new connection beyond [`MAX_OPEN_CONNECTIONS`]: not tracked.
     Untracked,
@@ -85,36 +95,27 @@ struct Countdown {
     generation: u64,
     owner: ClientId,
     closed_ms: u64,
+    /// The stamp of the close that started it: a request of the owner's routing id stamped
+    /// later came over a connection opened after that close, and cancels it.
+    closed_stamp: u64,
     due_ms: u64,
 }
 
-/// The routing ids known open and recently closed. Invariant: an id is in at most one of
-/// `open` and `closed`; `closed_order` lists every id of `closed` (plus stale items) oldest
-/// first, and `closed` holds at most [`MAX_CLOSED_CONNECTIONS`] ids.
+/// The countdowns, and the instances a reopened routing id used before the sweeper processed
+/// its close. Invariant: `reclaimed` maps an instance to the stamp of a close still waiting
+/// for the sweeper (entries go when it is processed); no countdown is started for the
+/// instance by that close.
 #[derive(Default)]
-struct Connections {
-    open: HashSet<Arc<[u8]>>,
-    closed: HashMap<Arc<[u8]>, u64>,
-    closed_order: VecDeque<(Arc<[u8]>, u64)>,
+struct Countdowns {
+    map: BTreeMap<u64, Countdown>,
+    reclaimed: HashMap<u64, u64>,
 }
 
-impl Connections {
-    /// Forgets the closed ids older than `memory_ms`, and the oldest beyond
-    /// [`MAX_CLOSED_CONNECTIONS`].
-    fn forget_old(&mut self, now_ms: u64, memory_ms: u64) {
-        while let Some((id, at)) = self.closed_order.front() {
-            let current = self.closed.get(id) == Some(at);
-            let old = now_ms.saturating_sub(*at) >= memory_ms
-                || self.closed.len() > MAX_CLOSED_CONNECTIONS;
-            if current && !old {
-                break;
-            }
-            let (id, at) = self.closed_order.pop_front().expect("front");
-            if current || self.closed.get(&id) == Some(&at) {
-                self.closed.remove(&id);
-            }
-        }
-    }
+/// A close seen and not yet processed by the sweeper.
+#[derive(Debug, Clone, Copy)]
+struct PendingClose {
+    ms: u64,
+    stamp: u64,
 }
 
 /// Counters of connection closes, for status and logs.
@@ -126,23 +127,44 @@ pub struct DisconnectCounters {
     pub closed: AtomicU64,
     /// New connections not tracked ([`MAX_OPEN_CONNECTIONS`]).
     pub untracked: AtomicU64,
+    /// Closes of untracked connections recognised (processed as closes).
+    pub untracked_closes: AtomicU64,
+    /// Untracked connections not remembered ([`MAX_UNTRACKED_BYTES`]): their close will be
+    /// read as an open (that ghost goes by the idle expiry).
+    pub untracked_unremembered: AtomicU64,
+    /// Open connections forgotten by the idle expiry ([`OPEN_IDLE_EXPIRY_MS`]: most likely a
+    /// close libzmq dropped).
+    pub expired: AtomicU64,
+    /// Closes not processed because [`MAX_CLOSED_CONNECTIONS`] were waiting already.
+    pub closes_dropped: AtomicU64,
     /// Instances released because their owner's connection closed.
     pub releases: AtomicU64,
     /// Countdowns cancelled by a request over another connection of the same user.
     pub adoptions: AtomicU64,
+    /// Countdowns cancelled (or never started) because the owner's routing id reconnected
+    /// (a peer that sets its routing id) and used the instance.
+    pub reconnects: AtomicU64,
     /// Lookup sessions ended because their connection closed.
     pub sessions_ended: AtomicU64,
 }
 
 /// The frontend's view of its clients' connections. Invariant: a countdown names the exact
 /// registration (id, generation) and the owner whose close started it; it releases the
-/// instance only if that owner still owns that registration when it ends.
+/// instance only if that owner still owns that registration when it ends. Lock order:
+/// `countdowns`, `conns`, `closes` (and the frontend's `pending`, `owners` before them).
 pub(super) struct Disconnects {
     conns: RwLock<Connections>,
-    /// Closes seen and not yet processed (routing id, node-clock ms), at most one per closed
-    /// id remembered.
-    closes: Mutex<Vec<(Arc<[u8]>, u64)>>,
-    countdowns: Mutex<BTreeMap<u64, Countdown>>,
+    /// Closes seen and not yet processed, at most [`MAX_CLOSED_CONNECTIONS`], one per id (the
+    /// latest).
+    closes: Mutex<HashMap<Arc<[u8]>, PendingClose>>,
+    /// `closes.len()`, readable without the lock.
+    closes_waiting: AtomicUsize,
+    countdowns: Mutex<Countdowns>,
+    /// `countdowns.map.len()`, readable without the lock.
+    counting: AtomicUsize,
+    /// Incremented by every notification (only the server's I/O thread writes it; requests
+    /// carry its value at their reception: `ClientId::stamp`).
+    stamp: AtomicU64,
     notify: Mutex<Notify>,
     sweeper: std::sync::OnceLock<thread::Thread>,
     counters: DisconnectCounters,
@@ -153,7 +175,10 @@ impl Disconnects {
         Disconnects {
             conns: RwLock::default(),
             closes: Mutex::default(),
+            closes_waiting: AtomicUsize::new(0),
             countdowns: Mutex::default(),
+            counting: AtomicUsize::new(0),
+            stamp: AtomicU64::new(0),
             notify: Mutex::new(Notify::Detached),
             sweeper: std::sync::OnceLock::new(),
             counters: DisconnectCounters::default(),
@@ -167,6 +192,10 @@ impl Disconnects {
 
     fn is_closed(&self, identity: &[u8]) -> bool {
         self.conns.read().closed.contains_key(identity)
+    }
+
+    fn next_stamp(&self) -> u64 {
+        self.stamp.fetch_add(1, Ordering::Relaxed) + 1
     }
 }
 
@@ -277,59 +306,89 @@ impl LmFrontend {
         }
     }
 
+    /// The stamp a request received now carries (see [`ClientId::with_stamp`]): it orders the
+    /// request against the connection notices (the server's I/O thread reads it as it
+    /// receives a request, and is the only thread that calls [`LmFrontend::connection_notice`]).
+    pub fn connection_stamp(&self) -> u64 {
+        self.state.disconnects.stamp.load(Ordering::Relaxed)
+    }
+
     /// A ROUTER notification for `identity` (the server recognised it: two frames, the second
-    /// empty, no connection properties): a close when the id is known open, else an open.
+    /// empty, no connection properties). It says nothing of its kind: a close when the id is
+    /// known open or remembered untracked, else an open (see `connections`).
     pub fn connection_notice(&self, identity: &[u8]) -> ConnectionEvent {
-        let open = self.state.disconnects.conns.read().open.contains(identity);
+        let d = &self.state.disconnects;
+        let open = d.conns.read().open.contains_key(identity);
         if open {
             self.connection_closed(identity);
-            ConnectionEvent::Closed
-        } else {
-            self.connection_opened(identity)
+            return ConnectionEvent::Closed;
         }
+        self.connection_opened(identity)
     }
 
-    /// A connection with routing id `identity` opened (a peer that sets its own routing id may
-    /// reuse the id of a closed connection: it is no longer taken as closed).
+    /// A connection with routing id `identity` opened, or (when it was opened untracked) closed
+    /// (a peer that sets its own routing id may reuse the id of a closed connection: it is no
+    /// longer taken as closed; if that close is still waiting for the sweeper, the reopened
+    /// connection's requests reclaim its instances, see [`LmFrontend::reclaim`]).
     pub fn connection_opened(&self, identity: &[u8]) -> ConnectionEvent {
         let d = &self.state.disconnects;
-        let mut c = d.conns.write();
-        c.closed.remove(identity);
-        if c.open.len() >= MAX_OPEN_CONNECTIONS {
-            drop(c);
-            d.counters.untracked.fetch_add(1, Ordering::Relaxed);
-            return ConnectionEvent::Untracked;
+        let stamp = d.next_stamp();
+        let now = self.ctx.now_ms();
+        let r = {
+            let mut c = d.conns.write();
+            let pending = d.closes.lock().get(identity).map(|p| p.stamp);
+            c.not_open(identity, stamp, now, pending)
+        };
+        match r {
+            NotOpen::Opened => {
+                d.counters.opened.fetch_add(1, Ordering::Relaxed);
+                ConnectionEvent::Opened
+            }
+            NotOpen::UntrackedClose => {
+                d.counters.untracked_closes.fetch_add(1, Ordering::Relaxed);
+                self.record_close(identity, stamp);
+                ConnectionEvent::Closed
+            }
+            NotOpen::Untracked { remembered } => {
+                d.counters.untracked.fetch_add(1, Ordering::Relaxed);
+                if !remembered {
+                    d.counters
+                        .untracked_unremembered
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                ConnectionEvent::Untracked
+            }
         }
-        c.open.insert(identity.into());
-        drop(c);
-        d.counters.opened.fetch_add(1, Ordering::Relaxed);
-        ConnectionEvent::Opened
     }
 
-    /// The connection with routing id `identity` closed: recorded at once (cheap: the server's
-    /// I/O thread calls it); the next [`LmFrontend::sweep_disconnects`] (the sweeper thread,
-    /// woken now) ends its lookup sessions and starts the countdown of the instances it owns
-    /// (see the module docs). Ignored when the grace is 0.
+    /// The connection with routing id `identity` closed: recorded at once (cheap, O(1): the
+    /// server's I/O thread calls it); the next [`LmFrontend::sweep_disconnects`] (the sweeper
+    /// thread, woken now) ends its lookup sessions and starts the countdown of the instances
+    /// it owns (see the module docs). Ignored when the grace is 0.
     pub fn connection_closed(&self, identity: &[u8]) {
+        let stamp = self.state.disconnects.next_stamp();
+        self.record_close(identity, stamp);
+    }
+
+    fn record_close(&self, identity: &[u8], stamp: u64) {
         if self.disconnect_grace_ms() == 0 {
             return;
         }
         let d = &self.state.disconnects;
         let now = self.ctx.now_ms();
-        let id: Arc<[u8]> = identity.into();
-        {
-            let mut c = d.conns.write();
-            c.open.remove(identity);
-            c.closed.insert(id.clone(), now);
-            c.closed_order.push_back((id.clone(), now));
-            // Remembered at least as long as a countdown runs (an adoption looks it up).
-            c.forget_old(now, self.unproven_grace_ms().max(CLOSED_MEMORY_MS));
-        }
+        // Remembered at least as long as a countdown runs (an adoption looks it up).
+        let memory = self.unproven_grace_ms().max(CLOSED_MEMORY_MS);
+        d.conns.write().close(identity, now, stamp, memory);
         {
             let mut q = d.closes.lock();
-            q.retain(|(x, _)| *x != id);
-            if q.len() < MAX_CLOSED_CONNECTIONS {
-                q.push((id, now));
+            let close = PendingClose { ms: now, stamp };
+            if let Some(p) = q.get_mut(identity) {
+                *p = close;
+            } else if q.len() < MAX_CLOSED_CONNECTIONS {
+                q.insert(identity.into(), close);
+                d.closes_waiting.store(q.len(), Ordering::Relaxed);
+            } else {
+                d.counters.closes_dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
         d.counters.closed.fetch_add(1, Ordering::Relaxed);
@@ -339,12 +398,19 @@ impl LmFrontend {
     }
 
     /// Processes the closes recorded since the last call (sessions ended, countdowns started),
-    /// then releases the instances whose countdown ended; returns how many were released. The
-    /// sweeper thread calls it every [`SWEEP_INTERVAL_MS`]; the simulator after its steps.
+    /// forgets idle open connections (a bounded number examined), then releases the instances
+    /// whose countdown ended; returns how many were released. The sweeper thread calls it
+    /// every [`SWEEP_INTERVAL_MS`]; the simulator after its steps.
     pub fn sweep_disconnects(&self) -> usize {
-        let closes = std::mem::take(&mut *self.state.disconnects.closes.lock());
-        for (identity, closed_ms) in closes {
-            let (sessions, instances) = self.forget_connection(&identity, closed_ms);
+        let d = &self.state.disconnects;
+        let batch: Vec<(Arc<[u8]>, PendingClose)> = d
+            .closes
+            .lock()
+            .iter()
+            .map(|(id, p)| (id.clone(), *p))
+            .collect();
+        for (identity, p) in batch {
+            let (sessions, instances) = self.forget_connection(&identity, p.ms, p.stamp);
             tracing::info!(
                 client = %ClientId::new(&identity, None),
                 sessions_ended = sessions,
@@ -352,32 +418,91 @@ impl LmFrontend {
                 grace_ms = self.disconnect_grace_ms(),
                 "LMCache client connection closed"
             );
+            self.close_processed(&identity, p.stamp);
         }
+        self.expire_idle_connections();
         self.release_disconnected()
     }
 
-    /// Called after every request of `client`: when its connection closed while the request
-    /// was queued or running, what the request created for it (a session, a registration)
-    /// goes the way of the rest. (Paired with [`LmFrontend::connection_closed`], which marks the
-    /// connection closed before it looks: one of the two sees what the request created.)
+    /// The close of `identity` at `stamp` was processed: it no longer waits, a reopened
+    /// connection of the id needs no reclaiming for it any more (a countdown it started is
+    /// cancelled by the reopened connection's next request for the instance instead).
+    fn close_processed(&self, identity: &[u8], stamp: u64) {
+        let d = &self.state.disconnects;
+        let mut cd = d.countdowns.lock();
+        let mut c = d.conns.write();
+        let mut q = d.closes.lock();
+        if q.get(identity).is_some_and(|p| p.stamp == stamp) {
+            q.remove(identity);
+            d.closes_waiting.store(q.len(), Ordering::Relaxed);
+        }
+        if let Some(o) = c.open.get_mut(identity) {
+            if o.reopened_from == Some(stamp) {
+                o.reopened_from = None;
+            }
+        }
+        cd.reclaimed.retain(|_, s| *s != stamp);
+    }
+
+    /// Forgets open connections with no request for [`OPEN_IDLE_EXPIRY_MS`] (at least the
+    /// session TTL, so none has a session left) that own no instance: their close was lost.
+    /// At most [`EXPIRY_CHECKS_PER_SWEEP`] are examined.
+    fn expire_idle_connections(&self) {
+        let d = &self.state.disconnects;
+        let now = self.ctx.now_ms();
+        let idle_ms =
+            OPEN_IDLE_EXPIRY_MS.max(self.ctx.config.session_ttl_secs.saturating_mul(1000));
+        let idle = d.conns.write().idle(now, idle_ms);
+        if idle.is_empty() {
+            return;
+        }
+        let owning: HashSet<Arc<[u8]>> = {
+            let owners = self.state.owners.lock();
+            idle.iter()
+                .filter(|(id, _)| owners.values().any(|o| o.client.identity() == &id[..]))
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let mut c = d.conns.write();
+        for (id, stamp) in idle {
+            if !owning.contains(&id) && c.expire(&id, stamp, now, idle_ms) {
+                d.counters.expired.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    client = %ClientId::new(&id, None),
+                    "LMCache connection forgotten: no request for an hour and nothing owned \
+                     (its close notification was most likely dropped)"
+                );
+            }
+        }
+    }
+
+    /// Called after every request of `client`: marks its connection used; when its
+    /// connection closed while the request was queued or running, what the request created
+    /// for it (a session, a registration) goes the way of the rest. (Paired with
+    /// [`LmFrontend::connection_closed`], which marks the connection closed before it looks:
+    /// one of the two sees what the request created.)
     pub(super) fn after_request(&self, client: &ClientId) {
-        let closed_ms = self
-            .state
-            .disconnects
-            .conns
-            .read()
-            .closed
-            .get(client.identity())
-            .copied();
-        if let Some(at) = closed_ms {
-            self.forget_connection(client.identity(), at);
+        let now = self.ctx.now_ms();
+        let closed = {
+            let c = self.state.disconnects.conns.read();
+            c.touch(client.identity(), now);
+            c.closed.get(client.identity()).copied()
+        };
+        if let Some(at) = closed {
+            self.forget_connection(client.identity(), at.ms, at.stamp);
         }
     }
 
     /// Ends the sessions and drops the per-request state of the clients with routing id
-    /// `identity`, and starts the countdown of the instances they own; returns (sessions
-    /// ended, countdowns started). Idempotent.
-    fn forget_connection(&self, identity: &[u8], closed_ms: u64) -> (usize, usize) {
+    /// `identity`, and starts the countdown of the instances they own (from the close at
+    /// `closed_ms`, stamp `closed_stamp`); returns (sessions ended, countdowns started).
+    /// Idempotent.
+    fn forget_connection(
+        &self,
+        identity: &[u8],
+        closed_ms: u64,
+        closed_stamp: u64,
+    ) -> (usize, usize) {
         let s = &self.state;
         let sessions = s.sessions.lock().identity_gone(identity);
         s.prefetch.lock().remove_identity(identity);
@@ -405,7 +530,7 @@ impl LmFrontend {
                 continue;
             };
             if inst.generation == owner.generation
-                && self.start_countdown(&inst, owner.client, closed_ms)
+                && self.start_countdown(&inst, owner.client, closed_ms, closed_stamp)
             {
                 started += 1;
             }
@@ -414,31 +539,107 @@ impl LmFrontend {
     }
 
     /// Starts the countdown of `inst` whose owner `owner` is gone (kept if already running for
-    /// the same owner); whether one runs now.
+    /// the same owner, with the later close's stamp); whether one runs now. None starts when a
+    /// connection of the same routing id opened after this close already used the instance.
     /// (`closed_ms`: when the close was seen, where the countdown starts).
-    fn start_countdown(&self, inst: &Instance, owner: ClientId, closed_ms: u64) -> bool {
+    fn start_countdown(
+        &self,
+        inst: &Instance,
+        owner: ClientId,
+        closed_ms: u64,
+        closed_stamp: u64,
+    ) -> bool {
         let now = closed_ms;
         let wait = if inst.pinged.load(Ordering::Relaxed) {
             self.disconnect_grace_ms()
         } else {
             self.unproven_grace_ms()
         };
-        let mut cd = self.state.disconnects.countdowns.lock();
-        let same = cd
+        let d = &self.state.disconnects;
+        let mut cd = d.countdowns.lock();
+        if cd
+            .reclaimed
             .get(&inst.id)
-            .is_some_and(|c| c.generation == inst.generation && c.owner == owner);
-        if !same {
-            cd.insert(
-                inst.id,
-                Countdown {
-                    generation: inst.generation,
-                    owner,
-                    closed_ms: now,
-                    due_ms: now.saturating_add(wait),
-                },
-            );
+            .is_some_and(|s| *s >= closed_stamp)
+        {
+            return false;
+        }
+        match cd.map.get_mut(&inst.id) {
+            Some(c) if c.generation == inst.generation && c.owner == owner => {
+                c.closed_stamp = c.closed_stamp.max(closed_stamp);
+            }
+            _ => {
+                cd.map.insert(
+                    inst.id,
+                    Countdown {
+                        generation: inst.generation,
+                        owner,
+                        closed_ms: now,
+                        closed_stamp,
+                        due_ms: now.saturating_add(wait),
+                    },
+                );
+                d.counting.store(cd.map.len(), Ordering::Relaxed);
+            }
         }
         true
+    }
+
+    /// `client`, which owns `inst`, asks for it. When `client`'s routing id closed and
+    /// reopened (a peer that sets its routing id reconnected) and this request came over the
+    /// reopened connection (stamped after the close), the close's countdown is cancelled (or,
+    /// when the sweeper has not processed the close yet, never starts), under a new pairing
+    /// epoch as for an adoption. Requests of the closed connection (stamped before its close)
+    /// change nothing. Cheap when no countdown runs and no close waits.
+    pub(super) fn reclaim(&self, client: &ClientId, inst: &Instance) {
+        let s = &self.state;
+        let d = &s.disconnects;
+        let stamp = client.stamp();
+        if stamp == 0
+            || (d.counting.load(Ordering::Relaxed) == 0
+                && d.closes_waiting.load(Ordering::Relaxed) == 0)
+        {
+            return;
+        }
+        // Lock order: pending, owners, countdowns, conns.
+        let mut pending = s.pending.lock();
+        let owners = s.owners.lock();
+        let mut cd = d.countdowns.lock();
+        let owns = owners
+            .get(&inst.id)
+            .is_some_and(|o| o.client == *client && o.generation == inst.generation);
+        if !owns || inst.is_released() {
+            return;
+        }
+        let cancel = cd.map.get(&inst.id).is_some_and(|c| {
+            c.generation == inst.generation && c.owner == *client && c.closed_stamp < stamp
+        });
+        let reopened = d
+            .conns
+            .read()
+            .open
+            .get(client.identity())
+            .and_then(|o| o.reopened_from)
+            .filter(|c| *c < stamp && cd.reclaimed.get(&inst.id) != Some(c));
+        if !cancel && reopened.is_none() {
+            return;
+        }
+        if cancel {
+            cd.map.remove(&inst.id);
+            d.counting.store(cd.map.len(), Ordering::Relaxed);
+        }
+        if let Some(c) = reopened {
+            cd.reclaimed.insert(inst.id, c);
+        }
+        pending.new_epoch(inst.id, inst.generation);
+        drop((pending, owners, cd));
+        d.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            instance = inst.id,
+            %client,
+            "LMCache instance used over a connection that reopened with its owner's routing id \
+             after the owner's connection closed: it is not released"
+        );
     }
 
     /// `client` asks for `inst`, which another connection owns: when that owner's connection
@@ -466,7 +667,8 @@ impl LmFrontend {
             Some(o) if orphaned(o) && !inst.is_released() => o.client.clone(),
             _ => return false,
         };
-        cd.remove(&inst.id);
+        cd.map.remove(&inst.id);
+        d.counting.store(cd.map.len(), Ordering::Relaxed);
         pending.new_epoch(inst.id, inst.generation);
         owners.insert(
             inst.id,
@@ -495,6 +697,7 @@ impl LmFrontend {
             .disconnects
             .countdowns
             .lock()
+            .map
             .iter()
             .filter(|(_, c)| c.due_ms <= now)
             .map(|(id, _)| *id)
@@ -507,11 +710,14 @@ impl LmFrontend {
             let marked = {
                 let owners = s.owners.lock();
                 let mut cd = s.disconnects.countdowns.lock();
-                match cd.get(&id) {
+                match cd.map.get(&id) {
                     Some(c) if c.due_ms <= now => {}
                     _ => continue,
                 }
-                let c = cd.remove(&id).expect("checked");
+                let c = cd.map.remove(&id).expect("checked");
+                s.disconnects
+                    .counting
+                    .store(cd.map.len(), Ordering::Relaxed);
                 inst.filter(|i| {
                     i.generation == c.generation
                         && owners
@@ -561,34 +767,19 @@ impl LmFrontend {
             "grace_seconds": state.limits.worker_disconnect_grace_ms as f64 / 1000.0,
             "unproven_grace_seconds": unproven_ms as f64 / 1000.0,
             "open_connections": d.conns.read().open.len(),
+            "untracked_open": d.conns.read().untracked_len(),
             "opened": n(&c.opened),
             "closed": n(&c.closed),
             "untracked": n(&c.untracked),
-            "counting_down": d.countdowns.lock().len(),
+            "untracked_closes": n(&c.untracked_closes),
+            "untracked_unremembered": n(&c.untracked_unremembered),
+            "expired": n(&c.expired),
+            "closes_dropped": n(&c.closes_dropped),
+            "counting_down": d.countdowns.lock().map.len(),
             "releases": n(&c.releases),
             "adoptions": n(&c.adoptions),
+            "reconnects": n(&c.reconnects),
             "sessions_ended": n(&c.sessions_ended),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn closed_ids_are_forgotten_by_age_and_count() {
-        let mut c = Connections::default();
-        for i in 0..3u8 {
-            let id: Arc<[u8]> = vec![i].into();
-            c.closed.insert(id.clone(), u64::from(i));
-            c.closed_order.push_back((id, u64::from(i)));
-        }
-        c.forget_old(10, CLOSED_MEMORY_MS);
-        assert_eq!(c.closed.len(), 3);
-        c.forget_old(CLOSED_MEMORY_MS + 1, CLOSED_MEMORY_MS);
-        assert_eq!(c.closed.len(), 1, "ids 0 and 1 aged out");
-        assert!(c.closed.contains_key(&[2u8][..]));
-        assert_eq!(c.closed_order.len(), 1);
     }
 }

@@ -79,7 +79,11 @@ impl LmFrontend {
         };
         let owner = self.state.owners.lock().get(&instance_id).cloned();
         match owner {
-            Some(o) if o.generation == inst.generation && o.client == *client => Some(inst),
+            Some(o) if o.generation == inst.generation && o.client == *client => {
+                // Over a connection that reopened with the owner's routing id: not released.
+                self.reclaim(client, &inst);
+                Some(inst)
+            }
             // The owner's connection closed and this one of the same user took over.
             _ if self.adopt_orphan(client, &inst) => Some(inst),
             _ => {
@@ -110,14 +114,21 @@ impl LmFrontend {
             self.call(Request::Ping { instance_id });
             return true;
         };
-        let mine = {
+        let owner = {
             let o = self.state.owners.lock();
             o.get(&id).is_some_and(|w| w.client == *client)
-        } || self
-            .ctx
-            .instances
-            .get(id)
-            .is_some_and(|inst| self.adopt_orphan(client, &inst));
+        };
+        if owner {
+            if let Some(inst) = self.ctx.instances.get(id) {
+                self.reclaim(client, &inst);
+            }
+        }
+        let mine = owner
+            || self
+                .ctx
+                .instances
+                .get(id)
+                .is_some_and(|inst| self.adopt_orphan(client, &inst));
         if mine {
             self.call(Request::Ping { instance_id });
             return true;
