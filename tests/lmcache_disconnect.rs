@@ -223,8 +223,12 @@ fn a_worker_killed_after_prepare_store_is_released_and_its_slots_freed() {
     assert_eq!(num(&s, &["objects", "write_reserved"]), 2);
     assert!(num(&s, &["used_bytes"]) > 0);
     let killed = kill(child);
+    // The whole release (instance gone, its slots freed, counted) may be seen in steps.
     let s = wait_for(&node, "release of the killed worker", |s| {
         instance_ids(s).is_empty()
+            && num(s, &["pending_writes"]) == 0
+            && num(s, &["used_bytes"]) == 0
+            && num(s, &["lmcache", "disconnect_releases"]) >= 1
     });
     report(&node, "after PREPARE_STORE", killed);
     assert_eq!(num(&s, &["pending_writes"]), 0);
@@ -252,7 +256,7 @@ fn a_worker_killed_after_register_is_released_by_the_unproven_countdown() {
     assert_eq!(s["lmcache"]["disconnect"]["unproven_grace_seconds"], 10.0);
     let killed = kill(child);
     let s = wait_for(&node, "release of the killed worker", |s| {
-        instance_ids(s).is_empty()
+        instance_ids(s).is_empty() && num(s, &["lmcache", "disconnect_releases"]) >= 1
     });
     report(&node, "after REGISTER (unproven)", killed);
     assert_eq!(num(&s, &["lmcache", "disconnect_releases"]), 1);
@@ -300,8 +304,12 @@ fn a_worker_killed_after_prepare_retrieve_releases_its_read_locks() {
     assert_eq!(num(&s, &["objects", "read_locked"]), 2, "{s:#}");
     assert_eq!(num(&s, &["pending_reads"]), 1);
     let killed = kill(child);
+    // The whole release (instance gone, its reads unlocked, counted) may be seen in steps.
     let s = wait_for(&node, "release of the killed worker", |s| {
         instance_ids(s) == vec![51]
+            && num(s, &["pending_reads"]) == 0
+            && num(s, &["objects", "read_locked"]) == 0
+            && num(s, &["lmcache", "disconnect_releases"]) >= 1
     });
     report(&node, "after PREPARE_RETRIEVE", killed);
     assert_eq!(num(&s, &["pending_reads"]), 0);

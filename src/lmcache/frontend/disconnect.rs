@@ -730,15 +730,17 @@ impl LmFrontend {
             let Some((inst, c)) = marked else {
                 continue;
             };
-            let r = self.ctx.finish_release(&inst, "disconnected");
+            // Counted before the release completes, so a STATUS that no longer lists the
+            // instance already counts its release.
             self.ctx
                 .counters
                 .disconnected
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(1, Ordering::SeqCst);
             s.disconnects
                 .counters
                 .releases
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(1, Ordering::SeqCst);
+            let r = self.ctx.finish_release(&inst, "disconnected");
             released += 1;
             tracing::info!(
                 instance = id,
