@@ -50,35 +50,10 @@ pub const LM_OPS: [Op; 23] = [
     Op::Unsupported,
 ];
 
-/// The label value of an LMCache operation: its LMCache 0.5.6 snake_case name (`unsupported`
-/// for every operation kvnode does not serve). The match is exhaustive: a new operation must
-/// be named here.
+/// The label value of an LMCache operation: its LMCache 0.5.6 snake_case name (the wire's own
+/// table, [`Op::name`]; `unsupported` for every operation kvnode does not serve).
 pub fn lm_op_name(op: Op) -> &'static str {
-    match op {
-        Op::RegisterKvCache => "register_kv_cache",
-        Op::UnregisterKvCache => "unregister_kv_cache",
-        Op::Store => "store",
-        Op::Retrieve => "retrieve",
-        Op::Lookup => "lookup",
-        Op::QueryPrefetchStatus => "query_prefetch_status",
-        Op::WaitPrefetchStatus => "wait_prefetch_status",
-        Op::QueryPrefetchLookupHits => "query_prefetch_lookup_hits",
-        Op::FreeLookupLocks => "free_lookup_locks",
-        Op::EndSession => "end_session",
-        Op::RegisterEngineDriven => "register_kv_cache_engine_driven_context",
-        Op::UnregisterEngineDriven => "unregister_kv_cache_engine_driven_context",
-        Op::PrepareStore => "prepare_store",
-        Op::CommitStore => "commit_store",
-        Op::PrepareRetrieve => "prepare_retrieve",
-        Op::CommitRetrieve => "commit_retrieve",
-        Op::Clear => "clear",
-        Op::GetChunkSize => "get_chunk_size",
-        Op::Ping => "ping",
-        Op::ReportBlockAllocation => "report_block_allocation",
-        Op::Noop => "noop",
-        Op::GetExperimental => "get_experimental",
-        Op::Unsupported => "unsupported",
-    }
+    op.name()
 }
 
 #[cfg(test)]

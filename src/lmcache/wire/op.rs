@@ -56,6 +56,17 @@ pub enum Op {
     Unsupported,
 }
 
+impl Op {
+    /// LMCache's snake_case name of the operation, as 0.5.6 clients send it
+    /// (`"unsupported"` for [`Op::Unsupported`]).
+    pub fn name(self) -> &'static str {
+        OP_TABLE
+            .iter()
+            .find(|(op, _, _)| *op == self)
+            .map_or("unsupported", |(_, name, _)| name)
+    }
+}
+
 /// Ops kvnode understands, with their 0.5.6 snake_case name and frozen legacy id.
 pub(super) const OP_TABLE: [(Op, &str, u8); 22] = [
     (Op::RegisterKvCache, "register_kv_cache", 1),
