@@ -146,7 +146,11 @@ fn mount_candidates(
     }
     let refused = match sys::in_init_mount_namespace() {
         Ok(true) => None,
-        Ok(false) => Some("the node is not in PID 1's mount namespace".to_owned()),
+        Ok(false) => Some(
+            "the node is not in PID 1's mount namespace (or not in the initial PID namespace, \
+             e.g. in a container, where PID 1 is not the host's init)"
+                .to_owned(),
+        ),
         Err(e) => Some(format!(
             "cannot tell whether the node is in PID 1's mount namespace ({e})"
         )),

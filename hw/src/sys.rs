@@ -187,7 +187,12 @@ pub(crate) fn mapping_pages_in(smaps: &str, addr: usize) -> Option<MappingPages>
     found.then_some(m)
 }
 
-/// Whether this process is in the mount namespace of PID 1: only there is a mount the node
+/// The initial PID namespace as `/proc/self/ns/pid` names it (the kernel's fixed
+/// `PROC_PID_INIT_INO`, 0xEFFFFFFC).
+const INIT_PID_NAMESPACE: &str = "pid:[4026531836]";
+
+/// Whether this process is in the initial PID namespace and in the mount namespace of PID 1
+/// (then the host's init): only there is a mount the node
 /// makes seen by processes of the host's namespace. Compares `/proc/self/ns/mnt` with
 /// `/proc/1/ns/mnt`; where PID 1's is not readable (a PID 1 with capabilities this process
 /// lacks), compares the mount IDs of the two processes' mountinfo instead (a mount belongs to
@@ -195,6 +200,12 @@ pub(crate) fn mapping_pages_in(smaps: &str, addr: usize) -> Option<MappingPages>
 /// it cannot tell, which callers treat as "not known to be".
 pub(crate) fn in_init_mount_namespace() -> Result<bool, String> {
     let read = |p: &str| fs::read_link(p).map_err(|e| format!("cannot read {p}: {e}"));
+    // PID 1 is the host's init only in the initial PID namespace (a container's own PID
+    // namespace has its own PID 1, often sharing the container's mount namespace): anywhere
+    // else the comparison below proves nothing, so the answer is no.
+    if read("/proc/self/ns/pid")?.as_os_str() != INIT_PID_NAMESPACE {
+        return Ok(false);
+    }
     let mine = read("/proc/self/ns/mnt")?;
     match read("/proc/1/ns/mnt") {
         Ok(init) => Ok(mine == init),
