@@ -190,6 +190,13 @@ impl Disconnects {
         &self.counters
     }
 
+    /// Forgets what was kept for instance `id`, released by the node (a reclaim whose close
+    /// was overwritten by a later close of the same routing id would otherwise stay): the
+    /// reclaimed entries never outnumber the live instances.
+    pub(super) fn forget_instance(&self, id: u64) {
+        self.countdowns.lock().reclaimed.remove(&id);
+    }
+
     fn is_closed(&self, identity: &[u8]) -> bool {
         self.conns.read().closed.contains_key(identity)
     }

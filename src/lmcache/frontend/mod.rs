@@ -256,6 +256,9 @@ impl State {
                 self.lost.lock().insert(inst.id, w.client);
             }
         }
+        drop(o);
+        // Lock order: pending, owners, countdowns (none of the others is held here).
+        self.disconnects.forget_instance(inst.id);
     }
 }
 
