@@ -30,6 +30,7 @@ compile_error!("kvnode-hw only supports Linux");
 
 mod block;
 mod data_file;
+pub mod fabric;
 mod error;
 mod fdpass;
 mod meminfo;
