@@ -30,8 +30,8 @@ compile_error!("kvnode-hw only supports Linux");
 
 mod block;
 mod data_file;
-pub mod fabric;
 mod error;
+pub mod fabric;
 mod fdpass;
 mod meminfo;
 mod netif;

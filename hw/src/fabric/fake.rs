@@ -383,14 +383,11 @@ impl FakeFabric {
     }
 
     /// Moves one item; `Remote(REM_ACCESS_ERR)` for a bad key or bounds.
-    fn move_item(
-        &self,
-        peer: &mut FakePeer,
-        dir: Dir,
-        item: &WorkItem,
-    ) -> Result<(), FabricError> {
+    fn move_item(&self, peer: &mut FakePeer, dir: Dir, item: &WorkItem) -> Result<(), FabricError> {
         let RemoteSeg::Rdma { addr, rkey } = item.remote else {
-            return Err(FabricError::Local("stream segment on the fake fabric".into()));
+            return Err(FabricError::Local(
+                "stream segment on the fake fabric".into(),
+            ));
         };
         let Some((idx, start)) = peer.locate(addr, rkey, item.local.len) else {
             return Err(FabricError::Remote(REM_ACCESS_ERR.to_owned()));
@@ -421,8 +418,7 @@ impl FakeFabric {
                 Dir::Push => {
                     if let RemoteSeg::Rdma { addr, rkey } = item.remote {
                         if let Some((idx, start)) = peer.locate(addr, rkey, item.local.len) {
-                            peer.regions[idx].bytes[start..start + buf.len()]
-                                .copy_from_slice(&buf);
+                            peer.regions[idx].bytes[start..start + buf.len()].copy_from_slice(&buf);
                         }
                     }
                 }
@@ -448,8 +444,7 @@ impl FakeFabric {
         keys.sort_by_key(|k| k.2);
         for k in keys {
             let p = st.pending.remove(&k).expect("key listed");
-            if let Some(mut peer) = st.conns.get_mut(&conn).map(|c| std::mem::take(&mut c.peer))
-            {
+            if let Some(mut peer) = st.conns.get_mut(&conn).map(|c| std::mem::take(&mut c.peer)) {
                 self.garbage(st, &mut peer, p.dir, &p.items);
                 st.conns.get_mut(&conn).expect("present").peer = peer;
             }
