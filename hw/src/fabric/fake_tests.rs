@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::fake::{INJECTED_OP_ERR, REM_ACCESS_ERR};
 use super::*;
 use crate::{PagePreference, PoolOptions, SharedPool};
 

@@ -12,6 +12,7 @@
 //! done) and then returns exactly one completion with `op == OpId::TEARDOWN_DONE`.
 
 mod fake;
+mod fake_peer;
 mod types;
 
 #[cfg(test)]
@@ -22,7 +23,11 @@ use std::time::Duration;
 
 use crate::{HwResult, SharedPool};
 
-pub use fake::{FakeFabric, FakeOptions, FakePeer, FakeRegion};
+pub use fake::FakeFabric;
+pub use fake_peer::{
+    FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,
+    INJECTED_OP_ERR, REM_ACCESS_ERR,
+};
 pub use types::{
     Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, LocalRange, OpId,
     PendingQp, PostBatch, PostError, RdmaEndpoint, RegionId, RemoteSeg, WorkItem,

@@ -7,7 +7,7 @@
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use super::fake::FakePeer;
+use super::fake_peer::FakePeer;
 
 /// Which implementation a fabric is.
 ///
