@@ -112,12 +112,21 @@ impl<const N: usize> OpTable<N> {
     /// Counts one answered request of operation `op`, an error if `error`, timed from
     /// `started` to now.
     pub fn record(&self, op: usize, error: bool, started: Instant) {
+        self.record_ns(
+            op,
+            error,
+            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+    }
+
+    /// [`OpTable::record`] with the latency already measured (`ns`), for callers that read the
+    /// clock once for several uses.
+    pub fn record_ns(&self, op: usize, error: bool, ns: u64) {
         if let Some(c) = self.ops.get(op) {
             c.requests.fetch_add(1, Ordering::Relaxed);
             if error {
                 c.errors.fetch_add(1, Ordering::Relaxed);
             }
-            let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             c.latency.observe_ns(ns);
         }
     }

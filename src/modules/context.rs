@@ -243,12 +243,6 @@ impl NodeContext {
         self.checked(|| self.storage.memcheck_incremental())
     }
 
-    /// [`NodeContext::memcheck`] with the exact, stop-the-world L1 check (tests and tools that
-    /// need one consistent snapshot; never on the wire).
-    pub fn memcheck_exact(&self) -> crate::storage::core::MemcheckReport {
-        self.checked(|| self.storage.memcheck())
-    }
-
     fn checked(
         &self,
         l1: impl FnOnce() -> crate::storage::core::MemcheckReport,

@@ -77,9 +77,15 @@ impl LmFrontend {
             );
             return None;
         };
-        let owner = self.state.owners.lock().get(&instance_id).cloned();
-        match owner {
-            Some(o) if o.generation == inst.generation && o.client == *client => {
+        // Compared under the lock: no copy of the owner per request.
+        let owns = self
+            .state
+            .owners
+            .lock()
+            .get(&instance_id)
+            .is_some_and(|o| o.generation == inst.generation && o.client == *client);
+        match owns {
+            true => {
                 // Over a connection that reopened with the owner's routing id: not released.
                 self.reclaim(client, &inst);
                 Some(inst)
