@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod modules;
 pub mod op_stats;
 pub mod protocol;
+pub mod remote;
 pub mod server;
 pub mod sim;
 pub mod storage;

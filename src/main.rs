@@ -1,4 +1,5 @@
-//! The `kvnode` command: `serve`, `lmcache-server`, `status`, `ping` (each in `cli/`).
+//! The `kvnode` command: `serve`, `lmcache-server`, `status`, `ping`, `token` (each in `cli/`).
+//! Exit status: 0 success, 1 failure, 3 authentication failed (remote commands).
 
 mod cli;
 
@@ -36,6 +37,8 @@ enum Command {
         /// Seconds to wait for the node to take the connection, and then for its report.
         #[arg(long, value_parser = cli::timeout_arg, value_name = "SECS", default_value = "60")]
         timeout: std::time::Duration,
+        #[command(flatten)]
+        remote: cli::remote::RemoteArgs,
     },
     /// Serve LMCache clients (drop-in for `python -m lmcache.v1.multiprocess.server`).
     LmcacheServer(cli::lmcache::LmcacheArgs),
@@ -47,26 +50,52 @@ enum Command {
         /// Seconds to wait for the node to take the connection, and then for its answer.
         #[arg(long, value_parser = cli::timeout_arg, value_name = "SECS", default_value = "10")]
         timeout: std::time::Duration,
+        #[command(flatten)]
+        remote: cli::remote::RemoteArgs,
     },
+    /// Tokens that authenticate remote engines (`serve --auth-token-file`).
+    #[command(subcommand)]
+    Token(cli::remote::TokenCommand),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let r = match cli.command {
-        Command::Serve(a) => cli::serve::serve(a),
-        Command::LmcacheServer(a) => cli::lmcache::lmcache_server(a),
+    let r: Result<(), cli::CliError> = match cli.command {
+        Command::Serve(a) => cli::serve::serve(a).map_err(Into::into),
+        Command::LmcacheServer(a) => cli::lmcache::lmcache_server(a).map_err(Into::into),
+        Command::Status {
+            remote: cli::remote::RemoteArgs {
+                remote: Some(url),
+                token_file,
+            },
+            json,
+            timeout,
+            ..
+        } => cli::remote::status(&url, token_file.as_deref(), json, timeout),
         Command::Status {
             socket,
             json,
             timeout,
-        } => cli::inspect::status(socket, json, timeout),
-        Command::Ping { socket, timeout } => cli::inspect::ping(socket, timeout),
+            ..
+        } => cli::inspect::status(socket, json, timeout).map_err(Into::into),
+        Command::Ping {
+            remote: cli::remote::RemoteArgs {
+                remote: Some(url),
+                token_file,
+            },
+            timeout,
+            ..
+        } => cli::remote::ping(&url, token_file.as_deref(), timeout),
+        Command::Ping { socket, timeout, .. } => {
+            cli::inspect::ping(socket, timeout).map_err(Into::into)
+        }
+        Command::Token(t) => cli::remote::token(t).map_err(Into::into),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvnode: {e}");
-            ExitCode::FAILURE
+            eprintln!("kvnode: {}", e.message);
+            ExitCode::from(e.code)
         }
     }
 }

@@ -174,6 +174,7 @@ fn header(id: u64, payload_len: u32) -> [u8; HEADER_BYTES] {
         flags: 0,
         request_id: id,
         payload_len,
+        trailer_len: 0,
     }
     .encode()
 }

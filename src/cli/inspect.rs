@@ -14,12 +14,14 @@ pub(crate) fn status(
         return Ok(());
     }
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    print_status(&v, &socket.display().to_string());
+    Ok(())
+}
+
+/// Prints the human form of a status report of the node at `at`.
+pub(crate) fn print_status(v: &serde_json::Value, at: &str) {
     let mib = |k: &str| v[k].as_u64().unwrap_or(0) as f64 / (1 << 20) as f64;
-    println!(
-        "kvnode {} at {}",
-        v["version"].as_str().unwrap_or("?"),
-        socket.display()
-    );
+    println!("kvnode {} at {at}", v["version"].as_str().unwrap_or("?"));
     println!(
         "pool      {:.1} MiB ({}), used {:.1} MiB",
         mib("pool_bytes"),
@@ -62,7 +64,20 @@ pub(crate) fn status(
             i["pending_reads"]
         );
     }
-    Ok(())
+    let t = &v["transports"];
+    if t.is_object() {
+        println!(
+            "transports uds {}  tcp {} (auth {}, engine {})  rdma {}",
+            t["uds"], t["tcp"], t["tcp_auth"], t["tcp_engine"], t["rdma"]
+        );
+    }
+    let r = &v["remote"];
+    if r.is_object() {
+        println!(
+            "remote    connections {}  bytes in {}  out {}  handshakes {}",
+            r["connections_total"], r["bytes_in"], r["bytes_out"], r["handshakes"]
+        );
+    }
 }
 
 pub(crate) fn ping(socket: PathBuf, timeout: std::time::Duration) -> Result<(), String> {

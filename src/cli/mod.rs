@@ -3,6 +3,7 @@
 
 pub(crate) mod inspect;
 pub(crate) mod lmcache;
+pub(crate) mod remote;
 pub(crate) mod serve;
 
 use std::path::PathBuf;
@@ -197,6 +198,22 @@ fn cli_client(socket: &std::path::Path, timeout: std::time::Duration) -> Result<
 }
 
 /// A `--timeout` in seconds: more than 0, at most a day.
+/// A command's failure: the message printed and the process's exit status (1, or
+/// [`EXIT_AUTH_FAILED`]).
+pub(crate) struct CliError {
+    pub(crate) message: String,
+    pub(crate) code: u8,
+}
+
+/// Exit status of a remote command whose authentication failed (either direction).
+pub(crate) const EXIT_AUTH_FAILED: u8 = 3;
+
+impl From<String> for CliError {
+    fn from(message: String) -> CliError {
+        CliError { message, code: 1 }
+    }
+}
+
 pub(crate) fn timeout_arg(s: &str) -> Result<std::time::Duration, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(v)),

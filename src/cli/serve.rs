@@ -46,6 +46,25 @@ pub(crate) struct ServeArgs {
     /// a free port, logged) [default: off]. A port that cannot be bound stops the node.
     #[arg(long, value_parser = socket_addr_arg, value_name = "HOST:PORT")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Listen for remote engines at tcp://ADDR:PORT (port 0 picks a free port, logged)
+    /// [default: off, unless the config file sets remote.listen].
+    #[arg(long, value_name = "URL")]
+    listen: Option<String>,
+    /// File with the token remote engines must prove (create one with `kvnode token generate`;
+    /// owned by the node's user, mode 0600 or stricter).
+    #[arg(long, value_name = "FILE")]
+    auth_token_file: Option<PathBuf>,
+    /// File with the token that gives remote callers the admin role (CLEAR, MEMCHECK).
+    #[arg(long, value_name = "FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// Listen on --listen without authentication: anyone who reaches the port may use the
+    /// node. Only for a network that is yours alone.
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// How the TCP fabric moves bytes: uring (io_uring, zero-copy send) or plain (poll + recv
+    /// and send) [default: uring, unless the config file sets remote.tcp_engine].
+    #[arg(long, value_name = "ENGINE")]
+    tcp_engine: Option<String>,
     #[command(flatten)]
     l2: L2Args,
     #[command(flatten)]
@@ -90,6 +109,21 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = args.workers {
         cfg.workers = v;
+    }
+    if let Some(v) = args.listen {
+        cfg.remote.listen = v;
+    }
+    if let Some(v) = args.auth_token_file {
+        cfg.remote.auth_token_file = Some(v);
+    }
+    if let Some(v) = args.admin_token_file {
+        cfg.remote.admin_token_file = Some(v);
+    }
+    if args.insecure_no_auth {
+        cfg.remote.insecure_no_auth = true;
+    }
+    if let Some(v) = args.tcp_engine {
+        cfg.remote.tcp_engine = v;
     }
     args.l2.apply(&mut cfg.l2)?;
     args.access.apply(&mut cfg.access);

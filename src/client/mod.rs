@@ -1,5 +1,7 @@
 //! The blocking native client: connect, register (receiving and mapping the pool), and store or
-//! retrieve chunks by copying straight into or out of the shared pool.
+//! retrieve chunks by copying straight into or out of the shared pool. The same client talks
+//! to a node on another host over TCP ([`RemoteClient`]): the node then moves each chunk's
+//! bytes between its pool and the client's buffers.
 //!
 //! ```no_run
 //! use kvnode::client::{Client, ChunkRangeBuilder};
@@ -17,27 +19,23 @@
 //! # Ok::<(), kvnode::error::Error>(())
 //! ```
 
-use std::io;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 mod connect;
+mod local;
+pub mod remote;
 
-use kvnode_hw::{PoolMapping, PoolRegion};
-
-use self::connect::{check_node_user, connect_bounded, connect_error};
+use kvnode_hw::PoolMapping;
 use rkyv::util::AlignedVec;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::hashing::{chunk_hashes, ChunkHash};
-use crate::protocol::frame::{
-    decode_response, encode_request, FrameError, FrameReader, FrameSource,
-};
-use crate::protocol::{
-    ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireLayout, WireSlot,
-};
+use crate::protocol::frame::{decode_response, encode_request, FrameError, FrameHeader, FrameReader};
+use crate::protocol::{ChunkRange, RegisterReply, Request, Response, WireLayout, WireSlot};
+
+pub use self::local::UnixTransport;
+pub use self::remote::{RemoteClient, RemoteOptions, TcpTransport};
 
 /// Builds [`ChunkRange`]s from token lists (hashing on the client, once).
 pub struct ChunkRangeBuilder {
@@ -116,18 +114,26 @@ pub struct RetrievePrepared {
     pub layout: WireLayout,
 }
 
-struct FdSource<'a>(&'a UnixStream);
-
-impl FrameSource for FdSource<'_> {
-    fn recv(&mut self, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
-        kvnode_hw::recv_with_fd(self.0.as_fd(), buf)
-    }
+/// How a [`Client`] reaches its node: a local Unix socket ([`UnixTransport`]) or an
+/// authenticated TCP connection ([`TcpTransport`]). Invariant: `send_frame` writes a whole frame
+/// (with its trailer, when the caller sends one right after) without interleaving anything else.
+pub trait ClientTransport {
+    /// Writes one whole frame.
+    fn send_frame(&mut self, frame: &[u8]) -> Result<()>;
+    /// Reads the next frame into `payload`, with any file descriptor that came with it.
+    fn read_frame(
+        &mut self,
+        reader: &mut FrameReader,
+        payload: &mut AlignedVec<16>,
+    ) -> std::result::Result<Option<(FrameHeader, Option<OwnedFd>)>, FrameError>;
+    /// Bounds how long one read or write may block (`None`: forever).
+    fn set_timeout(&mut self, timeout: Option<Duration>) -> Result<()>;
 }
 
 /// A blocking connection to a node. Invariant: responses are matched to requests by id; a
 /// mismatch is an error, never silently accepted.
-pub struct Client {
-    stream: UnixStream,
+pub struct Client<T: ClientTransport = UnixTransport> {
+    stream: T,
     next_id: u64,
     payload: AlignedVec<16>,
     reader: FrameReader,
@@ -135,7 +141,7 @@ pub struct Client {
     registration: Option<RegisterReply>,
 }
 
-fn frame_err(e: FrameError) -> Error {
+pub(crate) fn frame_err(e: FrameError) -> Error {
     match e {
         FrameError::Io(m) if m.contains("timed out") || m.contains("temporarily unavailable") => {
             Error::new(
@@ -149,29 +155,14 @@ fn frame_err(e: FrameError) -> Error {
     }
 }
 
-impl Client {
-    /// Connects to the node's Unix socket. Errors name the path and say why no node answered.
-    /// Waits for a node whose accept queue is full as long as it takes; see
-    /// [`Client::connect_timeout`] for a bounded wait.
-    /// The node must run as this process's user or as root (checked with `SO_PEERCRED`): a
-    /// socket another user put at the path is never trusted with requests or a pool fd.
-    pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
-        let p = path.as_ref();
-        let stream = UnixStream::connect(p).map_err(|e| connect_error(p, &e))?;
-        check_node_user(p, &stream)?;
-        Ok(Client::over(stream))
+impl<T: ClientTransport> Client<T> {
+    /// Bounds how long a reply may take (`None`: wait forever, the default). A call that runs
+    /// past it fails with an error saying the node did not answer in time.
+    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
+        self.stream.set_timeout(timeout)
     }
 
-    /// [`Client::connect`] that gives up after `timeout` when the node does not take the
-    /// connection (its accept queue is full: a hung or overloaded node), with an error naming
-    /// the path. Replies are not bounded by it (see [`Client::set_timeout`]).
-    pub fn connect_timeout(path: impl AsRef<Path>, timeout: Duration) -> Result<Client> {
-        let stream = connect_bounded(path.as_ref(), timeout)?;
-        check_node_user(path.as_ref(), &stream)?;
-        Ok(Client::over(stream))
-    }
-
-    fn over(stream: UnixStream) -> Client {
+    fn over(stream: T) -> Client<T> {
         Client {
             stream,
             next_id: 1,
@@ -182,35 +173,27 @@ impl Client {
         }
     }
 
-    /// Bounds how long a reply may take (`None`: wait forever, the default). A call that runs
-    /// past it fails with an error saying the node did not answer in time.
-    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
-        self.stream.set_read_timeout(timeout)?;
-        self.stream.set_write_timeout(timeout)?;
-        Ok(())
-    }
-
     /// Sends a request without waiting (pipelining); returns its request id.
     pub fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
         let frame = encode_request(id, req).map_err(frame_err)?;
-        kvnode_hw::send_with_fd(self.stream.as_fd(), &frame, None)?;
+        self.stream.send_frame(&frame)?;
         Ok(id)
     }
 
     /// Receives the next response: (request id, response, fd if one was attached).
     pub fn recv(&mut self) -> Result<(u64, Response, Option<OwnedFd>)> {
         let (h, fd) = self
-            .reader
-            .read_frame(&mut FdSource(&self.stream), &mut self.payload)
+            .stream
+            .read_frame(&mut self.reader, &mut self.payload)
             .map_err(frame_err)?
             .ok_or_else(|| Error::new(ErrorKind::Io, "node closed the connection"))?;
         let resp = decode_response(&self.payload).map_err(frame_err)?;
         Ok((h.request_id, resp, fd))
     }
 
-    fn call_with_fd(&mut self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
+    pub(crate) fn call_with_fd(&mut self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
         let id = match self.send(req) {
             Ok(id) => id,
             Err(e) => {
@@ -248,38 +231,8 @@ impl Client {
         self.call_with_fd(req).map(|(r, _)| r)
     }
 
-    fn unexpected(r: Response) -> Error {
+    pub(crate) fn unexpected(r: Response) -> Error {
         Error::internal(format!("unexpected response {r:?}"))
-    }
-
-    /// Registers an engine-driven context and maps the pool received with the reply.
-    pub fn register(&mut self, req: &RegisterRequest) -> Result<RegisterReply> {
-        let (resp, fd) = self.call_with_fd(&Request::Register(req.clone()))?;
-        let Response::Registered(reply) = resp else {
-            return Err(Self::unexpected(resp));
-        };
-        if self.pool.is_none() {
-            let mapping = match (fd, reply.shm_name.as_str()) {
-                (Some(fd), _) => PoolMapping::from_fd(fd, reply.pool_bytes)?,
-                (None, name) if !name.is_empty() => {
-                    PoolMapping::open_posix_shm(name, reply.pool_bytes)?
-                }
-                (None, _) => {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        "registration reply carried no pool fd and no shm name",
-                    ))
-                }
-            };
-            self.pool = Some(mapping);
-        }
-        self.registration = Some(reply.clone());
-        Ok(reply)
-    }
-
-    /// The mapped pool (after `register`).
-    pub fn pool(&self) -> Option<&PoolRegion> {
-        self.pool.as_ref().map(PoolMapping::region)
     }
 
     fn registration(&self) -> Result<&RegisterReply> {
@@ -470,87 +423,5 @@ impl Client {
         .map(drop)
     }
 
-    fn check_slot(&self, slot: &WireSlot, len: usize) -> Result<&PoolRegion> {
-        let pool = self
-            .pool()
-            .ok_or_else(|| Error::new(ErrorKind::NotRegistered, "no pool mapped"))?;
-        if slot.length != len as u64 {
-            return Err(Error::invalid(format!(
-                "chunk of {len} bytes for a slot of {} bytes",
-                slot.length
-            )));
-        }
-        Ok(pool)
-    }
 
-    /// Stores `chunks` (one per hash of `range`, each exactly `object_bytes`): prepare, copy the
-    /// chunks the node lacks into the pool, commit. Returns how many chunks were written (the rest
-    /// were cached already). On a copy failure the reservation is aborted.
-    pub fn store(
-        &mut self,
-        instance_id: u64,
-        range: &ChunkRange,
-        chunks: &[&[u8]],
-    ) -> Result<usize> {
-        if chunks.len() != range.chunk_hashes.len() {
-            return Err(Error::invalid(format!(
-                "{} chunks for {} hashes",
-                chunks.len(),
-                range.chunk_hashes.len()
-            )));
-        }
-        let want = self.object_bytes()?;
-        if let Some(bad) = chunks.iter().find(|c| c.len() as u64 != want) {
-            return Err(Error::invalid(format!(
-                "chunk of {} bytes; the layout needs {want}",
-                bad.len()
-            )));
-        }
-        let p = self.prepare_store(instance_id, range)?;
-        if p.slots.is_empty() {
-            return Ok(0);
-        }
-        let copied: Result<()> = p
-            .slots
-            .iter()
-            .zip(&p.chunk_indices)
-            .try_for_each(|(slot, &i)| {
-                let data = chunks
-                    .get(i as usize)
-                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
-                self.check_slot(slot, data.len())?
-                    .write_at(slot.offset, data)?;
-                Ok(())
-            });
-        if let Err(e) = copied {
-            let _ = self.abort_store(instance_id, p.transfer_id);
-            return Err(e);
-        }
-        self.commit_store(instance_id, p.transfer_id)?;
-        Ok(p.slots.len())
-    }
-
-    /// Retrieves every chunk of `range` (fresh read locks, released on commit); `None` if any
-    /// chunk is missing.
-    pub fn retrieve(
-        &mut self,
-        instance_id: u64,
-        range: &ChunkRange,
-    ) -> Result<Option<Vec<Vec<u8>>>> {
-        let Some(p) = self.prepare_retrieve(instance_id, range, None)? else {
-            return Ok(None);
-        };
-        let out: Result<Vec<Vec<u8>>> = p
-            .slots
-            .iter()
-            .map(|slot| {
-                let mut buf = vec![0u8; slot.length as usize];
-                self.check_slot(slot, buf.len())?
-                    .read_at(slot.offset, &mut buf)?;
-                Ok(buf)
-            })
-            .collect();
-        self.commit_retrieve(instance_id, p.transfer_id)?;
-        out.map(Some)
-    }
 }

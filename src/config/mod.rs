@@ -17,8 +17,10 @@ pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
 
 mod limits;
 mod socket_dir;
+mod remote;
 
 pub use limits::Limits;
+pub use remote::{parse_tcp_url, RemoteConfig, TcpEngineChoice, HEARTBEAT_MS};
 pub use socket_dir::{
     check_private_dir, default_socket_dir, default_socket_path, ensure_private_dir,
 };
@@ -353,6 +355,8 @@ pub struct NodeConfig {
     pub access: crate::access::AccessConfig,
     /// Budgets of the LMCache frontend (`[lmcache]` in TOML).
     pub lmcache: crate::lmcache::frontend::LmLimits,
+    /// The TCP listener for remote engines (`[remote]` in TOML).
+    pub remote: RemoteConfig,
 }
 
 impl Default for NodeConfig {
@@ -378,6 +382,7 @@ impl Default for NodeConfig {
             l2: L2Config::default(),
             access: Default::default(),
             lmcache: Default::default(),
+            remote: RemoteConfig::default(),
         }
     }
 }
@@ -454,6 +459,7 @@ impl NodeConfig {
         self.l2.validate()?;
         self.access.validate()?;
         self.lmcache.validate()?;
+        self.remote.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

@@ -20,7 +20,16 @@ pub struct Caller {
     pub peer: Option<PeerCred>,
     /// What the peer may do.
     pub role: Role,
+    /// The name space of its lookup sessions and the user its quotas count against: the
+    /// peer's uid, [`REMOTE_OWNER_CLIENT`] / [`REMOTE_OWNER_ADMIN`] for remote engines (one
+    /// token is one trust domain), `UNKNOWN_OWNER` without credentials.
+    pub owner: SessionOwner,
 }
+
+/// The session owner (and quota user) of remote engines that proved the client token.
+pub const REMOTE_OWNER_CLIENT: SessionOwner = u32::MAX - 1;
+/// The session owner (and quota user) of remote engines that proved the admin token.
+pub const REMOTE_OWNER_ADMIN: SessionOwner = u32::MAX - 2;
 
 impl Caller {
     /// The caller of connection `connection` whose peer is `peer`, with its role under `ctx`'s
@@ -30,12 +39,28 @@ impl Caller {
             connection,
             peer,
             role: ctx.access.role(peer.as_ref()),
+            owner: peer.map_or(UNKNOWN_OWNER, |p| p.uid),
         }
     }
 
-    /// The name space of this caller's lookup sessions (its uid).
+    /// The caller of remote connection `connection` that proved a token giving `role` (no
+    /// kernel credentials: the handshake decided the role).
+    pub fn remote(connection: u64, role: Role) -> Caller {
+        Caller {
+            connection,
+            peer: None,
+            role,
+            owner: if role >= Role::Admin {
+                REMOTE_OWNER_ADMIN
+            } else {
+                REMOTE_OWNER_CLIENT
+            },
+        }
+    }
+
+    /// The name space of this caller's lookup sessions (its uid, or its remote trust domain).
     pub fn session_owner(&self) -> SessionOwner {
-        self.peer.map_or(UNKNOWN_OWNER, |p| p.uid)
+        self.owner
     }
 
     /// `Ok` for admins; a `PermissionDenied` naming `what` otherwise.
@@ -46,9 +71,18 @@ impl Caller {
         Err(Error::denied(format!(
             "{what} is for the node's administrators (its own user, root, or [access] \
              admin_uids/admin_gids); user {} is not one",
-            self.peer
-                .map_or_else(|| "unknown".to_owned(), |p| p.uid.to_string())
+            self.describe()
         )))
+    }
+
+    /// Who this caller is, for messages: a uid, a remote token's domain, or "unknown".
+    pub fn describe(&self) -> String {
+        match (self.peer, self.owner) {
+            (Some(p), _) => p.uid.to_string(),
+            (None, REMOTE_OWNER_CLIENT) => "remote (client token)".to_owned(),
+            (None, REMOTE_OWNER_ADMIN) => "remote (admin token)".to_owned(),
+            (None, _) => "unknown".to_owned(),
+        }
     }
 
     /// `Ok` when this connection registered `inst` (requests for an instance are accepted only

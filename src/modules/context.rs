@@ -379,6 +379,7 @@ impl NodeContext {
                 namespace,
                 shard: self.shards.shard_for(req.instance_id),
                 owner: caller.peer,
+                session_owner: caller.session_owner(),
                 connections: Mutex::new(vec![connection]),
                 last_seen_ms: AtomicU64::new(now),
                 pinged: AtomicBool::new(false),
@@ -459,19 +460,21 @@ impl NodeContext {
     /// Refuses a new instance when the caller's user already holds `max_instances_per_user`.
     /// Runs under the registration lock (no registration races it).
     fn check_user_quota(&self, caller: &Caller) -> Result<()> {
-        let Some(uid) = caller.peer.map(|p| p.uid) else {
+        let uid = caller.session_owner();
+        if uid == super::lookup::UNKNOWN_OWNER {
             return Ok(());
-        };
+        }
         let max = self.config.limits.max_instances_per_user;
         let held = self
             .instances
             .all()
             .iter()
-            .filter(|i| i.owner.is_some_and(|o| o.uid == uid))
+            .filter(|i| i.session_owner == uid)
             .count();
         if held >= max {
             return Err(Error::limit(format!(
-                "user {uid} has {held} instances registered (limit max_instances_per_user = {max})"
+                "user {} has {held} instances registered (limit max_instances_per_user = {max})",
+                caller.describe()
             )));
         }
         Ok(())

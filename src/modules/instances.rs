@@ -40,6 +40,9 @@ pub struct PendingWrite {
 pub struct PendingRead {
     /// Read-locked keys with the lease of their lock, in chunk order.
     pub keys: Vec<(StorageKey, u64)>,
+    /// Pool offset and length of each key's slot, in the same order (remote retrieves move
+    /// them; they stay put while the read locks are held).
+    pub slots: Vec<(u64, u64)>,
     /// Node-clock millisecond of the PREPARE (for the TTL safety net).
     pub created_ms: u64,
 }
@@ -80,6 +83,9 @@ pub struct Instance {
     /// The process that registered it (kernel-recorded). Only connections of this same process
     /// may join it; its lookup sessions are this uid's.
     pub owner: Option<kvnode_hw::PeerCred>,
+    /// Its registering caller's session owner ([`super::Caller::session_owner`]): its
+    /// retrieves adopt that owner's lookup sessions, its quotas count against that user.
+    pub session_owner: super::lookup::SessionOwner,
     /// Connections that registered it and are still open. When the last one closes, the
     /// instance is released at once (a dead local engine is detected without waiting for the
     /// reaper); a connection that only sends requests does not keep it alive.

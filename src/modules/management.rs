@@ -18,6 +18,7 @@ use crate::protocol::{Request, Response};
 /// and MEMCHECK only from admins; a non-admin's STATUS lists only its own user's instances;
 /// lookup sessions live in the caller's user name space.
 pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result<Response> {
+    let req_opcode = req.opcode();
     match req {
         Request::Noop => Ok(Response::Text("OK".into())),
         Request::Ping { instance_id } => {
@@ -116,6 +117,17 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
                 problems: r.problems,
             })
         }
+        Request::WriteSlots { .. }
+        | Request::ReadSlots { .. }
+        | Request::RegisterBuffers { .. }
+        | Request::UnregisterBuffers { .. } => Err(Error::new(
+            crate::error::ErrorKind::Unsupported,
+            format!(
+                "opcode {} is for remote engines (TCP or RDMA connections); a local engine \
+                 copies into the pool slots itself",
+                req_opcode
+            ),
+        )),
         other => {
             ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
             Err(Error::internal(format!(

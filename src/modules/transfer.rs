@@ -302,7 +302,7 @@ fn prepare_retrieve(
     // a lock someone else owns: that lock could be released under it.)
     let mut results: Vec<std::result::Result<Grant, KeyError>> = match lookup_session {
         Some(session) => {
-            let owner = inst.owner.map_or(super::lookup::UNKNOWN_OWNER, |o| o.uid);
+            let owner = inst.session_owner;
             let adopted = super::lookup::adopt(ctx, owner, session, range.first_chunk, &keys);
             let own: Vec<StorageKey> = keys
                 .iter()
@@ -363,12 +363,13 @@ fn prepare_retrieve(
         ctx.storage.finish_read(&found, 0);
         return Err(not_registered(inst.id));
     }
-    let slots = results.iter().flatten().map(wire).collect();
+    let slots: Vec<WireSlot> = results.iter().flatten().map(wire).collect();
     let transfer_id = ctx.next_transfer_id();
     pending.reads.insert(
         transfer_id,
         PendingRead {
             keys: found,
+            slots: slots.iter().map(|s| (s.offset, s.length)).collect(),
             created_ms: ctx.now_ms(),
         },
     );

@@ -2,8 +2,10 @@
 //!
 //! ```text
 //! 0  magic u32 "KVN1"   4 version u16   6 opcode u16   8 flags u32   12 payload_len u32
-//! 16 request_id u64     24 reserved u64 (zero)         32 payload (16-byte aligned in memory)
+//! 16 request_id u64     24 trailer_len u64             32 payload (16-byte aligned in memory)
 //! ```
+//! `trailer_len` is zero unless `FLAG_TRAILER` is set: then that many raw bytes follow the payload
+//! (TCP only: the data of a remote store or retrieve, received into or sent from pool slots).
 //! Payloads are validated with bytecheck (`rkyv::from_bytes`) before use; anything corrupt,
 //! truncated, misaligned or oversized is a typed [`FrameError`], never a panic. Frames are read
 //! from a stream by [`FrameReader`] (`super::reader`, re-exported here).
@@ -15,7 +17,7 @@ use super::messages::{Request, Response};
 /// `b"KVN1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVN1");
 /// Protocol version spoken by this build.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Header size in bytes.
 pub const HEADER_BYTES: usize = 32;
 /// Largest payload accepted in either direction.
@@ -24,8 +26,15 @@ pub const MAX_PAYLOAD_BYTES: u32 = 16 << 20;
 pub const FLAG_RESPONSE: u32 = 1;
 /// Header flag: a file descriptor (the pool) travels with this frame.
 pub const FLAG_FD: u32 = 2;
+/// Request id of a heartbeat: on a remote connection, a NOOP with this id is never answered (it
+/// only proves the engine is alive; see `config::HEARTBEAT_MS`).
+pub const HEARTBEAT_REQUEST_ID: u64 = u64::MAX;
+/// Header flag: `trailer_len` raw bytes follow the payload (never together with `FLAG_FD`).
+pub const FLAG_TRAILER: u32 = 4;
+/// Largest trailer the codec accepts (a transport enforces its own, smaller, configured limit).
+pub const MAX_TRAILER_BYTES: u64 = 16 << 30;
 /// Flags this version understands; others are rejected.
-const KNOWN_FLAGS: u32 = FLAG_RESPONSE | FLAG_FD;
+const KNOWN_FLAGS: u32 = FLAG_RESPONSE | FLAG_FD | FLAG_TRAILER;
 
 /// Why a frame was rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -116,6 +125,9 @@ pub struct FrameHeader {
     pub request_id: u64,
     /// Bytes of payload that follow.
     pub payload_len: u32,
+    /// Raw bytes that follow the payload (0 unless `flags` has `FLAG_TRAILER`; then at least 1
+    /// and at most `MAX_TRAILER_BYTES`).
+    pub trailer_len: u64,
 }
 
 impl FrameHeader {
@@ -128,6 +140,7 @@ impl FrameHeader {
         b[8..12].copy_from_slice(&self.flags.to_le_bytes());
         b[12..16].copy_from_slice(&self.payload_len.to_le_bytes());
         b[16..24].copy_from_slice(&self.request_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.trailer_len.to_le_bytes());
         b
     }
 
@@ -144,11 +157,17 @@ impl FrameHeader {
             return Err(FrameError::BadVersion(version));
         }
         let flags = u32_at(8);
-        let reserved = u64_at(24);
-        if reserved != 0 || flags & !KNOWN_FLAGS != 0 {
-            return Err(FrameError::Reserved(
-                reserved | u64::from(flags & !KNOWN_FLAGS),
-            ));
+        let trailer_len = u64_at(24);
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(FrameError::Reserved(u64::from(flags & !KNOWN_FLAGS)));
+        }
+        let trailer_ok = if flags & FLAG_TRAILER != 0 {
+            flags & FLAG_FD == 0 && (1..=MAX_TRAILER_BYTES).contains(&trailer_len)
+        } else {
+            trailer_len == 0
+        };
+        if !trailer_ok {
+            return Err(FrameError::Reserved(trailer_len));
         }
         let payload_len = u32_at(12);
         if payload_len > MAX_PAYLOAD_BYTES {
@@ -164,6 +183,7 @@ impl FrameHeader {
             flags,
             request_id: u64_at(16),
             payload_len,
+            trailer_len,
         })
     }
 }
@@ -173,6 +193,7 @@ fn encode_frame(
     flags: u32,
     request_id: u64,
     payload: &[u8],
+    trailer_len: u64,
 ) -> Result<Vec<u8>, FrameError> {
     let len = u32::try_from(payload.len())
         .ok()
@@ -183,11 +204,22 @@ fn encode_frame(
             request_id,
             opcode,
         })?;
+    if trailer_len > MAX_TRAILER_BYTES {
+        return Err(FrameError::Payload(format!(
+            "trailer of {trailer_len} bytes exceeds the {MAX_TRAILER_BYTES}-byte limit"
+        )));
+    }
+    let flags = if trailer_len > 0 {
+        flags | FLAG_TRAILER
+    } else {
+        flags
+    };
     let h = FrameHeader {
         opcode,
         flags,
         request_id,
         payload_len: len,
+        trailer_len,
     };
     let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
     out.extend_from_slice(&h.encode());
@@ -197,9 +229,19 @@ fn encode_frame(
 
 /// Encodes a request frame.
 pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<u8>, FrameError> {
+    encode_request_with_trailer(request_id, req, 0)
+}
+
+/// Encodes a request frame announcing `trailer_len` raw bytes after it (0: none). The caller
+/// sends those bytes right after the frame.
+pub fn encode_request_with_trailer(
+    request_id: u64,
+    req: &Request,
+    trailer_len: u64,
+) -> Result<Vec<u8>, FrameError> {
     let payload =
         rkyv::to_bytes::<rancor::Error>(req).map_err(|e| FrameError::Payload(e.to_string()))?;
-    encode_frame(req.opcode(), 0, request_id, &payload)
+    encode_frame(req.opcode(), 0, request_id, &payload, trailer_len)
 }
 
 /// Encodes a response frame answering `request_id` of type `opcode`.
@@ -212,7 +254,19 @@ pub fn encode_response(
     let payload =
         rkyv::to_bytes::<rancor::Error>(resp).map_err(|e| FrameError::Payload(e.to_string()))?;
     let flags = FLAG_RESPONSE | if fd { FLAG_FD } else { 0 };
-    encode_frame(opcode, flags, request_id, &payload)
+    encode_frame(opcode, flags, request_id, &payload, 0)
+}
+
+/// Encodes a response frame announcing `trailer_len` raw bytes after it (never with an fd).
+pub fn encode_response_with_trailer(
+    request_id: u64,
+    opcode: u16,
+    resp: &Response,
+    trailer_len: u64,
+) -> Result<Vec<u8>, FrameError> {
+    let payload =
+        rkyv::to_bytes::<rancor::Error>(resp).map_err(|e| FrameError::Payload(e.to_string()))?;
+    encode_frame(opcode, FLAG_RESPONSE, request_id, &payload, trailer_len)
 }
 
 /// Validates and decodes a request payload; the header opcode must match the payload.
@@ -498,6 +552,7 @@ mod tests {
             flags: 0,
             request_id: 1,
             payload_len: MAX_PAYLOAD_BYTES,
+            trailer_len: 0,
         };
         let mut stream = h.encode().to_vec();
         stream.extend(vec![7u8; 100_000]);

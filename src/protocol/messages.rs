@@ -64,6 +64,43 @@ pub struct BlockAllocationRecord {
     pub new_token_ids: Vec<u32>,
 }
 
+/// A buffer of a remote engine registered with the node (RDMA: a memory region the engine
+/// registered for remote read and write). Invariant (checked by the node): `len > 0`,
+/// `addr + len` does not overflow, ids unique per connection.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// Engine-chosen id, named by [`RemoteBuf::region`].
+    pub id: u32,
+    /// Virtual address of the region's first byte in the engine.
+    pub addr: u64,
+    /// Bytes in the region.
+    pub len: u64,
+    /// Remote key of the region (RDMA).
+    pub rkey: u32,
+}
+
+/// Where one slot's bytes are in a remote engine's registered memory. Invariant (checked by the
+/// node): inside its region, `len` equal to the slot's length.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteBuf {
+    /// Id of a region registered over this connection.
+    pub region: u32,
+    /// Offset of the first byte within the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// How the bytes of a remote store or retrieve travel.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum DataPath {
+    /// In the frame's trailer on the TCP stream, slot after slot in the transfer's order.
+    Inline,
+    /// The node reads (store) or writes (retrieve) the engine's registered memory, one buffer
+    /// per slot in the transfer's order (RDMA).
+    Remote(Vec<RemoteBuf>),
+}
+
 /// Every native request. The frame header's opcode must equal [`Request::opcode`].
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum Request {
@@ -165,6 +202,40 @@ pub enum Request {
     Status,
     /// Run the invariant check.
     Memcheck,
+    /// Remote engines only: move a prepared store's bytes into its slots (from the frame's
+    /// trailer, or from the engine's registered memory), then publish it if `commit`.
+    WriteSlots {
+        /// Writing instance.
+        instance_id: u64,
+        /// Id from the prepare reply.
+        transfer_id: u64,
+        /// Where the bytes are.
+        data: DataPath,
+        /// Publish the store once the bytes are in (saves the COMMIT_STORE round trip).
+        commit: bool,
+    },
+    /// Remote engines only: move a prepared retrieve's slots to the engine (in the reply's
+    /// trailer, or into its registered memory), then release its locks if `commit`.
+    ReadSlots {
+        /// Reading instance.
+        instance_id: u64,
+        /// Id from the prepare reply.
+        transfer_id: u64,
+        /// Where the bytes go.
+        data: DataPath,
+        /// Release the read locks once the bytes are out (saves the COMMIT_RETRIEVE round trip).
+        commit: bool,
+    },
+    /// Remote engines only: register buffers that later `DataPath::Remote` descriptors name.
+    RegisterBuffers {
+        /// The regions.
+        regions: Vec<RemoteRegion>,
+    },
+    /// Remote engines only: forget registered buffers (refused while a transfer uses one).
+    UnregisterBuffers {
+        /// Region ids.
+        ids: Vec<u32>,
+    },
 }
 
 impl Request {
@@ -188,6 +259,10 @@ impl Request {
             Request::Clear => 15,
             Request::Status => 16,
             Request::Memcheck => 17,
+            Request::WriteSlots { .. } => 18,
+            Request::ReadSlots { .. } => 19,
+            Request::RegisterBuffers { .. } => 20,
+            Request::UnregisterBuffers { .. } => 21,
         }
     }
 
@@ -311,6 +386,23 @@ pub enum Response {
         ok: bool,
         /// Violations, if any.
         problems: Vec<String>,
+    },
+    /// Result of WRITE_SLOTS.
+    SlotsWritten {
+        /// Bytes moved into the slots.
+        bytes: u64,
+        /// Objects published (`Some` when the request asked for the commit).
+        published: Option<u32>,
+    },
+    /// Result of READ_SLOTS; with `DataPath::Inline` the frame's trailer carries the `bytes`.
+    SlotsRead {
+        /// Bytes moved out of the slots.
+        bytes: u64,
+    },
+    /// Result of REGISTER_BUFFERS.
+    BuffersRegistered {
+        /// Regions now registered over this connection.
+        count: u32,
     },
     /// A typed error.
     Error {

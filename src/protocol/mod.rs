@@ -7,6 +7,6 @@ pub mod reader;
 
 pub use self::frame::{FrameError, FrameHeader, MAX_PAYLOAD_BYTES};
 pub use self::messages::{
-    BlockAllocationRecord, ChunkRange, RegisterReply, RegisterRequest, Request, Response,
-    WireLayout, WireSlot,
+    BlockAllocationRecord, ChunkRange, DataPath, RegisterReply, RegisterRequest, RemoteBuf,
+    RemoteRegion, Request, Response, WireLayout, WireSlot,
 };

@@ -403,6 +403,24 @@ impl FrameReader {
         };
         Ok(Some((h, fd)))
     }
+
+    /// Hands out up to `max` bytes that arrived after the last frame returned and were not
+    /// consumed yet (the first bytes of its trailer, read together with it); they count as
+    /// consumed. The rest of a trailer is read from the stream by its consumer, never by this
+    /// reader, which resumes with the next frame.
+    pub fn take_buffered(&mut self, max: u64) -> &[u8] {
+        let n = (self.end - self.start).min(usize::try_from(max).unwrap_or(usize::MAX));
+        let out = &self.buf[self.start..self.start + n];
+        self.start += n;
+        out
+    }
+
+    /// Forgets the receive timeout this reader last set on its source: a consumer that read
+    /// the stream itself may have changed it, so the next frame sets its own.
+    pub fn forget_armed_timeout(&mut self) {
+        // Matches no wanted timeout, so the next receive sets its own.
+        self.armed = Some(Duration::MAX);
+    }
 }
 
 #[cfg(test)]

@@ -12,10 +12,12 @@ use super::dispatch;
 use crate::access::Role;
 use crate::error::ErrorKind;
 use crate::modules::NodeContext;
+use crate::modules::Caller;
 use crate::protocol::frame::{
-    decode_request, encode_response, FrameError, FrameReader, FrameSource, PlainSource, ReadLimits,
+    decode_request, encode_response, FrameError, FrameHeader, FrameReader, FrameSource,
+    PlainSource, ReadLimits,
 };
-use crate::protocol::Response;
+use crate::protocol::{Request, Response};
 use crate::transport::uds::UdsReplySink;
 use crate::transport::ReplySink;
 
@@ -87,8 +89,92 @@ pub fn serve(ctx: &Arc<NodeContext>, stream: UnixStream, id: u64) {
         },
         _ => None,
     };
-    serve_frames(ctx, &mut PlainSource(&*stream), &sink);
+    serve_frames(ctx, &mut PlainSource(&*stream), &sink, &mut LocalHooks);
     let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// What a request intercepted by a transport's [`FrameHooks`] leads to.
+pub enum Intercepted {
+    /// Not the transport's: dispatch it as usual.
+    Dispatch(Request),
+    /// Answered by the transport; read the next frame.
+    Done,
+    /// Answered (or not answerable); the stream cannot go on: close the connection.
+    Close,
+}
+
+/// What a transport adds to the transport-independent frame loop ([`serve_frames`]).
+pub trait FrameHooks<S: FrameSource> {
+    /// The caller identity of the connection when the transport decided it (remote engines:
+    /// the handshake's role); `None`: from the sink's peer credentials.
+    fn caller(&self) -> Option<Caller> {
+        None
+    }
+
+    /// The deadlines of this connection's frames (defaults: the node's limits).
+    fn read_limits(&self, ctx: &NodeContext) -> ReadLimits {
+        ReadLimits {
+            frame_timeout: Some(ctx.config.limits.frame_timeout()),
+            idle_timeout: ctx.config.limits.idle_timeout(),
+            retain_bytes: CONNECTION_RETAINED_PAYLOAD_BYTES,
+        }
+    }
+
+    /// Whether silence past the idle deadline closes the connection even when it has live
+    /// instances (remote engines heartbeat: silence means the engine or the network died).
+    fn idle_is_death(&self) -> bool {
+        false
+    }
+
+    /// Sees every decoded request first (with its header, the reader and the stream, for
+    /// requests whose bytes follow the frame). A frame announcing a trailer must be handled
+    /// here: one returned for dispatch closes the connection.
+    fn intercept(
+        &mut self,
+        header: &FrameHeader,
+        req: Request,
+        reader: &mut FrameReader,
+        src: &mut S,
+        registered: &mut dispatch::Registered,
+    ) -> Intercepted;
+}
+
+/// The hooks of local (Unix-socket) connections: nothing is intercepted and no trailer is
+/// accepted.
+pub struct LocalHooks;
+
+impl<S: FrameSource> FrameHooks<S> for LocalHooks {
+    fn intercept(
+        &mut self,
+        _: &FrameHeader,
+        req: Request,
+        _: &mut FrameReader,
+        _: &mut S,
+        _: &mut dispatch::Registered,
+    ) -> Intercepted {
+        Intercepted::Dispatch(req)
+    }
+}
+
+/// Answers a frame whose trailer nobody on this connection takes (a Unix socket, an opcode
+/// without data, or a payload that failed to decode): the stream cannot be resynchronised.
+fn refuse_trailer(ctx: &NodeContext, sink: &Arc<dyn ReplySink>, header: &FrameHeader) {
+    tracing::warn!(
+        connection = sink.connection_id(),
+        opcode = header.opcode,
+        trailer_bytes = header.trailer_len,
+        "closing a connection after a frame with an unexpected trailer"
+    );
+    ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+    let resp = Response::Error {
+        kind: ErrorKind::InvalidRequest.code(),
+        message: format!(
+            "opcode {} may not carry a trailer ({} bytes announced) on this connection; \
+             closing connection",
+            header.opcode, header.trailer_len
+        ),
+    };
+    sink.send(header.request_id, header.opcode, &resp, None);
 }
 
 /// Payload buffer capacity a connection keeps between frames. A larger buffer (a frame whose
@@ -114,20 +200,20 @@ fn has_live_instances(ctx: &NodeContext, id: u64, registered: &dispatch::Registe
 /// that sends nothing for `limits.idle_timeout_secs` is closed (one with instances is left to
 /// liveness); large payloads are received within the node-wide
 /// `limits.max_inflight_payload_bytes` (a frame that does not fit waits, within its deadline).
-pub fn serve_frames<S: FrameSource>(
+pub fn serve_frames<S: FrameSource, H: FrameHooks<S>>(
     ctx: &Arc<NodeContext>,
     src: &mut S,
     sink: &Arc<dyn ReplySink>,
+    hooks: &mut H,
 ) {
     let id = sink.connection_id();
     let mut payload = AlignedVec::<16>::new();
-    let limits = ReadLimits {
-        frame_timeout: Some(ctx.config.limits.frame_timeout()),
-        idle_timeout: ctx.config.limits.idle_timeout(),
-        retain_bytes: CONNECTION_RETAINED_PAYLOAD_BYTES,
-    };
+    let limits = hooks.read_limits(ctx);
     let mut reader = FrameReader::new(limits, Some(Arc::clone(&ctx.payload_budget)));
     let mut registered = dispatch::Registered::default();
+    if let Some(caller) = hooks.caller() {
+        registered.set_caller(caller);
+    }
     tracing::debug!(connection = id, "client connected");
     loop {
         if ctx.shutting_down.load(Ordering::Acquire) {
@@ -142,7 +228,25 @@ pub fn serve_frames<S: FrameSource>(
                 reader.finish(&mut payload);
                 match decoded {
                     Ok(req) => {
-                        dispatch::dispatch(ctx, sink, header.request_id, req, &mut registered)
+                        match hooks.intercept(&header, req, &mut reader, src, &mut registered) {
+                            Intercepted::Dispatch(_) if header.trailer_len > 0 => {
+                                refuse_trailer(ctx, sink, &header);
+                                break;
+                            }
+                            Intercepted::Dispatch(req) => dispatch::dispatch(
+                                ctx,
+                                sink,
+                                header.request_id,
+                                req,
+                                &mut registered,
+                            ),
+                            Intercepted::Done => {}
+                            Intercepted::Close => break,
+                        }
+                    }
+                    Err(_) if header.trailer_len > 0 => {
+                        refuse_trailer(ctx, sink, &header);
+                        break;
                     }
                     Err(e) => {
                         // Framing is intact (the header was valid), so answer and keep going.
@@ -158,6 +262,15 @@ pub fn serve_frames<S: FrameSource>(
             }
             Err(FrameError::Truncated) | Err(FrameError::Io(_)) => break,
             Err(FrameError::Idle { limit_ms }) => {
+                if hooks.idle_is_death() {
+                    tracing::info!(
+                        connection = id,
+                        silent_ms = limit_ms,
+                        "closing a remote connection that sent nothing, not even a heartbeat \
+                         (remote.dead_after_ms): its instances are released"
+                    );
+                    break;
+                }
                 if has_live_instances(ctx, id, &registered) {
                     // Its instances' liveness (pings, reap timeout, registration grace) decides.
                     continue;

@@ -30,6 +30,11 @@ impl Registered {
             .get_or_insert_with(|| Caller::new(ctx, sink.connection_id(), sink.peer()))
     }
 
+    /// Sets the caller identity the transport decided (remote engines: from the handshake).
+    pub fn set_caller(&mut self, caller: Caller) {
+        self.caller = Some(caller);
+    }
+
     /// Whether this connection ran a LOOKUP (so it may own lookup sessions).
     pub fn looked_up(&self) -> bool {
         self.looked_up

@@ -36,6 +36,7 @@ pub struct Node {
     threads: Vec<JoinHandle<()>>,
     socket: Option<uds::BoundSocket>,
     wake: Option<UnixListener>,
+    remote: Option<crate::remote::RemoteService>,
 }
 
 /// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor.
@@ -77,12 +78,30 @@ impl Node {
             None => (None, None),
         };
         match Node::start_bound(config, listener, cancel) {
-            Ok((ctx, threads, wake)) => Ok(Node {
-                ctx,
-                threads,
-                socket,
-                wake,
-            }),
+            Ok((ctx, threads, wake)) => {
+                let remote = match crate::remote::RemoteService::start(&ctx) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let node = Node {
+                            ctx,
+                            threads,
+                            socket,
+                            wake,
+                            remote: None,
+                        };
+                        node.shutdown();
+                        return Err(e.context("cannot start the remote listener"));
+                    }
+                };
+                publish_transports(&ctx, remote.as_ref());
+                Ok(Node {
+                    ctx,
+                    threads,
+                    socket,
+                    wake,
+                    remote,
+                })
+            }
             Err(e) => {
                 if let Some(s) = &socket {
                     s.unlink_if_ours();
@@ -175,6 +194,11 @@ impl Node {
         Ok((ctx, threads, wake))
     }
 
+    /// The remote listener's address, when the node listens for remote engines.
+    pub fn remote_addr(&self) -> Option<std::net::SocketAddr> {
+        self.remote.as_ref().map(crate::remote::RemoteService::local_addr)
+    }
+
     /// The shared context (tests and embedding).
     pub fn context(&self) -> &Arc<NodeContext> {
         &self.ctx
@@ -197,8 +221,11 @@ impl Node {
     /// there). Always returns: the accept thread is woken through the node's own listening
     /// descriptor, whatever became of the socket path, and threads blocked on an L2 device that
     /// stopped answering are left behind after a bounded wait.
-    pub fn shutdown(self) {
+    pub fn shutdown(mut self) {
         self.ctx.shutting_down.store(true, Ordering::SeqCst);
+        if let Some(remote) = self.remote.take() {
+            remote.shutdown();
+        }
         // Wake the accept loop so it sees the flag.
         if let Some(wake) = &self.wake {
             if let Err(e) = uds::wake_acceptor(wake) {
@@ -286,6 +313,25 @@ impl Node {
     }
 }
 
+/// Adds the `transports` part of the status report: the Unix socket, the TCP listener (address,
+/// authentication, engine) and the RDMA fabric's availability.
+fn publish_transports(ctx: &Arc<NodeContext>, remote: Option<&crate::remote::RemoteService>) {
+    let uds = (!ctx.config.socket.as_os_str().is_empty())
+        .then(|| ctx.config.socket.display().to_string());
+    let tcp = remote.map(|r| r.local_addr().to_string());
+    let tcp_auth = remote.map(crate::remote::RemoteService::auth);
+    let tcp_engine = remote.map(|r| r.engine().to_owned());
+    let rdma = crate::remote::rdma_status();
+    let value = serde_json::json!({
+        "uds": uds,
+        "tcp": tcp,
+        "tcp_auth": tcp_auth,
+        "tcp_engine": tcp_engine,
+        "rdma": rdma,
+    });
+    ctx.add_status_part("transports", Box::new(move || value.clone()));
+}
+
 /// File descriptors one connection holds: its socket (the reader and the reply side share it),
 /// and at most `transport::uds::REPLY_QUEUE_FDS` duplicate of the pool's descriptor waiting in
 /// its reply queue.
@@ -339,8 +385,14 @@ fn connection_limit(configured: usize) -> usize {
     configured.min(fit)
 }
 
-fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
+/// A connection id unique among every connection of this process, whatever its transport
+/// (instances and sessions remember the connection that registered or created them).
+pub fn next_connection_id() -> u64 {
     static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
+
+fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
     let limit = connection_limit(ctx.config.limits.max_connections);
     let mut backoff = ACCEPT_BACKOFF.0;
     let (mut failures, mut logged) = (0u64, None::<std::time::Instant>);
@@ -364,7 +416,7 @@ fn accept_loop(ctx: &Arc<NodeContext>, listener: UnixListener) {
             }
         };
         backoff = ACCEPT_BACKOFF.0;
-        let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+        let id = next_connection_id();
         let open = ctx.counters.connections.fetch_add(1, Ordering::AcqRel);
         if open >= limit {
             ctx.counters.connections.fetch_sub(1, Ordering::AcqRel);

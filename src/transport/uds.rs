@@ -19,9 +19,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
 
-mod reply;
 
-pub use reply::{UdsReplySink, REPLY_QUEUE_FDS};
+pub use super::reply::{UdsReplySink, REPLY_QUEUE_FDS};
 
 /// What a file system object is, in words for error messages ("a regular file", "a directory",
 /// "a symbolic link", "a fifo (named pipe)", ...). Invariant: total over every file type.

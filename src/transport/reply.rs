@@ -1,4 +1,5 @@
-//! The reply side of one Unix-socket connection: a send never blocks the thread that answers.
+//! The reply side of one stream connection (Unix socket or TCP): a send never blocks the thread
+//! that answers.
 //!
 //! A reply is written at once with a non-blocking send when nothing of this connection waits
 //! before it (the common case: exactly one system call, as a blocking send made). What the
@@ -13,14 +14,22 @@
 //! reply to a client that reads is never refused. A reply carrying a file descriptor (the pool,
 //! on registration) keeps a duplicate of it in its queue entry until it is written; at most
 //! [`REPLY_QUEUE_FDS`] such replies wait per connection (beyond: the connection is closed).
+//!
+//! A reply followed by raw bytes that another component writes on the socket (a remote
+//! retrieve's trailer, sent from the pool by a fabric) takes the socket with
+//! [`StreamReplySink::hold`]: once everything queued before it is written, replies sent
+//! meanwhile wait in the queue (within its budget) until the hold ends, so nothing is
+//! interleaved with the trailer.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustix::event::epoll;
@@ -38,16 +47,39 @@ pub const REPLY_QUEUE_FDS: usize = 1;
 /// Events one `epoll_wait` of the flusher takes at most.
 const FLUSH_EVENTS: usize = 64;
 
-/// The reply side of one Unix-socket connection. Invariant: replies reach the socket in the
-/// order `send` was called; `send` never blocks on the socket.
-pub struct UdsReplySink {
+/// A connected stream socket replies are written to.
+pub trait ReplySocket: AsFd + Send + Sync + 'static {
+    /// Shuts both directions down (ends the connection's reader too). Idempotent.
+    fn shutdown_both(&self);
+}
+
+impl ReplySocket for UnixStream {
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl ReplySocket for TcpStream {
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// The reply side of one stream connection. Invariant: replies reach the socket in the order
+/// `send` was called; `send` never blocks on the socket; while a [`HeldSocket`] exists nothing
+/// is written by the sink.
+pub struct StreamReplySink {
     conn: Arc<Conn>,
     peer: Option<kvnode_hw::PeerCred>,
+    passes_fd: bool,
 }
+
+/// The reply sink of Unix-socket connections (credentials known, descriptors passed).
+pub type UdsReplySink = StreamReplySink;
 
 /// What the sink and the flusher share.
 struct Conn {
-    stream: Arc<UnixStream>,
+    stream: Arc<dyn ReplySocket>,
     id: u64,
     /// Key of this connection in the flusher's table (unique for the process's life).
     token: u64,
@@ -68,6 +100,8 @@ struct Backlog {
     /// In the flusher's epoll set (armed or spent).
     registered: bool,
     closed: bool,
+    /// A [`HeldSocket`] owns the socket: replies only queue.
+    held: bool,
 }
 
 /// One reply frame, `sent` bytes of it written; `fd` travels with its first byte.
@@ -77,16 +111,31 @@ struct Queued {
     fd: Option<OwnedFd>,
 }
 
-impl UdsReplySink {
-    /// The reply side of connection `id` over `stream` (shared with the connection's reader),
-    /// with at most `budget` bytes of replies waiting for the client to read. The peer's
-    /// credentials are read from the socket once, here. Starts the node's reply flusher if it
-    /// is not running yet.
-    pub fn new(stream: Arc<UnixStream>, id: u64, budget: usize) -> UdsReplySink {
-        static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
+impl StreamReplySink {
+    /// The reply side of Unix-socket connection `id` over `stream` (shared with the
+    /// connection's reader), with at most `budget` bytes of replies waiting for the client to
+    /// read. The peer's credentials are read from the socket once, here. Starts the node's
+    /// reply flusher if it is not running yet.
+    pub fn new(stream: Arc<UnixStream>, id: u64, budget: usize) -> StreamReplySink {
         let peer = kvnode_hw::unix_peer_credentials(stream.as_fd()).ok();
+        StreamReplySink::over(stream, id, budget, peer, true)
+    }
+
+    /// The reply side of TCP connection `id` (no credentials, no descriptor passing).
+    pub fn tcp(stream: Arc<TcpStream>, id: u64, budget: usize) -> StreamReplySink {
+        StreamReplySink::over(stream, id, budget, None, false)
+    }
+
+    fn over(
+        stream: Arc<dyn ReplySocket>,
+        id: u64,
+        budget: usize,
+        peer: Option<kvnode_hw::PeerCred>,
+        passes_fd: bool,
+    ) -> StreamReplySink {
+        static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
         let _ = flusher();
-        UdsReplySink {
+        StreamReplySink {
             conn: Arc::new(Conn {
                 stream,
                 id,
@@ -95,6 +144,7 @@ impl UdsReplySink {
                 out: Mutex::new(Backlog::default()),
             }),
             peer,
+            passes_fd,
         }
     }
 
@@ -102,9 +152,90 @@ impl UdsReplySink {
     pub fn queued_bytes(&self) -> usize {
         self.conn.out.lock().bytes
     }
+
+    /// Waits (until `deadline`) for every reply queued so far to be written, then owns the
+    /// socket until the returned guard is dropped: replies sent meanwhile queue. Fails when the
+    /// connection closed or the client did not read its earlier replies in time.
+    pub fn hold(&self, deadline: Instant) -> io::Result<HeldSocket<'_>> {
+        loop {
+            {
+                let mut out = self.conn.out.lock();
+                if out.closed {
+                    return Err(io::Error::new(
+                        io::ErrorKind::NotConnected,
+                        "connection closed",
+                    ));
+                }
+                if out.queue.is_empty() {
+                    debug_assert!(!out.held, "one holder at a time (the connection's reader)");
+                    out.held = true;
+                    return Ok(HeldSocket { sink: self });
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client did not read its earlier replies in time",
+                ));
+            }
+            std::thread::sleep(HOLD_POLL);
+        }
+    }
 }
 
-impl ReplySink for UdsReplySink {
+/// How often [`StreamReplySink::hold`] looks whether the queue drained (it waits only behind a
+/// client that does not read its replies as fast as they come).
+const HOLD_POLL: Duration = Duration::from_micros(200);
+
+/// The socket of a connection, owned by one writer (see [`StreamReplySink::hold`]).
+/// Invariant: while it exists the sink writes nothing; dropping it lets queued replies go.
+pub struct HeldSocket<'a> {
+    sink: &'a StreamReplySink,
+}
+
+impl HeldSocket<'_> {
+    /// Writes all of `data` with non-blocking sends, waiting for the socket to drain until
+    /// `deadline`.
+    pub fn write_all(&self, mut data: &[u8], deadline: Instant) -> io::Result<()> {
+        let fd = self.sink.conn.stream.as_fd();
+        while !data.is_empty() {
+            match send_some(fd, data, None) {
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the client did not read in time",
+                        ));
+                    }
+                    wait_writable(fd, left)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes the connection (its stream can no longer be trusted, e.g. a trailer was cut).
+    pub fn close(&self) {
+        let mut out = self.sink.conn.out.lock();
+        self.sink.conn.close(&mut out);
+    }
+}
+
+impl Drop for HeldSocket<'_> {
+    fn drop(&mut self) {
+        let conn = &self.sink.conn;
+        let mut out = conn.out.lock();
+        out.held = false;
+        if !out.queue.is_empty() && !out.closed {
+            conn.arm(&mut out);
+        }
+    }
+}
+
+impl ReplySink for StreamReplySink {
     fn send(&self, request_id: u64, opcode: u16, resp: &Response, fd: Option<BorrowedFd<'_>>) {
         let frame = match encode_response(request_id, opcode, fd.is_some(), resp) {
             Ok(f) => f,
@@ -125,7 +256,7 @@ impl ReplySink for UdsReplySink {
     }
 
     fn can_pass_fd(&self) -> bool {
-        true
+        self.passes_fd
     }
 
     fn peer(&self) -> Option<kvnode_hw::PeerCred> {
@@ -139,14 +270,14 @@ impl Conn {
         if out.closed {
             return;
         }
-        if !out.queue.is_empty() {
+        if !out.queue.is_empty() || out.held {
             let over_bytes = out.bytes.saturating_add(frame.len()) > self.budget;
             if over_bytes || (fd.is_some() && out.fds >= REPLY_QUEUE_FDS) {
                 self.overflow(&mut out, frame.len());
                 return;
             }
             self.enqueue(&mut out, frame, 0, fd);
-            return; // armed already (queue not empty)
+            return; // armed already (queue not empty), or armed when the hold ends
         }
         match send_some(self.stream.as_fd(), &frame, fd) {
             Ok(n) if n == frame.len() => {}
@@ -201,6 +332,9 @@ impl Conn {
     fn flush(self: &Arc<Self>) {
         let mut guard = self.out.lock();
         let out = &mut *guard;
+        if out.held {
+            return; // the holder arms the connection again when it lets go
+        }
         while let Some(q) = out.queue.front_mut() {
             let fd = if q.sent == 0 {
                 q.fd.as_ref().map(AsFd::as_fd)
@@ -262,7 +396,7 @@ impl Conn {
         out.queue.clear();
         out.bytes = 0;
         out.fds = 0;
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.stream.shutdown_both();
     }
 }
 
@@ -273,6 +407,22 @@ impl Drop for Conn {
                 f.forget(self);
             }
         }
+    }
+}
+
+/// Waits at most `timeout` for `sock` to take more bytes (or fail: the next send says how).
+pub fn wait_writable(sock: BorrowedFd<'_>, timeout: Duration) -> io::Result<()> {
+    let mut fds = [rustix::event::PollFd::new(
+        &sock,
+        rustix::event::PollFlags::OUT,
+    )];
+    let timeout = rustix::event::Timespec {
+        tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(timeout.subsec_nanos()),
+    };
+    match rustix::event::poll(&mut fds, Some(&timeout)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -1,0 +1,376 @@
+//! One authenticated remote connection's frame hooks: the data ops (WRITE_SLOTS, READ_SLOTS)
+//! and buffer registration run on the connection's reader thread, which owns the stream while a
+//! store's trailer arrives or a retrieve's trailer leaves; every other request goes through the
+//! ordinary dispatch (same semantics as local engines).
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvnode_hw::fabric::{ConnId, Dir};
+
+use super::descriptors::{stream_items, RegionTable};
+use super::mover::Mover;
+use super::ops;
+use super::registry::{RemoteConnInfo, RemoteRegistry};
+use crate::config::RemoteConfig;
+use crate::error::{Error, ErrorKind};
+use crate::modules::{Caller, NodeContext};
+use crate::protocol::frame::{
+    encode_response_with_trailer, FrameHeader, FrameReader, PlainSource, HEARTBEAT_REQUEST_ID,
+};
+use crate::protocol::{DataPath, Request, Response};
+use crate::server::connection::{
+    FrameHooks, Intercepted, CONNECTION_RETAINED_PAYLOAD_BYTES,
+};
+use crate::server::dispatch::Registered;
+use crate::transport::reply::StreamReplySink;
+use crate::transport::ReplySink;
+
+/// Bytes of scratch a refused store's trailer is read into and dropped.
+const DRAIN_CHUNK: usize = 64 << 10;
+
+/// The hooks of one authenticated TCP connection. Invariant: the TCP fabric's connection
+/// `fconn` is only used by this connection's reader thread, one op at a time.
+pub struct RemoteHooks {
+    /// The node.
+    pub ctx: Arc<NodeContext>,
+    /// The connection's reply side (held while a retrieve's trailer is sent).
+    pub sink: Arc<StreamReplySink>,
+    /// The same sink, as the dispatcher takes it.
+    pub dyn_sink: Arc<dyn ReplySink>,
+    /// The control stream (for draining a refused trailer).
+    pub stream: Arc<TcpStream>,
+    /// The TCP fabric's mover.
+    pub mover: Arc<Mover>,
+    /// This connection in the TCP fabric.
+    pub fconn: ConnId,
+    /// Status record of this connection.
+    pub info: Arc<RemoteConnInfo>,
+    /// Node-wide remote counters.
+    pub registry: Arc<RemoteRegistry>,
+    /// Buffers registered over this connection (RDMA descriptors).
+    pub regions: RegionTable,
+    /// The listener's configuration.
+    pub config: RemoteConfig,
+    /// The caller identity the handshake established.
+    pub caller: Caller,
+}
+
+impl RemoteHooks {
+    fn reply(&self, header: &FrameHeader, started: Instant, resp: Response) {
+        let error = matches!(resp, Response::Error { .. });
+        self.ctx.counters.answered(header.opcode, error, started);
+        self.sink.send(header.request_id, header.opcode, &resp, None);
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.transfer_timeout()
+    }
+
+    /// Reads and drops `len` bytes of a refused trailer (first those the reader holds), within
+    /// the transfer deadline. `false`: the stream could not be resynchronised.
+    fn drain(&self, reader: &mut FrameReader, len: u64) -> bool {
+        let mut left = len - reader.take_buffered(len).len() as u64;
+        let deadline = self.deadline();
+        let mut scratch = vec![0u8; DRAIN_CHUNK.min(left as usize)];
+        let mut s = &*self.stream;
+        while left > 0 {
+            let rest = deadline.saturating_duration_since(Instant::now());
+            if rest.is_zero() || s.set_read_timeout(Some(rest)).is_err() {
+                return false;
+            }
+            let want = scratch.len().min(left as usize);
+            match s.read(&mut scratch[..want]) {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => left -= n as u64,
+            }
+        }
+        reader.forget_armed_timeout();
+        true
+    }
+
+    fn write_slots(
+        &mut self,
+        header: &FrameHeader,
+        reader: &mut FrameReader,
+        (instance_id, transfer_id, data, commit): (u64, u64, DataPath, bool),
+    ) -> Intercepted {
+        let started = Instant::now();
+        let trailer = header.trailer_len;
+        let bufs = match data {
+            DataPath::Inline => None,
+            DataPath::Remote(bufs) => Some(bufs),
+        };
+        if bufs.is_some() {
+            // This connection's fabric is TCP: descriptors of engine memory cannot be served
+            // (and a trailer beside them would be a protocol error).
+            let e = Error::new(
+                ErrorKind::Unsupported,
+                "this connection moves bytes over TCP: send the store's bytes inline (the \
+                 node has no RDMA fabric for it)",
+            );
+            self.reply(header, started, Response::error(&e));
+            return if trailer == 0 || self.drain(reader, trailer) {
+                Intercepted::Done
+            } else {
+                Intercepted::Close
+            };
+        }
+        if trailer > self.config.max_trailer_bytes {
+            let e = Error::limit(format!(
+                "a store of {trailer} bytes exceeds remote.max_trailer_bytes = {}; closing \
+                 connection",
+                self.config.max_trailer_bytes
+            ));
+            self.reply(header, started, Response::error(&e));
+            return Intercepted::Close;
+        }
+        let take = match ops::take_write(&self.ctx, &self.caller, instance_id, transfer_id) {
+            Ok(t) => t,
+            Err(e) => {
+                self.reply(header, started, Response::error(&e));
+                return if self.drain(reader, trailer) {
+                    Intercepted::Done
+                } else {
+                    Intercepted::Close
+                };
+            }
+        };
+        let want = take.bytes();
+        if trailer != want {
+            take.put_back();
+            let e = Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the store's trailer holds {trailer} bytes but transfer {transfer_id}'s \
+                     slots hold {want}"
+                ),
+            );
+            self.reply(header, started, Response::error(&e));
+            return if self.drain(reader, trailer) {
+                Intercepted::Done
+            } else {
+                Intercepted::Close
+            };
+        }
+        // Bytes that arrived with the frame go into the first slots; the fabric receives the
+        // rest straight into place.
+        let mut rest: Vec<(u64, u64)> = take.slots();
+        let buffered = reader.take_buffered(trailer).to_vec();
+        let mut copied = 0usize;
+        let mut copy_failed = None;
+        while copied < buffered.len() {
+            let (off, len) = rest[0];
+            let n = (len as usize).min(buffered.len() - copied);
+            if let Err(e) = self
+                .ctx
+                .pool
+                .region()
+                .write_at(off, &buffered[copied..copied + n])
+            {
+                copy_failed = Some(e.to_string());
+                break;
+            }
+            copied += n;
+            if n as u64 == len {
+                rest.remove(0);
+            } else {
+                rest[0] = (off + n as u64, len - n as u64);
+            }
+        }
+        let moved = match copy_failed {
+            Some(e) => Err(e),
+            None if rest.is_empty() => Ok(trailer),
+            None => self
+                .mover
+                .transfer(self.fconn, Dir::Pull, &stream_items(&rest), self.deadline())
+                .map(|n| n + copied as u64)
+                .map_err(|e| e.to_string()),
+        };
+        let failed = moved.is_err();
+        if let Ok(n) = moved {
+            self.info.bytes_in.fetch_add(n, Ordering::Relaxed);
+            self.registry.bytes_in.fetch_add(n, Ordering::Relaxed);
+        } else {
+            self.registry.failed_moves.fetch_add(1, Ordering::Relaxed);
+        }
+        self.info.data_ops.fetch_add(1, Ordering::Relaxed);
+        let resp = take.settle(moved, commit);
+        self.reply(header, started, resp);
+        if failed {
+            // The stream is cut mid-trailer: it cannot carry another frame.
+            Intercepted::Close
+        } else {
+            Intercepted::Done
+        }
+    }
+
+    fn read_slots(
+        &mut self,
+        header: &FrameHeader,
+        (instance_id, transfer_id, data, commit): (u64, u64, DataPath, bool),
+    ) -> Intercepted {
+        let started = Instant::now();
+        if header.trailer_len > 0 {
+            let e = Error::new(
+                ErrorKind::InvalidRequest,
+                "READ_SLOTS carries no trailer; closing connection",
+            );
+            self.reply(header, started, Response::error(&e));
+            return Intercepted::Close;
+        }
+        if matches!(data, DataPath::Remote(_)) {
+            let e = Error::new(
+                ErrorKind::Unsupported,
+                "this connection moves bytes over TCP: ask for the retrieve's bytes inline \
+                 (the node has no RDMA fabric for it)",
+            );
+            self.reply(header, started, Response::error(&e));
+            return Intercepted::Done;
+        }
+        let take = match ops::take_read(&self.ctx, &self.caller, instance_id, transfer_id) {
+            Ok(t) => t,
+            Err(e) => {
+                self.reply(header, started, Response::error(&e));
+                return Intercepted::Done;
+            }
+        };
+        let total = take.bytes();
+        if total > self.config.max_trailer_bytes {
+            drop(take);
+            let e = Error::limit(format!(
+                "a retrieve of {total} bytes exceeds remote.max_trailer_bytes = {}",
+                self.config.max_trailer_bytes
+            ));
+            self.reply(header, started, Response::error(&e));
+            return Intercepted::Done;
+        }
+        let deadline = self.deadline();
+        let frame = match encode_response_with_trailer(
+            header.request_id,
+            header.opcode,
+            &Response::SlotsRead { bytes: total },
+            total,
+        ) {
+            Ok(f) => f,
+            Err(e) => {
+                drop(take);
+                let e = Error::internal(format!("reply could not be encoded: {e}"));
+                self.reply(header, started, Response::error(&e));
+                return Intercepted::Done;
+            }
+        };
+        let held = match self.sink.hold(deadline) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(connection = self.info.id, error = %e, "closing a remote connection that does not read its replies");
+                return Intercepted::Close;
+            }
+        };
+        let mut moved = held
+            .write_all(&frame, deadline)
+            .map(|()| 0)
+            .map_err(|e| e.to_string());
+        if moved.is_ok() && total > 0 {
+            let items = stream_items(take.slots());
+            moved = self
+                .mover
+                .transfer(self.fconn, Dir::Push, &items, deadline)
+                .map_err(|e| e.to_string());
+        }
+        if moved.is_err() {
+            held.close();
+        }
+        drop(held);
+        self.info.data_ops.fetch_add(1, Ordering::Relaxed);
+        let ok = moved.is_ok();
+        self.ctx.counters.answered(header.opcode, !ok, started);
+        match &moved {
+            Ok(_) => {
+                self.info.bytes_out.fetch_add(total, Ordering::Relaxed);
+                self.registry.bytes_out.fetch_add(total, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.registry.failed_moves.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(connection = self.info.id, error = %e, "a retrieve's bytes could not be sent; closing the connection");
+            }
+        }
+        if let Some(Response::Error { message, .. }) = take.settle(ok, commit) {
+            // The bytes were read under the locks and are valid; the commit's failure (e.g.
+            // the instance was released meanwhile, which released the locks) is only logged.
+            tracing::debug!(connection = self.info.id, %message, "commit after a remote retrieve failed");
+        }
+        if ok {
+            Intercepted::Done
+        } else {
+            Intercepted::Close
+        }
+    }
+}
+
+impl<'a> FrameHooks<PlainSource<&'a TcpStream>> for RemoteHooks {
+    fn caller(&self) -> Option<Caller> {
+        Some(self.caller.clone())
+    }
+
+    fn read_limits(&self, ctx: &NodeContext) -> crate::protocol::frame::ReadLimits {
+        crate::protocol::frame::ReadLimits {
+            frame_timeout: Some(ctx.config.limits.frame_timeout()),
+            idle_timeout: Some(self.config.dead_after()),
+            retain_bytes: CONNECTION_RETAINED_PAYLOAD_BYTES,
+        }
+    }
+
+    fn idle_is_death(&self) -> bool {
+        true
+    }
+
+    fn intercept(
+        &mut self,
+        header: &FrameHeader,
+        req: Request,
+        reader: &mut FrameReader,
+        _src: &mut PlainSource<&'a TcpStream>,
+        _registered: &mut Registered,
+    ) -> Intercepted {
+        match req {
+            Request::Noop if header.request_id == HEARTBEAT_REQUEST_ID => Intercepted::Done,
+            Request::WriteSlots {
+                instance_id,
+                transfer_id,
+                data,
+                commit,
+            } => self.write_slots(header, reader, (instance_id, transfer_id, data, commit)),
+            Request::ReadSlots {
+                instance_id,
+                transfer_id,
+                data,
+                commit,
+            } => self.read_slots(header, (instance_id, transfer_id, data, commit)),
+            Request::RegisterBuffers { regions } => {
+                let started = Instant::now();
+                let resp = match self.regions.register(&regions) {
+                    Ok(count) => Response::BuffersRegistered { count },
+                    Err(e) => Response::error(&e),
+                };
+                self.reply(header, started, resp);
+                Intercepted::Done
+            }
+            Request::UnregisterBuffers { ids } => {
+                let started = Instant::now();
+                let resp = match self.regions.unregister(&ids) {
+                    Ok(_) => Response::BuffersRegistered {
+                        count: self.regions.len() as u32,
+                    },
+                    Err(e) => Response::error(&e),
+                };
+                self.reply(header, started, resp);
+                Intercepted::Done
+            }
+            other => Intercepted::Dispatch(other),
+        }
+    }
+}
