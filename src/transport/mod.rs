@@ -2,6 +2,7 @@
 //! `server::dispatch` and returns responses through a [`ReplySink`]; TCP and RDMA transports plug
 //! in behind the same trait (only Unix sockets can pass the pool fd).
 
+pub mod tcp;
 pub mod uds;
 
 use std::os::fd::BorrowedFd;
