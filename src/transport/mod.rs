@@ -3,6 +3,7 @@
 //! in behind the same trait (only Unix sockets can pass the pool fd).
 
 pub mod reply;
+pub mod tcp;
 pub mod uds;
 
 use std::os::fd::BorrowedFd;
