@@ -561,55 +561,9 @@ fn serve_access_flags_let_a_listed_user_in() {
     assert!(ok && out.contains("pong"), "{out}");
 }
 
-/// A network namespace joined to this one by a veth pair (`10.231.<n>.1` here, `.2` inside);
-/// deleted, with the pair, on drop.
-struct Netns {
-    name: String,
-    host_ip: String,
-}
-
-impl Netns {
-    fn new() -> Netns {
-        let n = std::process::id() % 250;
-        let name = format!("kvlmb{}", std::process::id());
-        let (vh, vn) = (format!("vkh{n}"), format!("vkn{n}"));
-        let host_ip = format!("10.231.{n}.1");
-        let ns = Netns {
-            name: name.clone(),
-            host_ip: host_ip.clone(),
-        };
-        let ip = |args: &[&str]| {
-            let st = Command::new("ip").args(args).status().expect("run ip");
-            assert!(st.success(), "ip {args:?} failed");
-        };
-        ip(&["netns", "add", &name]);
-        ip(&["link", "add", &vh, "type", "veth", "peer", "name", &vn]);
-        ip(&["link", "set", &vn, "netns", &name]);
-        ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &vh]);
-        ip(&["link", "set", &vh, "up"]);
-        let inside = |args: &[&str]| {
-            let mut a = vec!["netns", "exec", &name, "ip"];
-            a.extend_from_slice(args);
-            ip(&a);
-        };
-        inside(&["addr", "add", &format!("10.231.{n}.2/30"), "dev", &vn]);
-        inside(&["link", "set", &vn, "up"]);
-        inside(&["link", "set", "lo", "up"]);
-        ns
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
 #[test]
 fn with_allow_remote_a_peer_of_another_network_namespace_is_a_client() {
-    let ns = Netns::new();
+    let ns = common::netns::Netns::new();
     let node = start("netns", "0.0.0.0", &["--allow-remote"]);
     let _root = RootWorker::start(&node);
     // The probe runs in the other namespace: its socket is not in the node's socket table.

@@ -5,6 +5,8 @@
 #![allow(dead_code)]
 
 pub mod lm;
+pub mod netns;
+pub mod remote;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -105,11 +107,29 @@ impl NodeProc {
         NodeProc::launch_limited(tmp, socket, extra, None)
     }
 
+    /// Like [`NodeProc::start`], with the node in network namespace `netns` (its Unix socket
+    /// stays reachable through the file system).
+    pub fn start_in_netns(tag: &str, netns: &str, extra: &[&str]) -> NodeProc {
+        let tmp = TestDir::new(tag);
+        let socket = tmp.join("kvnode.sock");
+        NodeProc::launch_with(tmp, socket, extra, None, Some(netns))
+    }
+
     fn launch_limited(
         tmp: TestDir,
         socket: PathBuf,
         extra: &[&str],
         nofile: Option<u64>,
+    ) -> NodeProc {
+        NodeProc::launch_with(tmp, socket, extra, nofile, None)
+    }
+
+    fn launch_with(
+        tmp: TestDir,
+        socket: PathBuf,
+        extra: &[&str],
+        nofile: Option<u64>,
+        netns: Option<&str>,
     ) -> NodeProc {
         let dir = tmp.path().to_path_buf();
         let mut args: Vec<String> = vec![
@@ -124,9 +144,15 @@ impl NodeProc {
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = std::fs::File::create(dir.join("node.log")).unwrap();
-        let mut cmd = match nofile {
-            None => Command::new(env!("CARGO_BIN_EXE_kvnode")),
-            Some(n) => {
+        let mut cmd = match (nofile, netns) {
+            // `ip netns exec` execs the node: the child's pid is the node's.
+            (None, Some(ns)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kvnode")]);
+                c
+            }
+            (None, None) => Command::new(env!("CARGO_BIN_EXE_kvnode")),
+            (Some(n), _) => {
                 // `exec` keeps the pid: killing the child kills the node.
                 let mut c = Command::new("sh");
                 c.arg("-c")
