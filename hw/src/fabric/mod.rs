@@ -3,7 +3,8 @@
 //! The node moves the bytes: a remote engine registers its buffers and sends their descriptors;
 //! the node posts batches of work items between pool ranges and those descriptors and polls their
 //! completions. Implementations: the in-process [`FakeFabric`] (fault injection, manual clock,
-//! for deterministic tests of the upper layers); TCP and RDMA follow.
+//! for deterministic tests of the upper layers) and [`TcpFabric`] (io_uring or plain sockets);
+//! RDMA follows.
 //!
 //! **Invariant of every implementation:** between `post` returning `Ok` and the op's
 //! [`Completion`] being returned by `poll`, the op's local ranges are in use by the
@@ -13,10 +14,18 @@
 
 mod fake;
 mod fake_peer;
+mod tcp;
+mod tcp_core;
+mod tcp_plain;
+mod tcp_uring;
 mod types;
 
 #[cfg(test)]
 mod fake_tests;
+#[cfg(test)]
+mod tcp_tests;
+#[cfg(test)]
+mod tcp_tests_engines;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +36,11 @@ pub use fake::FakeFabric;
 pub use fake_peer::{
     FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,
     INJECTED_OP_ERR, REM_ACCESS_ERR,
+};
+pub use tcp::{
+    TcpEngine, TcpFabric, TcpFabricOptions, ZcCounters, TCP_DEFAULT_MAX_INFLIGHT_OPS,
+    TCP_DEFAULT_RINGS, TCP_MAX_INFLIGHT_OPS, TCP_MAX_ITEMS_PER_BATCH, TCP_MAX_RINGS,
+    TCP_REGION_BYTES, TCP_ZC_MIN_BYTES,
 };
 pub use types::{
     Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, LocalRange, OpId,
