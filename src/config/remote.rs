@@ -231,11 +231,11 @@ mod tests {
     fn urls_parse_or_name_the_text() {
         assert_eq!(
             parse_tcp_url("tcp://127.0.0.1:7070").unwrap(),
-            "127.0.0.1:7070".parse().unwrap()
+            "127.0.0.1:7070".parse::<SocketAddr>().unwrap()
         );
         assert_eq!(
             parse_tcp_url("[::1]:9").unwrap(),
-            "[::1]:9".parse().unwrap()
+            "[::1]:9".parse::<SocketAddr>().unwrap()
         );
         let e = parse_tcp_url("rdma://x:1").unwrap_err().to_string();
         assert!(e.contains("rdma://x:1"), "{e}");

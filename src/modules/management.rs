@@ -93,13 +93,14 @@ pub fn handle_inline(ctx: &NodeContext, caller: &Caller, req: Request) -> Result
         Request::Status => {
             let mut report = super::status::report(ctx);
             if caller.role < Role::Admin {
-                // A client sees the node's totals and its own user's instances only.
+                // A client sees the node's totals, its transports and its own user's (or remote
+                // trust domain's) instances only.
                 let uid = caller.session_owner();
-                report.parts.clear();
+                report.parts.retain(|k, _| k == "transports");
                 report.instances.retain(|i| {
                     ctx.instances
                         .get(i.id)
-                        .is_some_and(|inst| inst.owner.is_some_and(|o| o.uid == uid))
+                        .is_some_and(|inst| inst.session_owner == uid)
                 });
             }
             serde_json::to_string(&report)

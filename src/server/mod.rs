@@ -39,8 +39,14 @@ pub struct Node {
     remote: Option<crate::remote::RemoteService>,
 }
 
-/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor.
-type Started = (Arc<NodeContext>, Vec<JoinHandle<()>>, Option<UnixListener>);
+/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor and
+/// the remote listener.
+type Started = (
+    Arc<NodeContext>,
+    Vec<JoinHandle<()>>,
+    Option<UnixListener>,
+    Option<crate::remote::RemoteService>,
+);
 
 impl Node {
     /// Validates the configuration, binds the socket, checks that the pool fits in the memory
@@ -78,30 +84,13 @@ impl Node {
             None => (None, None),
         };
         match Node::start_bound(config, listener, cancel) {
-            Ok((ctx, threads, wake)) => {
-                let remote = match crate::remote::RemoteService::start(&ctx) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let node = Node {
-                            ctx,
-                            threads,
-                            socket,
-                            wake,
-                            remote: None,
-                        };
-                        node.shutdown();
-                        return Err(e.context("cannot start the remote listener"));
-                    }
-                };
-                publish_transports(&ctx, remote.as_ref());
-                Ok(Node {
-                    ctx,
-                    threads,
-                    socket,
-                    wake,
-                    remote,
-                })
-            }
+            Ok((ctx, threads, wake, remote)) => Ok(Node {
+                ctx,
+                threads,
+                socket,
+                wake,
+                remote,
+            }),
             Err(e) => {
                 if let Some(s) = &socket {
                     s.unlink_if_ours();
@@ -171,6 +160,12 @@ impl Node {
         };
         let wake = listener.as_ref().map(UnixListener::try_clone).transpose()?;
         let ctx = Arc::new(NodeContext::new(config, pool, namespaces, l2));
+        // Before any thread: a listener that cannot start leaves nothing running. Its
+        // connections' requests wait in their instances' mailboxes for the shards below.
+        let remote = crate::remote::RemoteService::start(&ctx)
+            .map_err(|e| e.context("cannot start the remote listener"))?;
+        // Published before the socket is served: a client's first STATUS sees it.
+        publish_transports(&ctx, remote.as_ref());
         let mut threads = ShardPool::spawn(&ctx)?;
         threads.extend(crate::l2::writer::spawn(&ctx)?);
         threads.extend(crate::l2::loader::spawn(&ctx)?);
@@ -191,7 +186,7 @@ impl Node {
             reap_timeout_secs = ctx.config.reap_timeout_secs,
             "kvnode serving"
         );
-        Ok((ctx, threads, wake))
+        Ok((ctx, threads, wake, remote))
     }
 
     /// The remote listener's address, when the node listens for remote engines.
