@@ -13,6 +13,7 @@
 
 mod fake;
 mod fake_peer;
+pub mod rdma;
 mod types;
 
 #[cfg(test)]
@@ -28,6 +29,9 @@ pub use fake_peer::{
     FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,
     INJECTED_OP_ERR, REM_ACCESS_ERR,
 };
+pub use rdma::{rdma_availability, rdma_device_names, RdmaOptions};
+#[cfg(feature = "rdma")]
+pub use rdma::{EngineMr, RdmaFabric};
 pub use types::{
     Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, LocalRange, OpId,
     PendingQp, PostBatch, PostError, RdmaEndpoint, RegionId, RemoteSeg, WorkItem,
