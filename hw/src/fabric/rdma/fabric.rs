@@ -124,7 +124,7 @@ fn check_options(o: &RdmaOptions) -> HwResult<()> {
         return bad("device is empty (a name such as mlx5_0, or \"auto\")".into());
     }
     if !(MIN_MR_REGION_BYTES..=MAX_MR_REGION_BYTES).contains(&o.mr_region_bytes)
-        || o.mr_region_bytes % MIN_MR_REGION_BYTES != 0
+        || !o.mr_region_bytes.is_multiple_of(MIN_MR_REGION_BYTES)
     {
         return bad(format!(
             "mr_region_bytes {} must be a multiple of {MIN_MR_REGION_BYTES} in \

@@ -227,10 +227,7 @@ mod tests {
         ];
         let err = choose_gid(&t, None).unwrap_err();
         assert!(err.contains("no usable GID among 7 entries"), "{err}");
-        assert_eq!(
-            choose_gid(&[], None).unwrap_err().contains("0 entries"),
-            true
-        );
+        assert!(choose_gid(&[], None).unwrap_err().contains("0 entries"));
     }
 
     #[test]
