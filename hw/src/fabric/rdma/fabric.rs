@@ -27,13 +27,11 @@ use std::time::{Duration, Instant};
 use rdma_sys::ibv_wc_status;
 
 use super::device::{self, Device};
-use super::mr::{
-    register_pool, EngineMr, PoolMrs, MAX_MR_REGION_BYTES, MAX_MR_THREADS, MIN_MR_REGION_BYTES,
-};
+use super::mr::{register_pool, EngineMr, PoolMrs};
 use super::post::{
     build_chains, Admission, ChainPlan, OpProgress, WrId, MAX_CHAIN_WRS, MAX_WR_BYTES, MAX_WR_SEQ,
 };
-use super::qp::{wc_error, Cq, Qp, Wc, QP_MAX_SEND_WR};
+use super::qp::{wc_error, Cq, Qp, Wc};
 use super::{PendingInner, RdmaOptions};
 use crate::fabric::types::{
     Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, LocalRange, OpId,
@@ -118,40 +116,6 @@ impl std::fmt::Debug for RdmaFabric {
     }
 }
 
-fn check_options(o: &RdmaOptions) -> HwResult<()> {
-    let bad = |m: String| Err(HwError::Invalid(format!("rdma options: {m}")));
-    if o.device.is_empty() {
-        return bad("device is empty (a name such as mlx5_0, or \"auto\")".into());
-    }
-    if !(MIN_MR_REGION_BYTES..=MAX_MR_REGION_BYTES).contains(&o.mr_region_bytes)
-        || !o.mr_region_bytes.is_multiple_of(MIN_MR_REGION_BYTES)
-    {
-        return bad(format!(
-            "mr_region_bytes {} must be a multiple of {MIN_MR_REGION_BYTES} in \
-             {MIN_MR_REGION_BYTES}..={MAX_MR_REGION_BYTES}",
-            o.mr_region_bytes
-        ));
-    }
-    if !(1..=MAX_MR_THREADS).contains(&o.mr_threads) {
-        return bad(format!(
-            "mr_threads {} must be in 1..={MAX_MR_THREADS}",
-            o.mr_threads
-        ));
-    }
-    let lo = MAX_CHAIN_WRS as u32;
-    if !(lo..=QP_MAX_SEND_WR).contains(&o.max_outstanding_wr) {
-        return bad(format!(
-            "max_outstanding_wr {} must be in {lo}..={QP_MAX_SEND_WR} (a chain of {lo} WRs must \
-             fit; a queue pair holds {QP_MAX_SEND_WR})",
-            o.max_outstanding_wr
-        ));
-    }
-    if o.max_inflight_ops == 0 {
-        return bad("max_inflight_ops must be > 0".into());
-    }
-    Ok(())
-}
-
 impl RdmaFabric {
     /// Opens the device of `opts` and creates the completion queue.
     ///
@@ -159,7 +123,7 @@ impl RdmaFabric {
     /// whose message is the reason: `"no RDMA kernel support (ibv_get_device_list: ENOSYS)"`,
     /// `"no RDMA device"`, no active port or usable GID, ...).
     pub fn open(opts: RdmaOptions) -> HwResult<RdmaFabric> {
-        check_options(&opts)?;
+        opts.check()?;
         let dev = Arc::new(device::open(&opts)?);
         let cq = Cq::new(&dev)?;
         let admission = Admission::new(opts.max_outstanding_wr).map_err(HwError::Invalid)?;

@@ -89,6 +89,47 @@ impl Default for RdmaOptions {
     }
 }
 
+#[cfg(feature = "rdma")]
+impl RdmaOptions {
+    /// Checks the invariant of [`RdmaOptions`]; the error names the value and its bounds.
+    pub fn check(&self) -> crate::HwResult<()> {
+        use mr::{MAX_MR_REGION_BYTES, MAX_MR_THREADS, MIN_MR_REGION_BYTES};
+        use post::MAX_CHAIN_WRS;
+        use qp::QP_MAX_SEND_WR;
+        let bad = |m: String| Err(crate::HwError::Invalid(format!("rdma options: {m}")));
+        if self.device.is_empty() {
+            return bad("device is empty (a name such as mlx5_0, or \"auto\")".into());
+        }
+        let piece = self.mr_region_bytes;
+        if !(MIN_MR_REGION_BYTES..=MAX_MR_REGION_BYTES).contains(&piece)
+            || !piece.is_multiple_of(MIN_MR_REGION_BYTES)
+        {
+            return bad(format!(
+                "mr_region_bytes {piece} must be a multiple of {MIN_MR_REGION_BYTES} in \
+                 {MIN_MR_REGION_BYTES}..={MAX_MR_REGION_BYTES}"
+            ));
+        }
+        if !(1..=MAX_MR_THREADS).contains(&self.mr_threads) {
+            return bad(format!(
+                "mr_threads {} must be in 1..={MAX_MR_THREADS}",
+                self.mr_threads
+            ));
+        }
+        let lo = MAX_CHAIN_WRS as u32;
+        if !(lo..=QP_MAX_SEND_WR).contains(&self.max_outstanding_wr) {
+            return bad(format!(
+                "max_outstanding_wr {} must be in {lo}..={QP_MAX_SEND_WR} (a chain of {lo} WRs \
+                 must fit; a queue pair holds {QP_MAX_SEND_WR})",
+                self.max_outstanding_wr
+            ));
+        }
+        if self.max_inflight_ops == 0 {
+            return bad("max_inflight_ops must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
 /// What a [`PendingQp`](super::PendingQp) holds: a queue pair in INIT of one `RdmaFabric`.
 ///
 /// Invariant: only `RdmaFabric::prepare_endpoint` builds one; dropping it destroys the QP.

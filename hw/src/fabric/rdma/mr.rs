@@ -110,11 +110,25 @@ pub(super) struct PoolMrs {
 impl PoolMrs {
     /// The piece holding `[offset, offset + len)` entirely: `(index, lkey)`.
     pub fn find(&self, offset: u64, len: u64) -> Option<(usize, u32)> {
-        let end = offset.checked_add(len)?;
-        let i = self.pieces.partition_point(|p| p.0 + p.1 <= offset);
-        let (start, plen, mr) = self.pieces.get(i)?;
-        (offset >= *start && end <= start + plen).then(|| (i, mr.lkey()))
+        let i = find_piece(self.pieces.iter().map(|p| (p.0, p.1)), offset, len)?;
+        Some((i, self.pieces[i].2.lkey()))
     }
+}
+
+/// The index of the piece (sorted, contiguous `(start, len)`) holding `[offset, offset + len)`
+/// entirely; `None` for an empty, overflowing, out-of-pool or piece-spanning range.
+pub(super) fn find_piece(
+    pieces: impl IntoIterator<Item = (u64, u64)>,
+    offset: u64,
+    len: u64,
+) -> Option<usize> {
+    let end = offset.checked_add(len)?;
+    if len == 0 {
+        return None;
+    }
+    pieces
+        .into_iter()
+        .position(|(start, plen)| offset >= start && end <= start + plen)
 }
 
 /// Registers the pool in pieces of `piece_bytes`, `threads` pieces at a time, with local
@@ -266,5 +280,27 @@ mod tests {
         assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), 10 * G + 7);
         assert!(p.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
         assert_eq!(split_pieces(5, 0), vec![]);
+    }
+
+    #[test]
+    fn a_range_must_lie_inside_one_piece() {
+        const G: u64 = 1 << 30;
+        let p = split_pieces(2 * G + 4096, G);
+        assert_eq!(find_piece(p.iter().copied(), 0, 4096), Some(0));
+        assert_eq!(find_piece(p.iter().copied(), G - 4096, 4096), Some(0));
+        assert_eq!(find_piece(p.iter().copied(), G, G), Some(1));
+        assert_eq!(find_piece(p.iter().copied(), 2 * G, 4096), Some(2));
+        assert_eq!(
+            find_piece(p.iter().copied(), G - 4096, 8192),
+            None,
+            "spans two pieces"
+        );
+        assert_eq!(
+            find_piece(p.iter().copied(), 2 * G, 4097),
+            None,
+            "past the pool"
+        );
+        assert_eq!(find_piece(p.iter().copied(), 10, 0), None, "empty");
+        assert_eq!(find_piece(p.iter().copied(), u64::MAX, 2), None, "overflow");
     }
 }
