@@ -114,7 +114,9 @@ esac
 
 # 1. System packages (compilers and tools the build and tests use).
 need_pkgs=()
-for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv iproute2 util-linux; do
+# libibverbs-dev, librdmacm-dev and libclang-dev (with pkg-config): the `rdma` cargo feature (on by
+# default) generates its verbs bindings at build time and links libibverbs/librdmacm.
+for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv iproute2 util-linux libibverbs-dev librdmacm-dev libclang-dev; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need_pkgs+=("$p")
 done
 if [ "${KVNODE_SKIP_APT:-0}" != 1 ] && [ ${#need_pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null; then

@@ -19,8 +19,13 @@ pub mod serve;
 pub use listener::RemoteService;
 pub use registry::{RemoteConnInfo, RemoteRegistry};
 
-/// What the status report says about RDMA: the device in use, or `"unavailable: <reason>"`.
-/// This build serves remote engines over TCP only; the RDMA fabric is probed for the report.
+/// What the status report says about RDMA: the device RDMA would use, or
+/// `"unavailable: <reason>"` (no kernel support, no device, built without the `rdma` feature).
+/// The node serves remote engines over TCP; the RDMA data path is built and tested through the
+/// fake fabric but not yet offered in the handshake (untested on hardware).
 pub fn rdma_status() -> String {
-    "unavailable: not built with the rdma feature".to_owned()
+    match kvnode_hw::fabric::rdma_availability("auto") {
+        Ok(device) => format!("available, not yet offered to engines: {device}"),
+        Err(reason) => format!("unavailable: {reason}"),
+    }
 }

@@ -3,8 +3,8 @@
 //! The node moves the bytes: a remote engine registers its buffers and sends their descriptors;
 //! the node posts batches of work items between pool ranges and those descriptors and polls their
 //! completions. Implementations: the in-process [`FakeFabric`] (fault injection, manual clock,
-//! for deterministic tests of the upper layers) and [`TcpFabric`] (io_uring or plain sockets);
-//! RDMA follows.
+//! for deterministic tests of the upper layers), [`TcpFabric`] (io_uring or plain sockets) and,
+//! with the `rdma` feature, `RdmaFabric` (verbs; untested on hardware).
 //!
 //! **Invariant of every implementation:** between `post` returning `Ok` and the op's
 //! [`Completion`] being returned by `poll`, the op's local ranges are in use by the
@@ -14,6 +14,7 @@
 
 mod fake;
 mod fake_peer;
+pub mod rdma;
 mod tcp;
 mod tcp_core;
 mod tcp_plain;
@@ -37,6 +38,9 @@ pub use fake_peer::{
     FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,
     INJECTED_OP_ERR, REM_ACCESS_ERR,
 };
+pub use rdma::{rdma_availability, rdma_device_names, RdmaOptions};
+#[cfg(feature = "rdma")]
+pub use rdma::{EngineMr, RdmaFabric};
 pub use tcp::{
     TcpEngine, TcpFabric, TcpFabricOptions, ZcCounters, TCP_DEFAULT_MAX_INFLIGHT_OPS,
     TCP_DEFAULT_RINGS, TCP_MAX_INFLIGHT_OPS, TCP_MAX_ITEMS_PER_BATCH, TCP_MAX_RINGS,

@@ -225,21 +225,41 @@ pub struct RdmaEndpoint {
 
 /// A queue pair created by `prepare_endpoint`, in INIT state, waiting for the peer's endpoint.
 ///
-/// Invariant: opaque; only the RDMA fabric constructs one (the verbs handles are added with the
-/// `rdma` module; until then no value of this type can exist).
+/// Invariant: opaque; only the RDMA fabric constructs one (without the `rdma` feature no value
+/// of this type can exist); dropping it destroys the queue pair.
 #[derive(Debug)]
 pub struct PendingQp {
+    #[cfg(feature = "rdma")]
+    inner: super::rdma::PendingInner,
+    #[cfg(not(feature = "rdma"))]
     _private: (),
+}
+
+#[cfg(feature = "rdma")]
+impl PendingQp {
+    pub(crate) fn from_rdma(inner: super::rdma::PendingInner) -> PendingQp {
+        PendingQp { inner }
+    }
+
+    pub(crate) fn into_rdma(self) -> super::rdma::PendingInner {
+        self.inner
+    }
 }
 
 /// How a connection is handed to a fabric after the control-plane handshake.
 ///
-/// Invariant: a fabric accepts only its own variant (`Invalid` otherwise). The RDMA variant
-/// (`Rdma { local: PendingQp, remote: RdmaEndpoint }`) is added with the `rdma` module.
+/// Invariant: a fabric accepts only its own variant (`Invalid` otherwise).
 #[derive(Debug)]
 pub enum ConnSetup {
     /// The data socket of a TCP connection (the fabric owns it from now on).
     Tcp(OwnedFd),
+    /// Our queue pair (from `prepare_endpoint`) and the peer's endpoint (untrusted: checked).
+    Rdma {
+        /// The queue pair `prepare_endpoint` returned.
+        local: PendingQp,
+        /// What the peer sent in the handshake.
+        remote: RdmaEndpoint,
+    },
     /// The fake peer's memory.
     Fake(FakePeer),
 }
