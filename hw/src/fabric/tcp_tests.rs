@@ -86,6 +86,27 @@ pub(super) fn connect(f: &TcpFabric, node: &TcpStream) -> ConnId {
         .expect("connect")
 }
 
+/// Caps the kernel's buffering between a stalled peer and the node (`SO_SNDBUF` on the node,
+/// `SO_RCVBUF` on the peer, 128 KiB each), so that a Push of a few MiB cannot fit in the socket
+/// buffers whatever the host's `tcp_rmem`.
+pub(super) fn small_buffers(node: &TcpStream, peer: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    for (s, opt) in [(node, libc::SO_SNDBUF), (peer, libc::SO_RCVBUF)] {
+        let v: libc::c_int = 128 << 10;
+        // SAFETY: setsockopt reads one c_int from a live local.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "setsockopt");
+    }
+}
+
 pub(super) fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
@@ -346,6 +367,7 @@ pub(super) fn deadline_stalled_reader(opts: TcpFabricOptions) {
     let uring = opts.engine == TcpEngine::Uring;
     let (p, f) = setup(opts, 32 * MIB);
     let (node, peer) = tcp_pair();
+    small_buffers(&node, &peer);
     let conn = connect(&f, &node);
     let deadline = Instant::now() + Duration::from_millis(200);
     p.region().fill_at(0, 24 * MIB, 0x5A).expect("fill");
@@ -580,4 +602,41 @@ pub(super) fn many_connections(opts: TcpFabricOptions) {
     let _ = p;
     let s = f.stats();
     assert_eq!((s.bytes_pulled, s.bytes_pushed), (CONNS * LEN, CONNS * LEN));
+}
+
+/// An item that spans a registered piece is moved in two I/Os cut at the piece boundary (a
+/// fixed-buffer request never crosses one); short transfers continue where they stopped.
+#[test]
+fn op_run_cuts_at_piece_boundaries_and_continues_short_transfers() {
+    use super::tcp_core::{Job, OpRun, PIECE_BYTES};
+    let job = Job {
+        op: OpId(1),
+        conn: ConnId(1),
+        dir: Dir::Pull,
+        items: vec![
+            LocalRange {
+                offset: PIECE_BYTES - 10,
+                len: 30,
+            },
+            LocalRange { offset: 0, len: 5 },
+        ],
+        deadline: far(),
+    };
+    let mut run = OpRun::new(job);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len, io.item_len), (PIECE_BYTES - 10, 10, 30));
+    run.advance(4);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len), (PIECE_BYTES - 6, 6));
+    run.advance(6);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len), (PIECE_BYTES, 20));
+    assert_eq!(run.moved(), 0, "the item is not complete yet");
+    run.advance(20);
+    assert_eq!(run.moved(), 30);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len, io.item_len), (0, 5, 5));
+    run.advance(5);
+    assert!(run.is_done() && run.next_io().is_none());
+    assert_eq!(run.moved(), 35);
 }

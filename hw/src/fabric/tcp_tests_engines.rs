@@ -110,6 +110,7 @@ pub(super) fn teardown_stalled_push(opts: TcpFabricOptions) {
     let uring = opts.engine == TcpEngine::Uring;
     let (_p, f) = setup(opts, 32 * MIB);
     let (node, peer) = tcp_pair();
+    small_buffers(&node, &peer);
     let conn = connect(&f, &node);
     post(
         &f,
