@@ -86,6 +86,27 @@ pub(super) fn connect(f: &TcpFabric, node: &TcpStream) -> ConnId {
         .expect("connect")
 }
 
+/// Caps the kernel's buffering between a stalled peer and the node (`SO_SNDBUF` on the node,
+/// `SO_RCVBUF` on the peer, 128 KiB each), so that a Push of a few MiB cannot fit in the socket
+/// buffers whatever the host's `tcp_rmem`.
+pub(super) fn small_buffers(node: &TcpStream, peer: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    for (s, opt) in [(node, libc::SO_SNDBUF), (peer, libc::SO_RCVBUF)] {
+        let v: libc::c_int = 128 << 10;
+        // SAFETY: setsockopt reads one c_int from a live local.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "setsockopt");
+    }
+}
+
 pub(super) fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
@@ -159,7 +180,7 @@ fn read_range(p: &SharedPool, offset: u64, len: u64) -> Vec<u8> {
 }
 
 /// Writes `data` in random-size pieces (1 B .. 300 KiB), yielding now and then.
-fn send_in_pieces(mut s: TcpStream, data: Vec<u8>, seed: u64) -> TcpStream {
+pub(super) fn send_in_pieces(mut s: TcpStream, data: Vec<u8>, seed: u64) -> TcpStream {
     let mut rng = Rng(seed);
     let mut at = 0;
     while at < data.len() {
@@ -346,6 +367,7 @@ pub(super) fn deadline_stalled_reader(opts: TcpFabricOptions) {
     let uring = opts.engine == TcpEngine::Uring;
     let (p, f) = setup(opts, 32 * MIB);
     let (node, peer) = tcp_pair();
+    small_buffers(&node, &peer);
     let conn = connect(&f, &node);
     let deadline = Instant::now() + Duration::from_millis(200);
     p.region().fill_at(0, 24 * MIB, 0x5A).expect("fill");
@@ -506,78 +528,39 @@ pub(super) fn connect_and_options(opts: TcpFabricOptions) {
     }
 }
 
-/// At the bound on ops in flight `post` answers `Full`; after one completion was polled it
-/// accepts again.
-pub(super) fn full_at_bound(opts: TcpFabricOptions) {
-    let (_p, f) = setup(
-        TcpFabricOptions {
-            max_inflight_ops: 2,
-            ..opts
-        },
-        4 * MIB,
-    );
-    let (node, mut peer) = tcp_pair();
-    let conn = connect(&f, &node);
-    post(&f, 1, conn, Dir::Pull, &stream_items(&[(0, 10)]), far()).expect("1");
-    post(&f, 2, conn, Dir::Pull, &stream_items(&[(100, 10)]), far()).expect("2");
-    assert_eq!(
-        post(&f, 3, conn, Dir::Pull, &stream_items(&[(200, 10)]), far()),
-        Err(PostError::Full)
-    );
-    peer.write_all(&[4; 10]).expect("write");
-    let done = wait_n(&f, 1);
-    assert_eq!(done[0].op, OpId(1));
-    post(&f, 3, conn, Dir::Pull, &stream_items(&[(200, 10)]), far()).expect("3 after poll");
-    peer.write_all(&[5; 20]).expect("write");
-    let done = wait_n(&f, 2);
-    assert!(done.iter().all(|c| c.result == Ok(10)), "{done:?}");
-    assert_eq!(f.stats().inflight_ops, 0);
-}
-
-/// Several connections at once (spread over the rings), each pulling then pushing its own
-/// ranges: every byte arrives, ops of one connection in order.
-pub(super) fn many_connections(opts: TcpFabricOptions) {
-    const CONNS: u64 = 6;
-    const LEN: u64 = 512 << 10;
-    let (p, f) = setup(opts, 8 * MIB);
-    let mut peers = Vec::new();
-    for i in 0..CONNS {
-        let (node, peer) = tcp_pair();
-        let conn = connect(&f, &node);
-        let off = i * LEN;
-        post(
-            &f,
-            2 * i,
-            conn,
-            Dir::Pull,
-            &stream_items(&[(off, LEN)]),
-            far(),
-        )
-        .expect("pull");
-        post(
-            &f,
-            2 * i + 1,
-            conn,
-            Dir::Push,
-            &stream_items(&[(off, LEN)]),
-            far(),
-        )
-        .expect("push");
-        peers.push(std::thread::spawn(move || {
-            let data = pattern(i as u8, LEN as usize);
-            let mut peer = send_in_pieces(peer, data.clone(), i);
-            let mut back = vec![0u8; LEN as usize];
-            peer.read_exact(&mut back).expect("echo");
-            assert!(back == data, "connection {i}: echo differs");
-            node
-        }));
-    }
-    let done = wait_n(&f, 2 * CONNS as usize);
-    assert!(done.iter().all(|c| c.result == Ok(LEN)), "{done:?}");
-    for t in peers {
-        drop(t.join().expect("peer"));
-    }
-    let _ = p;
-    let s = f.stats();
-    assert_eq!((s.bytes_pulled, s.bytes_pushed), (CONNS * LEN, CONNS * LEN));
+/// An item that spans a registered piece is moved in two I/Os cut at the piece boundary (a
+/// fixed-buffer request never crosses one); short transfers continue where they stopped.
+#[test]
+fn op_run_cuts_at_piece_boundaries_and_continues_short_transfers() {
+    use super::tcp_core::{Job, OpRun, PIECE_BYTES};
+    let job = Job {
+        op: OpId(1),
+        conn: ConnId(1),
+        dir: Dir::Pull,
+        items: vec![
+            LocalRange {
+                offset: PIECE_BYTES - 10,
+                len: 30,
+            },
+            LocalRange { offset: 0, len: 5 },
+        ],
+        deadline: far(),
+    };
+    let mut run = OpRun::new(job);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len, io.item_len), (PIECE_BYTES - 10, 10, 30));
+    run.advance(4);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len), (PIECE_BYTES - 6, 6));
+    run.advance(6);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len), (PIECE_BYTES, 20));
+    assert_eq!(run.moved(), 0, "the item is not complete yet");
+    run.advance(20);
+    assert_eq!(run.moved(), 30);
+    let io = run.next_io().expect("io");
+    assert_eq!((io.offset, io.len, io.item_len), (0, 5, 5));
+    run.advance(5);
+    assert!(run.is_done() && run.next_io().is_none());
+    assert_eq!(run.moved(), 35);
 }

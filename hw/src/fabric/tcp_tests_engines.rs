@@ -110,6 +110,7 @@ pub(super) fn teardown_stalled_push(opts: TcpFabricOptions) {
     let uring = opts.engine == TcpEngine::Uring;
     let (_p, f) = setup(opts, 32 * MIB);
     let (node, peer) = tcp_pair();
+    small_buffers(&node, &peer);
     let conn = connect(&f, &node);
     post(
         &f,
@@ -150,6 +151,82 @@ pub(super) fn drop_with_ops_in_flight(opts: TcpFabricOptions) {
     post(&f, 1, conn, Dir::Pull, &stream_items(&[(0, MIB)]), far()).expect("post");
     post(&f, 2, conn, Dir::Pull, &stream_items(&[(MIB, MIB)]), far()).expect("post");
     drop(f);
+}
+
+/// At the bound on ops in flight `post` answers `Full`; after one completion was polled it
+/// accepts again.
+pub(super) fn full_at_bound(opts: TcpFabricOptions) {
+    let (_p, f) = setup(
+        TcpFabricOptions {
+            max_inflight_ops: 2,
+            ..opts
+        },
+        4 * MIB,
+    );
+    let (node, mut peer) = tcp_pair();
+    let conn = connect(&f, &node);
+    post(&f, 1, conn, Dir::Pull, &stream_items(&[(0, 10)]), far()).expect("1");
+    post(&f, 2, conn, Dir::Pull, &stream_items(&[(100, 10)]), far()).expect("2");
+    assert_eq!(
+        post(&f, 3, conn, Dir::Pull, &stream_items(&[(200, 10)]), far()),
+        Err(PostError::Full)
+    );
+    peer.write_all(&[4; 10]).expect("write");
+    let done = wait_n(&f, 1);
+    assert_eq!(done[0].op, OpId(1));
+    post(&f, 3, conn, Dir::Pull, &stream_items(&[(200, 10)]), far()).expect("3 after poll");
+    peer.write_all(&[5; 20]).expect("write");
+    let done = wait_n(&f, 2);
+    assert!(done.iter().all(|c| c.result == Ok(10)), "{done:?}");
+    assert_eq!(f.stats().inflight_ops, 0);
+}
+
+/// Several connections at once (spread over the rings), each pulling then pushing its own
+/// ranges: every byte arrives, ops of one connection in order.
+pub(super) fn many_connections(opts: TcpFabricOptions) {
+    const CONNS: u64 = 6;
+    const LEN: u64 = 512 << 10;
+    let (p, f) = setup(opts, 8 * MIB);
+    let mut peers = Vec::new();
+    for i in 0..CONNS {
+        let (node, peer) = tcp_pair();
+        let conn = connect(&f, &node);
+        let off = i * LEN;
+        post(
+            &f,
+            2 * i,
+            conn,
+            Dir::Pull,
+            &stream_items(&[(off, LEN)]),
+            far(),
+        )
+        .expect("pull");
+        post(
+            &f,
+            2 * i + 1,
+            conn,
+            Dir::Push,
+            &stream_items(&[(off, LEN)]),
+            far(),
+        )
+        .expect("push");
+        peers.push(std::thread::spawn(move || {
+            let data = pattern(i as u8, LEN as usize);
+            let mut peer = send_in_pieces(peer, data.clone(), i);
+            let mut back = vec![0u8; LEN as usize];
+            peer.read_exact(&mut back).expect("echo");
+            assert!(back == data, "connection {i}: echo differs");
+            node
+        }));
+    }
+    let done = wait_n(&f, 2 * CONNS as usize);
+    assert!(done.iter().all(|c| c.result == Ok(LEN)), "{done:?}");
+    for t in peers {
+        drop(t.join().expect("peer"));
+    }
+    let _ = p;
+    let s = f.stats();
+    assert_eq!((s.bytes_pulled, s.bytes_pushed), (CONNS * LEN, CONNS * LEN));
 }
 
 /// Local loopback throughput of 32 MiB Pull and Push batches (printed, not asserted):
