@@ -64,10 +64,11 @@ fn main() -> ExitCode {
         Command::Serve(a) => cli::serve::serve(a).map_err(Into::into),
         Command::LmcacheServer(a) => cli::lmcache::lmcache_server(a).map_err(Into::into),
         Command::Status {
-            remote: cli::remote::RemoteArgs {
-                remote: Some(url),
-                token_file,
-            },
+            remote:
+                cli::remote::RemoteArgs {
+                    remote: Some(url),
+                    token_file,
+                },
             json,
             timeout,
             ..
@@ -79,16 +80,17 @@ fn main() -> ExitCode {
             ..
         } => cli::inspect::status(socket, json, timeout).map_err(Into::into),
         Command::Ping {
-            remote: cli::remote::RemoteArgs {
-                remote: Some(url),
-                token_file,
-            },
+            remote:
+                cli::remote::RemoteArgs {
+                    remote: Some(url),
+                    token_file,
+                },
             timeout,
             ..
         } => cli::remote::ping(&url, token_file.as_deref(), timeout),
-        Command::Ping { socket, timeout, .. } => {
-            cli::inspect::ping(socket, timeout).map_err(Into::into)
-        }
+        Command::Ping {
+            socket, timeout, ..
+        } => cli::inspect::ping(socket, timeout).map_err(Into::into),
         Command::Token(t) => cli::remote::token(t).map_err(Into::into),
     };
     match r {

@@ -55,14 +55,23 @@ fn remote_store_and_retrieve_move_every_byte() {
         let data = payloads(&rg, len);
         let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         assert_eq!(c.store(inst, &rg, &refs).unwrap(), 5);
-        assert_eq!(c.store(inst, &rg, &refs).unwrap(), 0, "dedupe: nothing resent");
+        assert_eq!(
+            c.store(inst, &rg, &refs).unwrap(),
+            0,
+            "dedupe: nothing resent"
+        );
         let got = c.retrieve(inst, &rg).unwrap().expect("a hit");
         assert!(got == data, "retrieved bytes differ ({len}-byte objects)");
         // A local engine sees the same bytes through the pool.
         let mut local = rn.node.client();
-        local.register(&reg_sized(inst + 100, layers, hidden)).unwrap();
+        local
+            .register(&reg_sized(inst + 100, layers, hidden))
+            .unwrap();
         let got_local = local.retrieve(inst + 100, &rg).unwrap().expect("a hit");
-        assert!(got_local == data, "a local reader sees what the remote engine stored");
+        assert!(
+            got_local == data,
+            "a local reader sees what the remote engine stored"
+        );
         let miss = c.retrieve(inst, &range(&tokens(999, 1))).unwrap();
         assert!(miss.is_none());
     }
@@ -101,33 +110,81 @@ fn tokens_are_enforced_and_failures_exit_3() {
     let url = rn.url.clone();
     let ok = kvnode_until_exit(
         &dir,
-        &["ping", "--remote", &url, "--token-file", rn.token_file.to_str().unwrap()],
+        &[
+            "ping",
+            "--remote",
+            &url,
+            "--token-file",
+            rn.token_file.to_str().unwrap(),
+        ],
     );
     assert!(ok.status.is_some_and(|s| s.success()), "{}", ok.stderr);
-    assert!(ok.stdout.contains("pong") && ok.stdout.contains("via tcp"), "{}", ok.stdout);
+    assert!(
+        ok.stdout.contains("pong") && ok.stdout.contains("via tcp"),
+        "{}",
+        ok.stdout
+    );
     let bad = kvnode_until_exit(
         &dir,
-        &["ping", "--remote", &url, "--token-file", wrong.to_str().unwrap()],
+        &[
+            "ping",
+            "--remote",
+            &url,
+            "--token-file",
+            wrong.to_str().unwrap(),
+        ],
     );
     assert_eq!(bad.status.and_then(|s| s.code()), Some(3), "{}", bad.stderr);
-    assert!(bad.stderr.contains("authentication failed"), "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("authentication failed"),
+        "{}",
+        bad.stderr
+    );
     let none = kvnode_until_exit(&dir, &["status", "--remote", &url]);
-    assert_eq!(none.status.and_then(|s| s.code()), Some(3), "{}", none.stderr);
+    assert_eq!(
+        none.status.and_then(|s| s.code()),
+        Some(3),
+        "{}",
+        none.stderr
+    );
     let st = kvnode_until_exit(
         &dir,
-        &["status", "--remote", &url, "--token-file", rn.token_file.to_str().unwrap(), "--json"],
+        &[
+            "status",
+            "--remote",
+            &url,
+            "--token-file",
+            rn.token_file.to_str().unwrap(),
+            "--json",
+        ],
     );
     assert!(st.status.is_some_and(|s| s.success()), "{}", st.stderr);
     let v: serde_json::Value = serde_json::from_str(&st.stdout).unwrap();
-    assert_eq!(v["transports"]["tcp_auth"], "token", "a client sees the transports: {v:#}");
-    assert!(v["remote"].is_null(), "only admins see the remote connections: {v:#}");
+    assert_eq!(
+        v["transports"]["tcp_auth"], "token",
+        "a client sees the transports: {v:#}"
+    );
+    assert!(
+        v["remote"].is_null(),
+        "only admins see the remote connections: {v:#}"
+    );
     let st = kvnode_until_exit(
         &dir,
-        &["status", "--remote", &url, "--token-file", rn.admin_file.to_str().unwrap(), "--json"],
+        &[
+            "status",
+            "--remote",
+            &url,
+            "--token-file",
+            rn.admin_file.to_str().unwrap(),
+            "--json",
+        ],
     );
     assert!(st.status.is_some_and(|s| s.success()), "{}", st.stderr);
     let v: serde_json::Value = serde_json::from_str(&st.stdout).unwrap();
-    assert!(num(&v, &["remote", "handshakes", "auth_failed"]) >= 2, "{v:#}");
+    assert!(
+        num(&v, &["remote", "handshakes", "auth_failed"]) >= 2,
+        "{v:#}"
+    );
     // A wrong token never reaches a request: no instance, nothing allocated.
     assert!(v["instances"].as_array().unwrap().is_empty());
     // The client token may not CLEAR; the admin token may.
@@ -158,8 +215,7 @@ fn serve_refuses_an_open_port_without_a_token() {
     // A token file others may read is refused, naming it.
     let loose = dir.join("loose.token");
     std::fs::write(&loose, "0123456789abcdef0123456789abcdef0123").unwrap();
-    std::fs::set_permissions(&loose, std::os::unix::fs::PermissionsExt::from_mode(0o644))
-        .unwrap();
+    std::fs::set_permissions(&loose, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     let out = kvnode_until_exit(
         &dir,
         &[
@@ -242,7 +298,9 @@ fn a_trailer_of_the_wrong_size_is_refused_and_the_store_stays_prepared() {
     assert_eq!(e.kind, ErrorKind::InvalidRequest, "{e}");
     assert!(e.to_string().contains("trailer"), "{e}");
     // Still prepared: the right bytes complete it.
-    let (_, published) = a.write_slots(1, p.transfer_id, &[&full, &full], true).unwrap();
+    let (_, published) = a
+        .write_slots(1, p.transfer_id, &[&full, &full], true)
+        .unwrap();
     assert_eq!(published, Some(2));
 }
 
@@ -258,8 +316,14 @@ fn raw_connect(rn: &RemoteNode) -> TcpStream {
         },
         fabrics: FABRIC_TCP,
     };
-    client_handshake(&s, Some(&token), "raw", &offer, Instant::now() + Duration::from_secs(20))
-        .unwrap();
+    client_handshake(
+        &s,
+        Some(&token),
+        "raw",
+        &offer,
+        Instant::now() + Duration::from_secs(20),
+    )
+    .unwrap();
     s
 }
 
@@ -283,14 +347,17 @@ fn half_store(s: &mut TcpStream, conv: u32, sent: usize) -> usize {
         panic!("register")
     };
     let rg = range(&tokens(conv, 2));
-    let Response::StorePrepared { transfer_id, slots, .. } = raw_call(
+    let Response::StorePrepared {
+        transfer_id, slots, ..
+    } = raw_call(
         s,
         2,
         &Request::PrepareStore {
             instance_id: 1,
             range: rg,
         },
-    ) else {
+    )
+    else {
         panic!("prepare")
     };
     assert_eq!(slots.len(), 2);

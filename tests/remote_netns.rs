@@ -46,7 +46,10 @@ fn an_engine_across_a_veth_link_stores_retrieves_and_is_released_when_the_link_d
     let data = payloads(&rg, r.object_bytes as usize);
     let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
     assert_eq!(c.store(1, &rg, &refs).unwrap(), 6);
-    assert!(c.retrieve(1, &rg).unwrap().unwrap() == data, "bytes across the link");
+    assert!(
+        c.retrieve(1, &rg).unwrap().unwrap() == data,
+        "bytes across the link"
+    );
     let st = node.status();
     let conns = st["remote"]["connections"].as_array().unwrap();
     assert_eq!(conns.len(), 1, "{st:#}");

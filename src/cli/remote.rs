@@ -42,7 +42,11 @@ pub(crate) fn token(cmd: TokenCommand) -> Result<(), String> {
 }
 
 /// Connects and authenticates; an authentication failure exits with [`EXIT_AUTH_FAILED`].
-fn connect(url: &str, token_file: Option<&Path>, timeout: Duration) -> Result<RemoteClient, CliError> {
+fn connect(
+    url: &str,
+    token_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<RemoteClient, CliError> {
     let token = token_file
         .map(Token::from_file)
         .transpose()
@@ -67,7 +71,11 @@ fn connect(url: &str, token_file: Option<&Path>, timeout: Duration) -> Result<Re
     })
 }
 
-pub(crate) fn ping(url: &str, token_file: Option<&Path>, timeout: Duration) -> Result<(), CliError> {
+pub(crate) fn ping(
+    url: &str,
+    token_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<(), CliError> {
     let t = Instant::now();
     let mut c = connect(url, token_file, timeout)?;
     let connected = t.elapsed();

@@ -28,7 +28,6 @@ impl FrameSource for FdSource<'_> {
     }
 }
 
-
 impl ClientTransport for UnixTransport {
     fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
         kvnode_hw::send_with_fd(self.0.as_fd(), frame, None)?;

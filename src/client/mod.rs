@@ -31,7 +31,9 @@ use rkyv::util::AlignedVec;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::hashing::{chunk_hashes, ChunkHash};
-use crate::protocol::frame::{decode_response, encode_request, FrameError, FrameHeader, FrameReader};
+use crate::protocol::frame::{
+    decode_response, encode_request, FrameError, FrameHeader, FrameReader,
+};
 use crate::protocol::{ChunkRange, RegisterReply, Request, Response, WireLayout, WireSlot};
 
 pub use self::local::UnixTransport;
@@ -422,6 +424,4 @@ impl<T: ClientTransport> Client<T> {
         })
         .map(drop)
     }
-
-
 }

@@ -430,7 +430,10 @@ impl Client<TcpTransport> {
             return Ok(false);
         };
         if p.slots.len() != out.len()
-            || p.slots.iter().zip(out.iter()).any(|(s, o)| s.length != o.len() as u64)
+            || p.slots
+                .iter()
+                .zip(out.iter())
+                .any(|(s, o)| s.length != o.len() as u64)
         {
             let _ = self.commit_retrieve(instance_id, p.transfer_id);
             return Err(Error::internal(

@@ -16,8 +16,8 @@ pub const MAX_TTL_SECS: u64 = 30 * 24 * 3600;
 pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
 
 mod limits;
-mod socket_dir;
 mod remote;
+mod socket_dir;
 
 pub use limits::Limits;
 pub use remote::{parse_tcp_url, RemoteConfig, TcpEngineChoice, HEARTBEAT_MS};

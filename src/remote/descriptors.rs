@@ -101,7 +101,10 @@ impl RegionTable {
         let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(bufs.len());
         for (i, (b, &(offset, len))) in bufs.iter().zip(slots).enumerate() {
             let region = self.regions.get(&b.region).ok_or_else(|| {
-                invalid(format!("buffer {i} names region {} which is not registered", b.region))
+                invalid(format!(
+                    "buffer {i} names region {} which is not registered",
+                    b.region
+                ))
             })?;
             if b.len != len {
                 return Err(invalid(format!(
@@ -183,9 +186,7 @@ mod tests {
         assert_eq!(t.len(), 0, "all or none");
         assert_eq!(t.register(&[region(1, 0x1000, 4096)]).unwrap(), 1);
         assert!(t.register(&[region(1, 0, 8)]).is_err(), "id taken");
-        let e = t
-            .register(&[region(2, 0, 8), region(3, 0, 8)])
-            .unwrap_err();
+        let e = t.register(&[region(2, 0, 8), region(3, 0, 8)]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::LimitExceeded);
         assert!(t.unregister(&[1, 9]).is_err());
         assert_eq!(t.len(), 1);

@@ -255,7 +255,12 @@ fn handshake_failed(shared: &Shared, peer: SocketAddr, e: &HandshakeError) {
     }
 }
 
-fn serve_connection(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr, mut place: Admitted) {
+fn serve_connection(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    mut place: Admitted,
+) {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + shared.config.handshake_timeout();
     let negotiated = match server_handshake(&stream, &shared.keys, &shared.offer, deadline) {
@@ -273,15 +278,12 @@ fn serve_connection(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr, m
         .fetch_add(1, Ordering::Relaxed);
     let ctx = &shared.ctx;
     let id = crate::server::next_connection_id();
-    let fconn = match stream
-        .try_clone()
-        .map_err(Error::from)
-        .and_then(|dup| {
-            shared
-                .mover
-                .connect(ConnSetup::Tcp(OwnedFd::from(dup)))
-                .map_err(Error::from)
-        }) {
+    let fconn = match stream.try_clone().map_err(Error::from).and_then(|dup| {
+        shared
+            .mover
+            .connect(ConnSetup::Tcp(OwnedFd::from(dup)))
+            .map_err(Error::from)
+    }) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(%peer, error = %e, "cannot hand a remote connection to the TCP fabric");

@@ -199,8 +199,7 @@ impl ReadTake {
     /// any (the bytes were valid: they were read under the locks).
     pub fn settle(mut self, moved_ok: bool, commit: bool) -> Option<Response> {
         let read = self.read.take().expect("settled once");
-        if !put_back_read(&self.ctx, &self.inst, self.transfer_id, read) || !commit || !moved_ok
-        {
+        if !put_back_read(&self.ctx, &self.inst, self.transfer_id, read) || !commit || !moved_ok {
             return None;
         }
         let req = Request::CommitRetrieve {

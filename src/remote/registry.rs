@@ -114,9 +114,16 @@ pub enum Refusal {
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Refusal::Connections(n) => write!(f, "{n} remote connections open (remote.max_connections)"),
-            Refusal::PerIp(n) => write!(f, "{n} connections open from this address (remote.max_connections_per_ip)"),
-            Refusal::Handshakes(n) => write!(f, "{n} handshakes in progress (remote.max_handshakes)"),
+            Refusal::Connections(n) => {
+                write!(f, "{n} remote connections open (remote.max_connections)")
+            }
+            Refusal::PerIp(n) => write!(
+                f,
+                "{n} connections open from this address (remote.max_connections_per_ip)"
+            ),
+            Refusal::Handshakes(n) => {
+                write!(f, "{n} handshakes in progress (remote.max_handshakes)")
+            }
         }
     }
 }

@@ -22,9 +22,7 @@ use crate::protocol::frame::{
     encode_response_with_trailer, FrameHeader, FrameReader, PlainSource, HEARTBEAT_REQUEST_ID,
 };
 use crate::protocol::{DataPath, Request, Response};
-use crate::server::connection::{
-    FrameHooks, Intercepted, CONNECTION_RETAINED_PAYLOAD_BYTES,
-};
+use crate::server::connection::{FrameHooks, Intercepted, CONNECTION_RETAINED_PAYLOAD_BYTES};
 use crate::server::dispatch::Registered;
 use crate::transport::reply::StreamReplySink;
 use crate::transport::ReplySink;
@@ -63,7 +61,8 @@ impl RemoteHooks {
     fn reply(&self, header: &FrameHeader, started: Instant, resp: Response) {
         let error = matches!(resp, Response::Error { .. });
         self.ctx.counters.answered(header.opcode, error, started);
-        self.sink.send(header.request_id, header.opcode, &resp, None);
+        self.sink
+            .send(header.request_id, header.opcode, &resp, None);
     }
 
     fn deadline(&self) -> Instant {

@@ -11,8 +11,8 @@ use rkyv::util::AlignedVec;
 use super::dispatch;
 use crate::access::Role;
 use crate::error::ErrorKind;
-use crate::modules::NodeContext;
 use crate::modules::Caller;
+use crate::modules::NodeContext;
 use crate::protocol::frame::{
     decode_request, encode_response, FrameError, FrameHeader, FrameReader, FrameSource,
     PlainSource, ReadLimits,

@@ -191,7 +191,9 @@ impl Node {
 
     /// The remote listener's address, when the node listens for remote engines.
     pub fn remote_addr(&self) -> Option<std::net::SocketAddr> {
-        self.remote.as_ref().map(crate::remote::RemoteService::local_addr)
+        self.remote
+            .as_ref()
+            .map(crate::remote::RemoteService::local_addr)
     }
 
     /// The shared context (tests and embedding).

@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
 
-
 pub use super::reply::{UdsReplySink, REPLY_QUEUE_FDS};
 
 /// What a file system object is, in words for error messages ("a regular file", "a directory",

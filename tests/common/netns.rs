@@ -71,13 +71,21 @@ impl Netns {
     /// Takes this side's veth link down (the namespace becomes unreachable, silently: no
     /// FIN, no RST) or up again.
     pub fn set_link(&self, up: bool) {
-        ip(&["link", "set", &self.host_dev, if up { "up" } else { "down" }]).unwrap();
+        ip(&[
+            "link",
+            "set",
+            &self.host_dev,
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
     }
 }
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
         let _ = Command::new("ip")
             .args(["link", "del", &self.host_dev])
             .status();

@@ -176,7 +176,11 @@ impl PlainWorker {
         let Some(mut c) = self.conns.remove(&conn) else {
             return;
         };
-        shutdown_socket(c.fd.as_raw_fd());
+        // Only ops in flight need the socket cut; an idle connection's descriptor is just
+        // closed, so the node's own descriptor still delivers its last replies.
+        if c.active.is_some() || !c.queue.is_empty() {
+            shutdown_socket(c.fd.as_raw_fd());
+        }
         if let Some(run) = c.active.take() {
             self.core
                 .finish(&run.job, Err(FabricError::Flushed), run.moved());

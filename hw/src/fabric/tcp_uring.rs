@@ -414,7 +414,12 @@ impl UringWorker {
         }
         c.tearing = true;
         c.broken = true;
-        shutdown_socket(c.fd.as_raw_fd());
+        // Only ops in flight need the socket cut (a zero-copy send to a peer that stopped
+        // reading is released by the reset); an idle connection's descriptor is just closed,
+        // so the node's own descriptor still delivers its last replies.
+        if c.active.is_some() || !c.queue.is_empty() {
+            shutdown_socket(c.fd.as_raw_fd());
+        }
         for job in c.queue.drain(..) {
             self.core.finish(&job, Err(FabricError::Flushed), 0);
         }
