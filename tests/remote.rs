@@ -304,6 +304,22 @@ fn a_trailer_of_the_wrong_size_is_refused_and_the_store_stays_prepared() {
     assert_eq!(published, Some(2));
 }
 
+/// Connects with the token in `file`, retrying while the node answers busy (a closed
+/// connection's place is given back when its thread ends).
+fn retry_connect(rn: &RemoteNode, file: &std::path::Path) -> RemoteClient {
+    let token = Token::from_file(file).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match RemoteClient::connect_remote(&rn.url, Some(&token), &options()) {
+            Ok(c) => return c,
+            Err(e) if e.kind == ErrorKind::LimitExceeded && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("connect: {e}"),
+        }
+    }
+}
+
 /// A raw authenticated connection (the test plays a remote engine byte by byte).
 fn raw_connect(rn: &RemoteNode) -> TcpStream {
     let addr = kvnode::config::parse_tcp_url(&rn.url).unwrap();
@@ -419,4 +435,111 @@ fn a_silent_engine_is_released_mid_trailer_and_when_idle() {
     assert!(c.transport().heartbeats() > 0);
     drop(s);
     drop(s2);
+}
+
+#[test]
+fn every_remote_limit_is_enforced_with_an_error_naming_it() {
+    let rn = RemoteNode::start_with_config(
+        "remote-limits",
+        Some(
+            "[remote]\nmax_handshakes = 1\nmax_connections_per_ip = 3\nhandshake_timeout_ms = 1500\n\
+             max_trailer_bytes = 40000\nmax_registered_regions = 1\n",
+        ),
+        &[],
+    );
+    let addr = kvnode::config::parse_tcp_url(&rn.url).unwrap();
+    // A connection that never completes its handshake holds the only handshake place: the next
+    // one is answered busy at once, and the stalled one is closed at its deadline.
+    let stalled = TcpStream::connect(addr).unwrap();
+    let e = loop {
+        match RemoteClient::connect_remote(&rn.url, Some(&Token::from_file(&rn.token_file).unwrap()), &options()) {
+            Err(e) => break e,
+            // The stalled connection may not have been accepted yet: try again.
+            Ok(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    assert_eq!(e.kind, ErrorKind::LimitExceeded, "{e}");
+    assert!(e.to_string().contains("busy"), "{e}");
+    let mut buf = [0u8; 1];
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    assert_eq!((&stalled).read(&mut buf).unwrap_or(0), 0, "closed at the handshake deadline");
+    let st = retry_connect(&rn, &rn.admin_file).status().unwrap();
+    assert!(num(&st, &["remote", "handshakes", "timed_out"]) >= 1, "{st:#}");
+    assert!(num(&st, &["remote", "handshakes", "busy"]) >= 1, "{st:#}");
+    // Connections per address (places are given back as closed connections' threads end).
+    let a = retry_connect(&rn, &rn.token_file);
+    let b = retry_connect(&rn, &rn.token_file);
+    let c = retry_connect(&rn, &rn.token_file);
+    let e = RemoteClient::connect_remote(
+        &rn.url,
+        Some(&Token::from_file(&rn.token_file).unwrap()),
+        &options(),
+    )
+    .err()
+    .expect("a fourth connection from one address is refused");
+    assert_eq!(e.kind, ErrorKind::LimitExceeded, "{e}");
+    drop((b, c));
+    // A store above max_trailer_bytes (2 x 16 KiB + more) is refused and the connection closed.
+    let mut a = a;
+    let r = a.register(&reg(1)).unwrap();
+    let rg = range(&tokens(12, 3));
+    let data = payloads(&rg, r.object_bytes as usize);
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    let e = a.store(1, &rg, &refs).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::LimitExceeded, "{e}");
+    assert!(e.to_string().contains("max_trailer_bytes"), "{e}");
+    drop(a);
+    wait_released(&rn.node, "release after the oversized store");
+    // Registered regions per connection.
+    let mut d = rn.client();
+    let region = |id| kvnode::protocol::RemoteRegion {
+        id,
+        addr: 0x1000,
+        len: 4096,
+        rkey: 1,
+    };
+    let resp = d
+        .call(&Request::RegisterBuffers {
+            regions: vec![region(1)],
+        })
+        .unwrap();
+    assert_eq!(resp, Response::BuffersRegistered { count: 1 });
+    let e = d
+        .call(&Request::RegisterBuffers {
+            regions: vec![region(2)],
+        })
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::LimitExceeded, "{e}");
+    assert!(e.to_string().contains("max_registered_regions"), "{e}");
+}
+
+#[test]
+fn a_local_connection_may_not_send_a_trailer() {
+    let node = NodeProc::start("remote-uds-trailer", &[]);
+    let mut s = std::os::unix::net::UnixStream::connect(&node.socket).unwrap();
+    let req = Request::WriteSlots {
+        instance_id: 1,
+        transfer_id: 1,
+        data: DataPath::Inline,
+        commit: true,
+    };
+    s.write_all(&encode_request_with_trailer(5, &req, 100).unwrap())
+        .unwrap();
+    s.write_all(&[0u8; 100]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let h = FrameHeader::decode(got[..HEADER_BYTES].try_into().unwrap()).unwrap();
+    let mut p = rkyv::util::AlignedVec::<16>::new();
+    p.extend_from_slice(&got[HEADER_BYTES..HEADER_BYTES + h.payload_len as usize]);
+    let Response::Error { message, .. } = decode_response(&p).unwrap() else {
+        panic!("an error")
+    };
+    assert!(message.contains("trailer"), "{message}");
+    // A data op without a trailer over the Unix socket is answered: remote engines only.
+    let mut c = node.client();
+    let e = c.call(&req).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unsupported, "{e}");
 }

@@ -447,6 +447,47 @@ mod tests {
         assert_eq!((h2.request_id, fd2.is_some()), (2, true));
     }
 
+    /// A trailer is announced only with its flag, within its bound, never with an fd; the
+    /// reader hands out its first bytes (read with the frame) and resumes after the rest.
+    #[test]
+    fn trailers_are_announced_checked_and_handed_out() {
+        let req = Request::WriteSlots {
+            instance_id: 1,
+            transfer_id: 2,
+            data: crate::protocol::DataPath::Inline,
+            commit: true,
+        };
+        let f = encode_request_with_trailer(7, &req, 5).unwrap();
+        let h = FrameHeader::decode(f[..HEADER_BYTES].try_into().unwrap()).unwrap();
+        assert_eq!((h.trailer_len, h.flags & FLAG_TRAILER), (5, FLAG_TRAILER));
+        let mut stream = f.clone();
+        stream.extend_from_slice(b"hello");
+        stream.extend(encode_request(8, &Request::Noop).unwrap());
+        let mut r = FrameReader::default();
+        let mut src = PlainSource(&stream[..]);
+        let mut p = AlignedVec::new();
+        let (h1, _) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+        assert_eq!(decode_request(&h1, &p).unwrap(), req);
+        assert_eq!(r.take_buffered(3), b"hel");
+        assert_eq!(r.take_buffered(2), b"lo");
+        let (h2, _) = r.read_frame(&mut src, &mut p).unwrap().unwrap();
+        assert_eq!((h2.request_id, h2.trailer_len), (8, 0));
+        // The flag without a length, a length without the flag, too long, or with an fd.
+        let mut bad = f.clone();
+        bad[24..32].copy_from_slice(&0u64.to_le_bytes());
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+        let mut bad = f.clone();
+        bad[8..12].copy_from_slice(&0u32.to_le_bytes());
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+        let mut bad = f.clone();
+        bad[24..32].copy_from_slice(&(MAX_TRAILER_BYTES + 1).to_le_bytes());
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+        let mut bad = f;
+        bad[8..12].copy_from_slice(&(FLAG_TRAILER | FLAG_FD).to_le_bytes());
+        assert!(matches!(read_all(&bad), Err(FrameError::Reserved(_))));
+        assert!(encode_request_with_trailer(1, &Request::Noop, MAX_TRAILER_BYTES + 1).is_err());
+    }
+
     #[test]
     fn empty_stream_is_clean_eof() {
         assert_eq!(read_all(&[]).unwrap(), None);

@@ -42,6 +42,11 @@ impl RemoteNode {
     /// Starts a node listening on 127.0.0.1 with a client and an admin token, plus `extra`
     /// flags.
     pub fn start(tag: &str, extra: &[&str]) -> RemoteNode {
+        RemoteNode::start_with_config(tag, None, extra)
+    }
+
+    /// [`RemoteNode::start`] with a configuration file holding `toml`.
+    pub fn start_with_config(tag: &str, toml: Option<&str>, extra: &[&str]) -> RemoteNode {
         let tokens = TestDir::new(&format!("{tag}-tokens"));
         let token_file = new_token(&tokens, "client.token");
         let admin_file = new_token(&tokens, "admin.token");
@@ -54,7 +59,10 @@ impl RemoteNode {
             admin_file.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
-        let node = NodeProc::start(tag, &args);
+        let node = match toml {
+            Some(t) => NodeProc::start_with_config(tag, t, &args),
+            None => NodeProc::start(tag, &args),
+        };
         let url = listen_url(&node);
         RemoteNode {
             node,
