@@ -221,6 +221,32 @@ fn golden_vectors() {
 }
 
 #[test]
+fn an_admin_token_equal_to_the_client_token_is_refused() {
+    let e = ServerKeys::token(tok(TOKEN), Some(tok(TOKEN))).unwrap_err();
+    assert!(e.to_string().contains("admin token is the same"), "{e}");
+    assert!(ServerKeys::token(tok(TOKEN), Some(tok(ADMIN))).is_ok());
+    assert!(ServerKeys::token(tok(TOKEN), None).is_ok());
+}
+
+#[test]
+fn control_characters_in_the_client_name_do_not_reach_the_logs() {
+    let keys = ServerKeys::Insecure;
+    let (_, hello) = ClientHandshake::new(None, "evil\nINFO forged", &wanted(), CN).unwrap();
+    let mut s = ServerHandshake::new(&keys, offer(), SN);
+    let Ok(Step::Send(_)) = s.feed(hello.as_bytes()) else {
+        panic!()
+    };
+    let ca = ClientAuth {
+        fabric: FABRIC_TCP,
+        mac: [0; 32],
+    };
+    let Ok(Step::Done { negotiated, .. }) = s.feed(ca.encode().as_bytes()) else {
+        panic!()
+    };
+    assert_eq!(negotiated.client_name, "evil?INFO forged");
+}
+
+#[test]
 fn admin_token_gets_the_admin_role() {
     let keys = token_keys();
     let a = tok(ADMIN);
