@@ -31,6 +31,8 @@ mod io;
 mod server;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_wire;
 
 pub use client::{ClientHandshake, ClientStep};
 pub use io::{client_handshake, send_busy, server_handshake};
