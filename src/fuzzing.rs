@@ -497,3 +497,13 @@ pub fn lmcache_request(data: &[u8]) {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Remote (TCP) handshake: in `fuzzing/remote_handshake.rs`
+// ---------------------------------------------------------------------------------------------
+
+mod remote_handshake;
+pub use remote_handshake::{
+    remote_handshake, remote_handshake_input, HS_MODE_ADMIN, HS_MODE_FABRICS_SHIFT,
+    HS_MODE_GENUINE, HS_MODE_INSECURE, HS_MODE_RAW,
+};

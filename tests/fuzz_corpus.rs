@@ -16,17 +16,21 @@ use kvnode::protocol::messages::{
     BlockAllocationRecord, ChunkRange, RegisterReply, RegisterRequest, Request, Response,
     WireLayout, WireSlot,
 };
+use kvnode::transport::tcp::handshake::{
+    codec::ClientAuth, ClientHandshake, ClientOffer, FrameRange, FABRIC_RDMA, FABRIC_TCP,
+};
 
 /// The harness of a fuzz target, by the target's (and its corpus directory's) name.
 fn harness(target: &str) -> Option<fn(&[u8])> {
     match target {
         "native_frame" => Some(fuzzing::native_frame),
         "lmcache_request" => Some(fuzzing::lmcache_request),
+        "remote_handshake" => Some(fuzzing::remote_handshake),
         _ => None,
     }
 }
 
-const TARGETS: [&str; 2] = ["native_frame", "lmcache_request"];
+const TARGETS: [&str; 3] = ["native_frame", "lmcache_request", "remote_handshake"];
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -86,6 +90,7 @@ fn seeds_are_committed_and_pass() {
     for (target, seeds) in [
         ("native_frame", native_seeds()),
         ("lmcache_request", lmcache_seeds()),
+        ("remote_handshake", handshake_seeds()),
     ] {
         let run = harness(target).expect("known target");
         let dir = fuzz_dir().join("corpus").join(target);
@@ -561,4 +566,124 @@ fn lmcache_seeds() -> Vec<(String, Vec<u8>)> {
         fuzzing::lmcache_request_input(&wire::encode_str("poll_kv_events"), &[]),
     ));
     out
+}
+
+// ---- remote handshake seeds: honest clients of every kind, and the refusals ----
+
+fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
+    use fuzzing::{
+        remote_handshake_input as input, HS_MODE_ADMIN as ADMIN, HS_MODE_FABRICS_SHIFT as FAB,
+        HS_MODE_GENUINE as GENUINE, HS_MODE_INSECURE as INSECURE, HS_MODE_RAW as RAW,
+    };
+    let hello = |min: u16, max: u16, fabrics: u16, name: &str| {
+        let offer = ClientOffer {
+            frames: FrameRange { min, max },
+            fabrics,
+        };
+        let (_, h) = ClientHandshake::new(None, name, &offer, [0xc1; 32]).expect("valid offer");
+        h.as_bytes().to_vec()
+    };
+    // A ClientAuth whose MAC is zeros (the harness patches in the genuine one in GENUINE mode).
+    let auth = |fabric: u16| {
+        ClientAuth {
+            fabric,
+            mac: [0; 32],
+        }
+        .encode()
+        .as_bytes()
+        .to_vec()
+    };
+    let both = FABRIC_TCP | FABRIC_RDMA;
+    let tcp_node = (FABRIC_TCP as u8) << FAB;
+    let both_node = (both as u8) << FAB;
+    let full = |h: Vec<u8>, a: Vec<u8>| [h, a].concat();
+    let std_hello = hello(2, 3, both, "engine-0");
+    let mut long_name = hello(2, 3, both, "x")[..45].to_vec();
+    long_name[44] = 65;
+    let mut hs_v2 = std_hello.clone();
+    hs_v2[4] = 2;
+    vec![
+        (
+            "genuine-client",
+            input(
+                0,
+                GENUINE | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "genuine-admin",
+            input(
+                0,
+                GENUINE | ADMIN | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "genuine-rdma-chunked",
+            input(
+                5,
+                GENUINE | both_node,
+                &full(std_hello.clone(), auth(FABRIC_RDMA)),
+            ),
+        ),
+        (
+            "genuine-interleaved",
+            input(
+                0x80 | 3,
+                GENUINE | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "genuine-fabric-not-offered",
+            input(
+                0,
+                GENUINE | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_RDMA)),
+            ),
+        ),
+        (
+            "wrong-mac",
+            input(0, tcp_node, &full(std_hello.clone(), auth(FABRIC_TCP))),
+        ),
+        (
+            "insecure",
+            input(
+                0,
+                INSECURE | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "insecure-chunked",
+            input(
+                1,
+                INSECURE | tcp_node,
+                &full(hello(1, 9, FABRIC_TCP, ""), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "raw-early-auth",
+            input(
+                0,
+                RAW | GENUINE | tcp_node,
+                &full(std_hello.clone(), auth(FABRIC_TCP)),
+            ),
+        ),
+        (
+            "version-mismatch",
+            input(0, tcp_node, &hello(4, 9, both, "future")),
+        ),
+        ("handshake-v2", input(0, tcp_node, &hs_v2)),
+        ("name-too-long", input(0, tcp_node, &long_name)),
+        ("truncated-hello", input(7, tcp_node, &std_hello[..30])),
+        (
+            "http-probe",
+            input(0, tcp_node, b"GET / HTTP/1.1\r\nHost: node\r\n\r\n"),
+        ),
+    ]
+    .into_iter()
+    .map(|(n, d)| (n.to_string(), d))
+    .collect()
 }

@@ -93,16 +93,22 @@ impl Token {
     /// The checks use the opened file (`fstat`), so a swapped path cannot slip past them.
     pub fn from_file(path: &Path) -> Result<Token> {
         let shown = path.display();
-        let mut f = File::open(path).map_err(|e| {
-            Error::new(
-                if e.kind() == std::io::ErrorKind::PermissionDenied {
-                    ErrorKind::PermissionDenied
-                } else {
-                    ErrorKind::Io
-                },
-                format!("cannot open token file {shown}: {e}"),
-            )
-        })?;
+        // O_NONBLOCK: a FIFO planted at the path must not hang the node at open (it is then
+        // refused as not a regular file); regular files ignore the flag.
+        let mut f = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| {
+                Error::new(
+                    if e.kind() == std::io::ErrorKind::PermissionDenied {
+                        ErrorKind::PermissionDenied
+                    } else {
+                        ErrorKind::Io
+                    },
+                    format!("cannot open token file {shown}: {e}"),
+                )
+            })?;
         let meta = f.metadata().map_err(|e| {
             Error::new(
                 ErrorKind::Io,
@@ -155,6 +161,11 @@ impl Token {
         };
         wipe(&mut buf);
         result
+    }
+
+    /// Whether `other` was derived from the same token (compared in constant time).
+    pub fn same_as(&self, other: &Token) -> bool {
+        blake3::Hash::from(self.key) == blake3::Hash::from(other.key)
     }
 
     /// The client's proof: `keyed_hash(K, CLIENT_LABEL || transcript || fabric_le)`.
@@ -293,7 +304,11 @@ mod tests {
     const T32: &[u8] = b"0123456789abcdef0123456789abcdef";
 
     fn same_key(a: &Token, b: &Token) -> bool {
-        a.client_mac(&[7; 32], 1) == b.client_mac(&[7; 32], 1)
+        assert_eq!(
+            a.same_as(b),
+            a.client_mac(&[7; 32], 1) == b.client_mac(&[7; 32], 1)
+        );
+        a.same_as(b)
     }
 
     #[test]
@@ -363,6 +378,18 @@ mod tests {
         assert!(e.to_string().contains("missing"), "{e}");
         std::fs::set_permissions(&d.0, std::fs::Permissions::from_mode(0o700)).unwrap();
         let e = Token::from_file(&d.0).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        // A FIFO is refused at once, not waited on.
+        let fifo = d.0.join("fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let e = Token::from_file(&fifo).unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
         assert!(Token::from_bytes(&T32[..31]).is_err());
     }

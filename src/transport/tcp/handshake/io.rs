@@ -27,6 +27,16 @@ fn is_timeout(e: &std::io::Error) -> bool {
     matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut)
 }
 
+/// A socket error: the peer going away (reset, broken pipe) is [`HandshakeError::Closed`].
+fn io_error(e: std::io::Error) -> HandshakeError {
+    match e.kind() {
+        IoKind::ConnectionReset | IoKind::ConnectionAborted | IoKind::BrokenPipe => {
+            HandshakeError::Closed
+        }
+        _ => HandshakeError::Io(e),
+    }
+}
+
 /// Reads 1..=`buf.len()` bytes before `deadline`. End of stream is [`HandshakeError::Closed`].
 fn read_some(
     mut stream: &TcpStream,
@@ -41,7 +51,7 @@ fn read_some(
             Ok(0) => return Err(HandshakeError::Closed),
             Ok(n) => return Ok(n),
             Err(e) if e.kind() == IoKind::Interrupted || is_timeout(&e) => {}
-            Err(e) => return Err(HandshakeError::Io(e)),
+            Err(e) => return Err(io_error(e)),
         }
     }
 }
@@ -60,7 +70,7 @@ fn write_all(
             Ok(0) => return Err(HandshakeError::Closed),
             Ok(n) => bytes = &bytes[n..],
             Err(e) if e.kind() == IoKind::Interrupted || is_timeout(&e) => {}
-            Err(e) => return Err(HandshakeError::Io(e)),
+            Err(e) => return Err(io_error(e)),
         }
     }
     Ok(())
@@ -133,7 +143,25 @@ pub fn client_handshake(
     let mut nonce = [0u8; 32];
     os_random(&mut nonce).map_err(HandshakeError::Io)?;
     let (mut hs, hello) = ClientHandshake::new(token, name, wanted, nonce)?;
-    write_all(stream, hello.as_bytes(), deadline)?;
+    // A node that refused at once (busy) may have closed before the hello arrived: the write
+    // then fails, but its refusal may still be waiting to be read, and is the better error.
+    let sent = write_all(stream, hello.as_bytes(), deadline);
+    if let Err(HandshakeError::Closed) = sent {
+        let mut buf = [0u8; HANDSHAKE_MAX_BYTES];
+        while let Ok(n) = read_some(
+            stream,
+            &mut buf[..hs.wanted().clamp(1, HANDSHAKE_MAX_BYTES)],
+            deadline,
+        ) {
+            match hs.feed(&buf[..n]) {
+                Ok(ClientStep::NeedMore) => {}
+                Err(e) => return Err(e),
+                Ok(_) => break,
+            }
+        }
+        return Err(HandshakeError::Closed);
+    }
+    sent?;
     let mut buf = [0u8; HANDSHAKE_MAX_BYTES];
     loop {
         let want = hs.wanted().clamp(1, HANDSHAKE_MAX_BYTES);

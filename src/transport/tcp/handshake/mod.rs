@@ -31,6 +31,8 @@ mod io;
 mod server;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_wire;
 
 pub use client::{ClientHandshake, ClientStep};
 pub use io::{client_handshake, send_busy, server_handshake};
@@ -114,6 +116,19 @@ pub enum ServerKeys {
     Insecure,
 }
 
+impl ServerKeys {
+    /// Token mode with the client token and an optional admin token. Refuses (`InvalidRequest`)
+    /// an admin token equal to the client token: every client would be an administrator.
+    pub fn token(client: Token, admin: Option<Token>) -> crate::Result<ServerKeys> {
+        if admin.as_ref().is_some_and(|a| a.same_as(&client)) {
+            return Err(Error::invalid(
+                "the admin token is the same as the client token: every client would be an administrator; use a separate token file",
+            ));
+        }
+        Ok(ServerKeys::Token { client, admin })
+    }
+}
+
 /// The outcome of a successful handshake on the node. Invariant: `role` is `Admin` only when the
 /// client proved the admin token, and `authenticated` is false only in insecure mode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +139,8 @@ pub struct Negotiated {
     pub fabric: FabricKind,
     /// What the client may do.
     pub role: Role,
-    /// The name the client gave (for logs only; not authenticated beyond the MAC over it).
+    /// The name the client gave, control characters replaced by `?` (for logs only; covered by
+    /// the MACs, but chosen by the client).
     pub client_name: String,
     /// Whether the client proved a token (false in insecure mode).
     pub authenticated: bool,

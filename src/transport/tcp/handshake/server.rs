@@ -269,8 +269,12 @@ impl<'k> ServerHandshake<'k> {
             mac,
         }
         .encode();
-        // The name was UTF-8-checked when the hello was decoded.
-        let client_name = String::from_utf8_lossy(&self.name[..self.name_len]).into_owned();
+        // The name was UTF-8-checked when the hello was decoded; it goes to logs, so no control
+        // characters (no forged log lines).
+        let client_name = String::from_utf8_lossy(&self.name[..self.name_len])
+            .chars()
+            .map(|c| if c.is_control() { '?' } else { c })
+            .collect();
         self.phase = Phase::Finished;
         Ok(Step::Done {
             reply,
