@@ -53,7 +53,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$SECONDS_PER_TARGET" =~ ^[0-9]+$ ]] || { echo "usage: $0 --seconds N [--target NAME] [--asan]" >&2; exit 2; }
-ALL_TARGETS=(native_frame lmcache_request)
+ALL_TARGETS=(native_frame lmcache_request remote_handshake remote_descriptors)
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${ALL_TARGETS[@]}")
 for t in "${TARGETS[@]}"; do
   [ -f "fuzz/fuzz_targets/$t.rs" ] || { echo "unknown target $t (have: ${ALL_TARGETS[*]})" >&2; exit 2; }

@@ -1,4 +1,4 @@
-//! Fuzz harnesses for the two decoders that read bytes from outside the process: the native
+//! Fuzz harnesses for the code that reads bytes from outside the process: the native
 //! frame codec ([`crate::protocol::frame`]) and the LMCache msgpack request decoder
 //! ([`crate::lmcache::wire`]).
 //!
@@ -507,3 +507,10 @@ pub use remote_handshake::{
     remote_handshake, remote_handshake_input, HS_MODE_ADMIN, HS_MODE_FABRICS_SHIFT,
     HS_MODE_GENUINE, HS_MODE_INSECURE, HS_MODE_RAW,
 };
+
+// ---------------------------------------------------------------------------------------------
+// Remote descriptors (regions and per-slot buffers): in `fuzzing/remote_descriptors.rs`
+// ---------------------------------------------------------------------------------------------
+
+mod remote_descriptors;
+pub use remote_descriptors::{remote_descriptors, remote_descriptors_input};

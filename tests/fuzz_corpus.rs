@@ -26,11 +26,17 @@ fn harness(target: &str) -> Option<fn(&[u8])> {
         "native_frame" => Some(fuzzing::native_frame),
         "lmcache_request" => Some(fuzzing::lmcache_request),
         "remote_handshake" => Some(fuzzing::remote_handshake),
+        "remote_descriptors" => Some(fuzzing::remote_descriptors),
         _ => None,
     }
 }
 
-const TARGETS: [&str; 3] = ["native_frame", "lmcache_request", "remote_handshake"];
+const TARGETS: [&str; 4] = [
+    "native_frame",
+    "lmcache_request",
+    "remote_handshake",
+    "remote_descriptors",
+];
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -91,6 +97,7 @@ fn seeds_are_committed_and_pass() {
         ("native_frame", native_seeds()),
         ("lmcache_request", lmcache_seeds()),
         ("remote_handshake", handshake_seeds()),
+        ("remote_descriptors", descriptor_seeds()),
     ] {
         let run = harness(target).expect("known target");
         let dir = fuzz_dir().join("corpus").join(target);
@@ -237,6 +244,43 @@ fn all_requests() -> Vec<(&'static str, Request)> {
         ("clear", Request::Clear),
         ("status", Request::Status),
         ("memcheck", Request::Memcheck),
+        (
+            "write-slots",
+            Request::WriteSlots {
+                instance_id: 7,
+                transfer_id: 9,
+                data: kvnode::protocol::DataPath::Inline,
+                commit: true,
+            },
+        ),
+        (
+            "read-slots-remote",
+            Request::ReadSlots {
+                instance_id: 7,
+                transfer_id: 9,
+                data: kvnode::protocol::DataPath::Remote(vec![kvnode::protocol::RemoteBuf {
+                    region: 1,
+                    offset: 4096,
+                    len: 16384,
+                }]),
+                commit: false,
+            },
+        ),
+        (
+            "register-buffers",
+            Request::RegisterBuffers {
+                regions: vec![kvnode::protocol::RemoteRegion {
+                    id: 1,
+                    addr: 0x7f00_0000_0000,
+                    len: 1 << 30,
+                    rkey: 0x1234,
+                }],
+            },
+        ),
+        (
+            "unregister-buffers",
+            Request::UnregisterBuffers { ids: vec![1, 2] },
+        ),
     ]
 }
 
@@ -340,6 +384,27 @@ fn all_responses() -> Vec<(&'static str, u16, bool, Response)> {
                 kind: 3,
                 message: "invalid request".into(),
             },
+        ),
+        (
+            "slots-written",
+            18,
+            false,
+            Response::SlotsWritten {
+                bytes: 32768,
+                published: Some(2),
+            },
+        ),
+        (
+            "slots-read",
+            19,
+            false,
+            Response::SlotsRead { bytes: 32768 },
+        ),
+        (
+            "buffers-registered",
+            20,
+            false,
+            Response::BuffersRegistered { count: 1 },
         ),
     ]
 }
@@ -686,4 +751,55 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
     .into_iter()
     .map(|(n, d)| (n.to_string(), d))
     .collect()
+}
+
+/// Descriptor seeds: accepted buffers, each refusal the checker knows, and edge addresses.
+fn descriptor_seeds() -> Vec<(String, Vec<u8>)> {
+    use fuzzing::remote_descriptors_input as input;
+    let hi = u64::MAX - 65_535;
+    vec![
+        (
+            "two-buffers-ok".into(),
+            input(
+                &[(1, 0x10000, 65_536, 7)],
+                &[(1, 0, 4096, false), (1, 4096, 4096, false)],
+            ),
+        ),
+        (
+            "overlap".into(),
+            input(
+                &[(1, 0x10000, 65_536, 7)],
+                &[(1, 0, 4096, false), (1, 2048, 4096, false)],
+            ),
+        ),
+        (
+            "past-region".into(),
+            input(&[(1, 0x10000, 8192, 7)], &[(1, 8000, 4096, false)]),
+        ),
+        (
+            "unknown-region".into(),
+            input(&[(1, 0, 8192, 7)], &[(2, 0, 16, false)]),
+        ),
+        (
+            "length-mismatch".into(),
+            input(&[(1, 0, 8192, 7)], &[(1, 0, 16, true)]),
+        ),
+        (
+            "wrapping-region".into(),
+            input(&[(1, u64::MAX - 10, 100, 7)], &[]),
+        ),
+        (
+            "high-region".into(),
+            input(&[(1, hi, 65_535, 1)], &[(1, 65_000, 535, false)]),
+        ),
+        (
+            "duplicate-id".into(),
+            input(&[(3, 0, 16, 1), (3, 64, 16, 2)], &[(3, 0, 16, false)]),
+        ),
+        (
+            "offset-overflow".into(),
+            input(&[(1, 0, 8192, 7)], &[(1, u64::MAX, 16, false)]),
+        ),
+        ("empty".into(), Vec::new()),
+    ]
 }

@@ -452,7 +452,11 @@ fn every_remote_limit_is_enforced_with_an_error_naming_it() {
     // one is answered busy at once, and the stalled one is closed at its deadline.
     let stalled = TcpStream::connect(addr).unwrap();
     let e = loop {
-        match RemoteClient::connect_remote(&rn.url, Some(&Token::from_file(&rn.token_file).unwrap()), &options()) {
+        match RemoteClient::connect_remote(
+            &rn.url,
+            Some(&Token::from_file(&rn.token_file).unwrap()),
+            &options(),
+        ) {
             Err(e) => break e,
             // The stalled connection may not have been accepted yet: try again.
             Ok(_) => std::thread::sleep(Duration::from_millis(20)),
@@ -464,9 +468,16 @@ fn every_remote_limit_is_enforced_with_an_error_naming_it() {
     stalled
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
-    assert_eq!((&stalled).read(&mut buf).unwrap_or(0), 0, "closed at the handshake deadline");
+    assert_eq!(
+        (&stalled).read(&mut buf).unwrap_or(0),
+        0,
+        "closed at the handshake deadline"
+    );
     let st = retry_connect(&rn, &rn.admin_file).status().unwrap();
-    assert!(num(&st, &["remote", "handshakes", "timed_out"]) >= 1, "{st:#}");
+    assert!(
+        num(&st, &["remote", "handshakes", "timed_out"]) >= 1,
+        "{st:#}"
+    );
     assert!(num(&st, &["remote", "handshakes", "busy"]) >= 1, "{st:#}");
     // Connections per address (places are given back as closed connections' threads end).
     let a = retry_connect(&rn, &rn.token_file);

@@ -61,14 +61,14 @@ pub struct RemoteService {
 fn load_keys(config: &RemoteConfig) -> Result<ServerKeys> {
     match &config.auth_token_file {
         None => Ok(ServerKeys::Insecure),
-        Some(client) => Ok(ServerKeys::Token {
-            client: Token::from_file(client)?,
-            admin: config
+        Some(client) => ServerKeys::token(
+            Token::from_file(client)?,
+            config
                 .admin_token_file
                 .as_deref()
                 .map(Token::from_file)
                 .transpose()?,
-        }),
+        ),
     }
 }
 
