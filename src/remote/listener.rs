@@ -136,9 +136,11 @@ impl RemoteService {
         ctx.add_status_part(
             "remote",
             Box::new(move || {
-                status
-                    .upgrade()
-                    .map_or(serde_json::Value::Null, |s| s.registry.status())
+                status.upgrade().map_or(serde_json::Value::Null, |s| {
+                    let mut v = s.registry.status();
+                    v["mover"] = s.mover.status();
+                    v
+                })
             }),
         );
         let listener = Arc::new(listener);

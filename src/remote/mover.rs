@@ -243,6 +243,24 @@ impl Mover {
         }
     }
 
+    /// The mover's and its fabric's counters (status report).
+    pub fn status(&self) -> serde_json::Value {
+        let s = &self.stats;
+        let f = self.fabric.stats();
+        serde_json::json!({
+            "fabric": self.fabric.kind().as_str(),
+            "ops_ok": s.ops_ok.load(Ordering::Relaxed),
+            "ops_failed": s.ops_failed.load(Ordering::Relaxed),
+            "deadline_misses": s.deadline_misses.load(Ordering::Relaxed),
+            "stuck_ops": s.stuck_ops.load(Ordering::Relaxed),
+            "waiting": s.waiting.load(Ordering::Relaxed),
+            "inflight_ops": f.inflight_ops,
+            "bytes_pulled": f.bytes_pulled,
+            "bytes_pushed": f.bytes_pushed,
+            "fabric_errors": f.errors,
+        })
+    }
+
     /// Stops the polling thread once no transfer waits.
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Release);
