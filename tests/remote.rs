@@ -415,7 +415,7 @@ fn an_engine_that_disconnects_mid_trailer_is_released_and_nothing_published() {
 #[test]
 fn a_silent_engine_is_released_mid_trailer_and_when_idle() {
     let rn = RemoteNode::start("remote-silent", &[]);
-    // Mid-trailer: the transfer deadline (remote.transfer_timeout_ms, 5 s) ends it.
+    // Mid-trailer: no byte for remote.dead_after_ms (750 ms) ends the transfer.
     let mut s = raw_connect(&rn);
     half_store(&mut s, 9, 1000);
     wait_released(&rn.node, "release after a stalled trailer");

@@ -50,8 +50,12 @@ pub struct RemoteConfig {
     /// A remote connection that sends nothing (not even a heartbeat) for this long is dead: it
     /// is closed and its instances released.
     pub dead_after_ms: u64,
-    /// Longest one store's or retrieve's bytes may take to move.
+    /// Longest one store's or retrieve's bytes may take to move, whatever their size.
     pub transfer_timeout_ms: u64,
+    /// The slowest rate (MB/s) a store's or retrieve's bytes may flow at: each 4 MiB piece must
+    /// move within `dead_after_ms` plus its size at this rate, so an engine that stalls
+    /// mid-transfer is released within about `dead_after_ms`.
+    pub min_transfer_mbps: u64,
     /// Largest trailer (bytes of one remote store or retrieve on the TCP stream).
     pub max_trailer_bytes: u64,
     /// Regions a remote connection may register (RDMA descriptors).
@@ -76,7 +80,8 @@ impl Default for RemoteConfig {
             max_handshakes: 32,
             handshake_timeout_ms: 2_000,
             dead_after_ms: 750,
-            transfer_timeout_ms: 5_000,
+            transfer_timeout_ms: 30_000,
+            min_transfer_mbps: 50,
             max_trailer_bytes: 1 << 30,
             max_registered_regions: 64,
             tcp_engine: "uring".into(),
@@ -154,6 +159,7 @@ impl RemoteConfig {
             ("remote.max_handshakes", self.max_handshakes),
             ("remote.max_registered_regions", self.max_registered_regions),
             ("remote.tcp_rings", self.tcp_rings),
+            ("remote.min_transfer_mbps", self.min_transfer_mbps as usize),
             ("remote.max_inflight_ops", self.max_inflight_ops),
         ] {
             if v == 0 {

@@ -31,6 +31,75 @@ const FULL_RETRY: Duration = Duration::from_micros(200);
 /// on (the connection's ops completed already: its reader is the only poster and waits).
 const TEARDOWN_WAIT: Duration = Duration::from_secs(10);
 
+/// Most bytes [`Mover::transfer_paced`] posts as one op (each piece gets its own deadline).
+pub const PACE_PIECE_BYTES: u64 = 4 << 20;
+
+/// How long a transfer's bytes may take: each piece of at most [`PACE_PIECE_BYTES`] must move
+/// within `stall` plus its size at `min_bytes_per_sec`, and the whole transfer by `cap`. So an
+/// engine that stops sending or reading mid-transfer is detected within about `stall`, however
+/// large the transfer, while a slow but live one is not cut off.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// Allowance for a piece's first byte.
+    pub stall: Duration,
+    /// The slowest rate accepted once bytes flow (at least 1).
+    pub min_bytes_per_sec: u64,
+    /// No piece's deadline passes this.
+    pub cap: Instant,
+}
+
+impl Pace {
+    /// The deadline of a piece of `bytes` starting `now`.
+    pub fn deadline(&self, now: Instant, bytes: u64) -> Instant {
+        let nanos = u128::from(bytes) * 1_000_000_000 / u128::from(self.min_bytes_per_sec.max(1));
+        let allowance = self.stall.saturating_add(Duration::from_nanos(
+            u64::try_from(nanos).unwrap_or(u64::MAX),
+        ));
+        now.checked_add(allowance).unwrap_or(self.cap).min(self.cap)
+    }
+}
+
+/// Splits `items` into consecutive pieces of at most `piece` bytes (an item larger than that is
+/// cut: the stream is sequential, and an RDMA segment's address advances with its offset).
+pub fn pieces(items: &[WorkItem], piece: u64) -> Vec<Vec<WorkItem>> {
+    let mut out: Vec<Vec<WorkItem>> = Vec::new();
+    let mut cur: Vec<WorkItem> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for it in items {
+        let mut done = 0u64;
+        while done < it.local.len {
+            let room = piece - cur_bytes;
+            let n = room.min(it.local.len - done);
+            let remote = match it.remote {
+                kvnode_hw::fabric::RemoteSeg::Rdma { addr, rkey } => {
+                    kvnode_hw::fabric::RemoteSeg::Rdma {
+                        addr: addr + done,
+                        rkey,
+                    }
+                }
+                kvnode_hw::fabric::RemoteSeg::Stream => kvnode_hw::fabric::RemoteSeg::Stream,
+            };
+            cur.push(WorkItem {
+                local: kvnode_hw::fabric::LocalRange {
+                    offset: it.local.offset + done,
+                    len: n,
+                },
+                remote,
+            });
+            done += n;
+            cur_bytes += n;
+            if cur_bytes == piece {
+                out.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
 /// Why a transfer did not move its bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MoveError {
@@ -191,6 +260,26 @@ impl Mover {
         }
     }
 
+    /// [`Mover::transfer`] in pieces of at most [`PACE_PIECE_BYTES`], each with its own
+    /// deadline from `pace`: a peer that stalls mid-transfer is detected within about
+    /// `pace.stall`. Returns the bytes moved; the first failed piece ends the transfer (the
+    /// caller treats it as failed whole).
+    pub fn transfer_paced(
+        &self,
+        conn: ConnId,
+        dir: Dir,
+        items: &[WorkItem],
+        pace: &Pace,
+    ) -> Result<u64, MoveError> {
+        let mut moved = 0;
+        for piece in pieces(items, PACE_PIECE_BYTES) {
+            let bytes: u64 = piece.iter().map(|i| i.local.len).sum();
+            let deadline = pace.deadline(Instant::now(), bytes);
+            moved += self.transfer(conn, dir, &piece, deadline)?;
+        }
+        Ok(moved)
+    }
+
     /// Waits for `landing` without a time limit (the slots must not be released before the
     /// completion); past the deadline plus [`STUCK_GRACE`], tears the connection down once.
     fn wait(&self, conn: ConnId, landing: &Landing, deadline: Instant) -> Result<u64, FabricError> {
@@ -273,6 +362,65 @@ impl Mover {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pieces_cut_items_at_the_piece_size_and_keep_every_byte_in_order() {
+        use kvnode_hw::fabric::{LocalRange, RemoteSeg};
+        let items = [
+            WorkItem {
+                local: LocalRange { offset: 0, len: 10 },
+                remote: RemoteSeg::Stream,
+            },
+            WorkItem {
+                local: LocalRange {
+                    offset: 100,
+                    len: 7,
+                },
+                remote: RemoteSeg::Rdma {
+                    addr: 1000,
+                    rkey: 3,
+                },
+            },
+        ];
+        let p = pieces(&items, 4);
+        let sizes: Vec<u64> = p
+            .iter()
+            .map(|x| x.iter().map(|i| i.local.len).sum())
+            .collect();
+        assert_eq!(sizes, vec![4, 4, 4, 4, 1]);
+        let flat: Vec<WorkItem> = p.into_iter().flatten().collect();
+        assert_eq!(flat[2].local, LocalRange { offset: 8, len: 2 });
+        assert_eq!(
+            flat[3].local,
+            LocalRange {
+                offset: 100,
+                len: 2
+            }
+        );
+        assert_eq!(
+            flat[4].remote,
+            RemoteSeg::Rdma {
+                addr: 1002,
+                rkey: 3
+            }
+        );
+        assert_eq!(flat.iter().map(|i| i.local.len).sum::<u64>(), 17);
+    }
+
+    #[test]
+    fn a_pace_gives_each_piece_its_stall_plus_its_size_never_past_the_cap() {
+        let now = Instant::now();
+        let pace = Pace {
+            stall: Duration::from_millis(750),
+            min_bytes_per_sec: 100_000_000,
+            cap: now + Duration::from_secs(5),
+        };
+        assert_eq!(
+            pace.deadline(now, 100_000_000),
+            now + Duration::from_millis(1750)
+        );
+        assert_eq!(pace.deadline(now, 1 << 40), now + Duration::from_secs(5));
+    }
     use kvnode_hw::fabric::{FakeFabric, FakeOptions, FakePeer, FakeRegion, LocalRange, RemoteSeg};
     use kvnode_hw::{PagePreference, PoolOptions, SharedPool};
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 use kvnode_hw::fabric::{ConnId, Dir};
 
 use super::descriptors::{stream_items, RegionTable};
-use super::mover::Mover;
+use super::mover::{Mover, Pace};
 use super::ops;
 use super::registry::{RemoteConnInfo, RemoteRegistry};
 use crate::config::RemoteConfig;
@@ -69,15 +69,27 @@ impl RemoteHooks {
         Instant::now() + self.config.transfer_timeout()
     }
 
-    /// Reads and drops `len` bytes of a refused trailer (first those the reader holds), within
-    /// the transfer deadline. `false`: the stream could not be resynchronised.
+    /// The pace of a data op's bytes: a stall longer than `dead_after_ms` ends it.
+    fn pace(&self) -> Pace {
+        Pace {
+            stall: self.config.dead_after(),
+            min_bytes_per_sec: self.config.min_transfer_mbps.saturating_mul(1_000_000),
+            cap: self.deadline(),
+        }
+    }
+
+    /// Reads and drops `len` bytes of a refused trailer (first those the reader holds), each
+    /// read within `dead_after_ms` and all within the transfer deadline. `false`: the stream
+    /// could not be resynchronised.
     fn drain(&self, reader: &mut FrameReader, len: u64) -> bool {
         let mut left = len - reader.take_buffered(len).len() as u64;
         let deadline = self.deadline();
         let mut scratch = vec![0u8; DRAIN_CHUNK.min(left as usize)];
         let mut s = &*self.stream;
         while left > 0 {
-            let rest = deadline.saturating_duration_since(Instant::now());
+            let rest = deadline
+                .saturating_duration_since(Instant::now())
+                .min(self.config.dead_after());
             if rest.is_zero() || s.set_read_timeout(Some(rest)).is_err() {
                 return false;
             }
@@ -185,7 +197,7 @@ impl RemoteHooks {
             None if rest.is_empty() => Ok(trailer),
             None => self
                 .mover
-                .transfer(self.fconn, Dir::Pull, &stream_items(&rest), self.deadline())
+                .transfer_paced(self.fconn, Dir::Pull, &stream_items(&rest), &self.pace())
                 .map(|n| n + copied as u64)
                 .map_err(|e| e.to_string()),
         };
@@ -247,7 +259,9 @@ impl RemoteHooks {
             self.reply(header, started, Response::error(&e));
             return Intercepted::Done;
         }
-        let deadline = self.deadline();
+        // The reply's header goes out once earlier replies are taken: an engine that asked for
+        // the bytes reads them, so it gets `dead_after_ms` to do so.
+        let deadline = Instant::now() + self.config.dead_after();
         let frame = match encode_response_with_trailer(
             header.request_id,
             header.opcode,
@@ -277,7 +291,7 @@ impl RemoteHooks {
             let items = stream_items(take.slots());
             moved = self
                 .mover
-                .transfer(self.fconn, Dir::Push, &items, deadline)
+                .transfer_paced(self.fconn, Dir::Push, &items, &self.pace())
                 .map_err(|e| e.to_string());
         }
         if moved.is_err() {
