@@ -427,3 +427,45 @@ fn a_taken_port_stops_the_node_only_when_the_operator_named_it() {
     }
     lm::status(&node);
 }
+
+#[test]
+fn remote_engines_are_counted_by_the_metrics() {
+    let rn =
+        common::remote::RemoteNode::start("metrics-remote", &["--metrics-addr", "127.0.0.1:0"]);
+    let addr = logged_metrics_addr(|| rn.node.log());
+    let before = scrape(addr);
+    assert_eq!(before.value("kvnode_remote_connections", &[]), 0.0);
+    let mut c = rn.client();
+    let len = c.register(&reg(7)).unwrap().object_bytes as usize;
+    let r = range(&tokens(4, 2));
+    let data = payloads(&r, len);
+    c.store(7, &r, &[&data[0], &data[1]]).unwrap();
+    assert_eq!(c.retrieve(7, &r).unwrap().expect("a hit"), data);
+    // The node counts a retrieve's bytes once the fabric completed the send, which may be
+    // just after the client has read them.
+    let deadline = Instant::now() + DEADLINE;
+    let after = loop {
+        let e = scrape(addr);
+        if e.value("kvnode_remote_bytes_total", &[("dir", "out")]) > 0.0
+            || Instant::now() > deadline
+        {
+            break e;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(after.value("kvnode_remote_connections", &[]), 1.0);
+    assert_eq!(
+        after.value("kvnode_remote_bytes_total", &[("dir", "in")]),
+        2.0 * len as f64
+    );
+    assert_eq!(
+        after.value("kvnode_remote_bytes_total", &[("dir", "out")]),
+        2.0 * len as f64
+    );
+    assert_eq!(requests(&after, "kvnode", "write_slots"), 1.0);
+    assert_eq!(requests(&after, "kvnode", "read_slots"), 1.0);
+    assert_eq!(
+        after.value("kvnode_remote_handshakes_total", &[("outcome", "ok")]),
+        1.0
+    );
+}

@@ -165,8 +165,53 @@ impl Collector for NodeCollector {
         if let Some(lm) = &self.lm {
             self.encode_lmcache(&mut out, lm)?;
         }
+        if let Some(remote) = self.ctx.status_parts().remove("remote") {
+            encode_remote(&mut out, &remote)?;
+        }
         Ok(())
     }
+}
+
+/// The remote listener's counters, from its status part (present when it listens).
+fn encode_remote(out: &mut Out, r: &serde_json::Value) -> Fmt {
+    let n = |path: &[&str]| path.iter().fold(r, |v, k| &v[*k]).as_u64().unwrap_or(0);
+    out.gauge(
+        "kvnode_remote_connections",
+        "Authenticated remote connections open",
+        n(&["connections_total"]),
+    )?;
+    out.counters(
+        "kvnode_remote_bytes",
+        "Bytes of remote stores received into slots (in) and retrieves sent from them (out)",
+        &[
+            ([("dir", "in")], n(&["bytes_in"])),
+            ([("dir", "out")], n(&["bytes_out"])),
+        ],
+    )?;
+    out.counters(
+        "kvnode_remote_handshakes",
+        "Remote handshakes by outcome",
+        &[
+            ([("outcome", "ok")], n(&["handshakes", "ok"])),
+            (
+                [("outcome", "auth_failed")],
+                n(&["handshakes", "auth_failed"]),
+            ),
+            ([("outcome", "busy")], n(&["handshakes", "busy"])),
+            ([("outcome", "timed_out")], n(&["handshakes", "timed_out"])),
+            ([("outcome", "refused")], n(&["handshakes", "refused"])),
+        ],
+    )?;
+    out.counter(
+        "kvnode_remote_failed_moves",
+        "Remote data ops whose bytes did not move (the store freed, never published)",
+        n(&["failed_moves"]),
+    )?;
+    out.gauge(
+        "kvnode_remote_stuck_ops",
+        "Fabric ops past their deadline without completion (their slots stay reserved)",
+        n(&["mover", "stuck_ops"]),
+    )
 }
 
 impl NodeCollector {

@@ -3,7 +3,7 @@
 use crate::lmcache::wire::Op;
 
 /// Native opcodes (`Request::opcode`) and their label values, in opcode order.
-pub const NATIVE_OPS: [(u16, &str); 17] = [
+pub const NATIVE_OPS: [(u16, &str); 21] = [
     (1, "noop"),
     (2, "ping"),
     (3, "get_chunk_size"),
@@ -21,6 +21,10 @@ pub const NATIVE_OPS: [(u16, &str); 17] = [
     (15, "clear"),
     (16, "status"),
     (17, "memcheck"),
+    (18, "write_slots"),
+    (19, "read_slots"),
+    (20, "register_buffers"),
+    (21, "unregister_buffers"),
 ];
 
 /// Every LMCache operation kvnode tells apart, in `Op as usize` order.
@@ -82,6 +86,8 @@ mod tests {
             assert!(usize::from(*code) < NATIVE_OP_SLOTS);
         }
         assert_eq!(crate::protocol::Request::Memcheck.opcode(), 17);
+        let last = crate::protocol::Request::UnregisterBuffers { ids: Vec::new() };
+        assert_eq!(usize::from(last.opcode()), NATIVE_OPS.len());
         assert_eq!(crate::protocol::Request::Noop.opcode(), 1);
     }
 }

@@ -66,8 +66,8 @@ pub struct NodeCounters {
     pub ops: crate::op_stats::OpTable<NATIVE_OP_SLOTS>,
 }
 
-/// Slots of [`NodeCounters::ops`]: native opcodes are 1..=17 (`Request::opcode`).
-pub const NATIVE_OP_SLOTS: usize = 18;
+/// Slots of [`NodeCounters::ops`]: native opcodes are 1..=21 (`Request::opcode`).
+pub const NATIVE_OP_SLOTS: usize = 22;
 
 impl NodeCounters {
     /// Counts one answered request of `opcode` (an error response if `error`), received at
