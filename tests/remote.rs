@@ -8,17 +8,15 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::remote::{new_token, options, RemoteNode};
+use common::remote::{new_token, options, raw_call, raw_connect, RemoteNode};
 use common::{kvnode_until_exit, num, payloads, range, reg, tokens, NodeProc, TestDir, MODEL};
 use kvnode::client::RemoteClient;
 use kvnode::error::ErrorKind;
 use kvnode::protocol::frame::{
-    decode_response, encode_request, encode_request_with_trailer, FrameHeader, HEADER_BYTES,
-    VERSION,
+    decode_response, encode_request_with_trailer, FrameHeader, HEADER_BYTES,
 };
 use kvnode::protocol::{DataPath, RegisterRequest, Request, Response};
 use kvnode::transport::tcp::auth::Token;
-use kvnode::transport::tcp::handshake::{client_handshake, ClientOffer, FrameRange, FABRIC_TCP};
 
 /// A registration whose objects are `layers * 2 * CHUNK * hidden * 4` bytes.
 fn reg_sized(instance_id: u64, layers: u32, hidden: u32) -> RegisterRequest {
@@ -43,7 +41,20 @@ fn wait_released(node: &NodeProc, what: &str) -> serde_json::Value {
 
 #[test]
 fn remote_store_and_retrieve_move_every_byte() {
-    let rn = RemoteNode::start("remote-bytes", &["--pool-size", "256MiB"]);
+    store_and_retrieve_every_byte("uring");
+}
+
+#[test]
+fn the_plain_tcp_engine_moves_every_byte_too() {
+    store_and_retrieve_every_byte("plain");
+}
+
+fn store_and_retrieve_every_byte(engine: &str) {
+    let rn = RemoteNode::start(
+        &format!("remote-bytes-{engine}"),
+        &["--pool-size", "256MiB", "--tcp-engine", engine],
+    );
+    assert_eq!(rn.node.status()["transports"]["tcp_engine"], engine);
     // Small objects (16 KiB) and large ones (4 MiB): the trailer crosses the reader's buffer
     // and the fabric receives most of it straight into the slots.
     for (inst, layers, hidden) in [(1u64, 2u32, 64u32), (2, 32, 1024)] {
@@ -268,7 +279,8 @@ fn a_connection_cannot_touch_another_connections_transfer() {
     assert_eq!(e.kind, ErrorKind::PermissionDenied, "{e}");
     let mut out = vec![vec![0u8; r.object_bytes as usize]; 2];
     let mut outs: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-    assert!(b.read_slots(1, p.transfer_id, &mut outs, true).is_err());
+    let e = b.read_slots(1, p.transfer_id, &mut outs, true).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::PermissionDenied, "{e}");
     // B's refused trailer was drained: its connection still works.
     assert_eq!(b.noop().unwrap(), "OK");
     // A's store is intact and completes.
@@ -318,42 +330,6 @@ fn retry_connect(rn: &RemoteNode, file: &std::path::Path) -> RemoteClient {
             Err(e) => panic!("connect: {e}"),
         }
     }
-}
-
-/// A raw authenticated connection (the test plays a remote engine byte by byte).
-fn raw_connect(rn: &RemoteNode) -> TcpStream {
-    let addr = kvnode::config::parse_tcp_url(&rn.url).unwrap();
-    let s = TcpStream::connect(addr).unwrap();
-    let token = Token::from_file(&rn.token_file).unwrap();
-    let offer = ClientOffer {
-        frames: FrameRange {
-            min: VERSION,
-            max: VERSION,
-        },
-        fabrics: FABRIC_TCP,
-    };
-    client_handshake(
-        &s,
-        Some(&token),
-        "raw",
-        &offer,
-        Instant::now() + Duration::from_secs(20),
-    )
-    .unwrap();
-    s
-}
-
-/// Sends `req` as request `id` and reads its response (no trailer).
-fn raw_call(s: &mut TcpStream, id: u64, req: &Request) -> Response {
-    s.write_all(&encode_request(id, req).unwrap()).unwrap();
-    let mut h = [0u8; HEADER_BYTES];
-    s.read_exact(&mut h).unwrap();
-    let h = FrameHeader::decode(&h).unwrap();
-    let mut p = rkyv::util::AlignedVec::<16>::new();
-    p.resize(h.payload_len as usize, 0);
-    s.read_exact(&mut p).unwrap();
-    assert_eq!(h.request_id, id);
-    decode_response(&p).unwrap()
 }
 
 /// Registers instance 1 over `s`, prepares a 2-chunk store, and sends the WRITE_SLOTS frame
@@ -445,7 +421,7 @@ fn every_remote_limit_is_enforced_with_an_error_naming_it() {
             "[remote]\nmax_handshakes = 1\nmax_connections_per_ip = 3\nhandshake_timeout_ms = 1500\n\
              max_trailer_bytes = 40000\nmax_registered_regions = 1\n",
         ),
-        &[],
+        &["--pool-size", "128MiB"],
     );
     let addr = kvnode::config::parse_tcp_url(&rn.url).unwrap();
     // A connection that never completes its handshake holds the only handshake place: the next
@@ -492,10 +468,11 @@ fn every_remote_limit_is_enforced_with_an_error_naming_it() {
     .expect("a fourth connection from one address is refused");
     assert_eq!(e.kind, ErrorKind::LimitExceeded, "{e}");
     drop((b, c));
-    // A store above max_trailer_bytes (2 x 16 KiB + more) is refused and the connection closed.
+    // A store above max_trailer_bytes, larger than the socket buffers, is refused and the
+    // connection closed; the client still gets the node's answer (not a reset).
     let mut a = a;
-    let r = a.register(&reg(1)).unwrap();
-    let rg = range(&tokens(12, 3));
+    let r = a.register(&reg_sized(1, 32, 1024)).unwrap();
+    let rg = range(&tokens(12, 8));
     let data = payloads(&rg, r.object_bytes as usize);
     let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
     let e = a.store(1, &rg, &refs).unwrap_err();

@@ -211,7 +211,7 @@ fn heartbeat_loop(writer: &Mutex<Writer>, stop: &AtomicBool, epoch: Instant, sen
     let frame = encode_request(HEARTBEAT_REQUEST_ID, &Request::Noop).expect("a NOOP encodes");
     let period = Duration::from_millis(HEARTBEAT_MS);
     while !stop.load(Ordering::Acquire) {
-        std::thread::sleep(period / 4);
+        std::thread::sleep(period / 6);
         let now = epoch.elapsed().as_millis() as u64;
         // Never waits for the lock: a writer holding it is sending, which is a heartbeat too.
         let Some(mut w) = writer.try_lock() else {
@@ -304,7 +304,14 @@ impl Client<TcpTransport> {
             commit,
         };
         let frame = encode_request_with_trailer(id, &req, total).map_err(frame_err)?;
-        self.stream.send_with_trailer(&frame, data)?;
+        if let Err(sending) = self.stream.send_with_trailer(&frame, data) {
+            // The node may have refused the store (e.g. over its size limit) and closed: its
+            // answer, if it arrived, says why, where the failed send only says "broken pipe".
+            return Err(match self.reply_to(id) {
+                Err(answer) if answer.kind != ErrorKind::Io => answer,
+                _ => sending,
+            });
+        }
         match self.reply_to(id)? {
             Response::SlotsWritten { bytes, published } => Ok((bytes, published)),
             r => Err(Self::unexpected(r)),

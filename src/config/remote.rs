@@ -10,10 +10,11 @@ use crate::error::{Error, Result};
 
 /// Longest a handshake, a heartbeat gap or a transfer may be configured to take.
 pub const MAX_REMOTE_TIMEOUT_MS: u64 = 600_000;
-/// Shortest `dead_after_ms` accepted (clients heartbeat every [`HEARTBEAT_MS`]).
-pub const MIN_DEAD_AFTER_MS: u64 = 250;
+/// Shortest `dead_after_ms` accepted: four heartbeats ([`HEARTBEAT_MS`]), so a live client is
+/// not taken for dead because one heartbeat was late.
+pub const MIN_DEAD_AFTER_MS: u64 = 4 * HEARTBEAT_MS;
 /// How often the client library sends a heartbeat on an otherwise idle connection.
-pub const HEARTBEAT_MS: u64 = 200;
+pub const HEARTBEAT_MS: u64 = 150;
 /// Largest `max_trailer_bytes` accepted (the frame codec's own bound).
 pub const MAX_TRAILER_LIMIT: u64 = crate::protocol::frame::MAX_TRAILER_BYTES;
 
@@ -258,7 +259,7 @@ mod tests {
         ok.validate().unwrap();
         for bad in [
             RemoteConfig {
-                dead_after_ms: 10,
+                dead_after_ms: MIN_DEAD_AFTER_MS - 1,
                 ..ok.clone()
             },
             RemoteConfig {

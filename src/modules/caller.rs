@@ -26,10 +26,11 @@ pub struct Caller {
     pub owner: SessionOwner,
 }
 
-/// The session owner (and quota user) of remote engines that proved the client token.
-pub const REMOTE_OWNER_CLIENT: SessionOwner = u32::MAX - 1;
+/// The session owner (and quota user) of remote engines that proved the client token (outside
+/// the range of uids, so no local user shares it).
+pub const REMOTE_OWNER_CLIENT: SessionOwner = 1 << 32;
 /// The session owner (and quota user) of remote engines that proved the admin token.
-pub const REMOTE_OWNER_ADMIN: SessionOwner = u32::MAX - 2;
+pub const REMOTE_OWNER_ADMIN: SessionOwner = (1 << 32) + 1;
 
 impl Caller {
     /// The caller of connection `connection` whose peer is `peer`, with its role under `ctx`'s
@@ -39,7 +40,7 @@ impl Caller {
             connection,
             peer,
             role: ctx.access.role(peer.as_ref()),
-            owner: peer.map_or(UNKNOWN_OWNER, |p| p.uid),
+            owner: peer.map_or(UNKNOWN_OWNER, |p| u64::from(p.uid)),
         }
     }
 

@@ -121,7 +121,7 @@ pub struct NodeContext {
     clock: Clock,
     release_hooks: parking_lot::RwLock<Vec<ReleaseHook>>,
     register_lock: Mutex<()>,
-    user_reserved: Mutex<HashMap<u32, Arc<AtomicU64>>>,
+    user_reserved: Mutex<HashMap<super::lookup::SessionOwner, Arc<AtomicU64>>>,
     status_parts: parking_lot::RwLock<Vec<(&'static str, StatusPart)>>,
 }
 

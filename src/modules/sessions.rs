@@ -93,13 +93,14 @@ impl Session {
 
 const SESSION_SHARDS: usize = 16;
 
-/// Who a session belongs to: the uid of the peer that ran the LOOKUP. Request ids are the
+/// Who a session belongs to: the uid of the peer that ran the LOOKUP (or, above the range of
+/// uids, a remote token's trust domain). Request ids are the
 /// clients' own names, so each user has its own name space: another user's LOOKUP, FREE, END or
 /// retrieve never sees (or replaces) a session it did not create.
-pub type SessionOwner = u32;
+pub type SessionOwner = u64;
 
 /// The owner used for a peer whose credentials are unknown (never matches a real user's).
-pub const UNKNOWN_OWNER: SessionOwner = u32::MAX;
+pub const UNKNOWN_OWNER: SessionOwner = u64::MAX;
 
 pub(super) type SessionKey = (SessionOwner, String);
 

@@ -179,7 +179,15 @@ impl RemoteService {
 
     /// Stops accepting and shuts every remote connection down (their threads release their
     /// instances as on any disconnect).
-    pub fn shutdown(mut self) {
+    pub fn shutdown(self) {
+        drop(self);
+    }
+}
+
+impl Drop for RemoteService {
+    /// The same as [`RemoteService::shutdown`]: a listener dropped on a failed node start stops
+    /// too (nothing keeps accepting for a node that is not there).
+    fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         // Wakes the accept thread: a shut-down listening socket fails `accept`.
         let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Read);

@@ -199,9 +199,10 @@ impl Mover {
 
     fn route(&self, c: Completion) {
         if c.op == OpId::TEARDOWN_DONE {
-            if let Some(l) = self.teardowns.lock().remove(&c.conn.0) {
-                l.set(c.result);
-            }
+            // Kept until `teardown` collects it: a teardown the mover started itself (a stuck
+            // op) completes before the connection's own teardown asks for it.
+            let l = self.teardowns.lock().entry(c.conn.0).or_default().clone();
+            l.set(c.result);
             return;
         }
         match self.waiters.lock().remove(&c.op.0) {
@@ -315,9 +316,12 @@ impl Mover {
     /// Tears `conn` down and waits (bounded) for the fabric to confirm that every op of it
     /// completed and its socket or queue pair is gone.
     pub fn teardown(&self, conn: ConnId) {
-        let landing = Arc::new(Landing::default());
-        self.teardowns.lock().insert(conn.0, landing.clone());
-        self.fabric.teardown(conn);
+        let landing = self.teardowns.lock().entry(conn.0).or_default().clone();
+        // A teardown already confirmed (started for a stuck op) is not asked for again: the
+        // fabric would ignore the second request and never confirm it.
+        if landing.done.lock().is_none() {
+            self.fabric.teardown(conn);
+        }
         let mut done = landing.done.lock();
         let end = Instant::now() + TEARDOWN_WAIT;
         while done.is_none() {
@@ -326,10 +330,11 @@ impl Mover {
                     conn = conn.0,
                     "the fabric did not confirm a connection's teardown in time"
                 );
-                self.teardowns.lock().remove(&conn.0);
-                return;
+                break;
             }
         }
+        drop(done);
+        self.teardowns.lock().remove(&conn.0);
     }
 
     /// The mover's and its fabric's counters (status report).

@@ -1,10 +1,12 @@
 //! The node's side of a remote store's or retrieve's data movement, independent of the fabric.
 //!
 //! A data op takes its prepared transfer **out** of the instance's pending table for as long as
-//! bytes move ([`take_write`], [`take_read`]). Nothing else can then free or reuse its slots:
-//! releasing the instance (disconnect, reaper, UNREGISTER), the TTL sweep and ABORT_STORE only
-//! see the table, while storage keeps the slots reserved (writes) or read-locked (reads), so
-//! eviction and CLEAR cannot take them either. When the bytes have moved (the fabric returned
+//! bytes move ([`take_write`], [`take_read`]) and **pins** its reservations or read locks in
+//! storage. Nothing else can then free or reuse its slots: releasing the instance (disconnect,
+//! reaper, UNREGISTER), the table's TTL sweep and ABORT_STORE only see the table; storage keeps
+//! the slots reserved (writes) or read-locked (reads), so eviction and CLEAR cannot take them,
+//! and the pin stops storage's own TTL from expiring them (a lock that had already expired at
+//! the take cannot be pinned: the op is refused before any byte moves). When the bytes have moved (the fabric returned
 //! the op's completion), the taken transfer is settled: put back if its instance is still
 //! registered (then committed through the instance's shard when asked), else handed back to
 //! storage — a store is freed, **never published**, a retrieve's locks are released. A failed
@@ -18,6 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::modules::instances::{Instance, Job, PendingRead, PendingWrite};
 use crate::modules::{Caller, NodeContext};
 use crate::protocol::{Request, Response};
+use crate::storage::Moving;
 use crate::transport::ReplySink;
 
 /// A prepared store taken out of its instance's table while its bytes move. Invariant: holds
@@ -28,6 +31,8 @@ pub struct WriteTake {
     inst: Arc<Instance>,
     transfer_id: u64,
     write: Option<PendingWrite>,
+    /// Its reservations, pinned in storage (their TTL cannot free them while bytes move).
+    pinned: Vec<Moving>,
 }
 
 /// A prepared retrieve taken out of its instance's table while its bytes move. Invariant: holds
@@ -38,6 +43,8 @@ pub struct ReadTake {
     inst: Arc<Instance>,
     transfer_id: u64,
     read: Option<PendingRead>,
+    /// Its read locks, pinned in storage (their TTL cannot drop them while bytes move).
+    pinned: Vec<Moving>,
 }
 
 /// The instance `instance_id`, if `caller` registered it over its connection.
@@ -51,6 +58,17 @@ fn attached(ctx: &NodeContext, caller: &Caller, instance_id: u64) -> Result<Arc<
     caller.require_attached(&inst)?;
     inst.touch(ctx.now_ms());
     Ok(inst)
+}
+
+fn expired(inst: &Instance, transfer_id: u64, ttl: &str) -> Error {
+    Error::new(
+        ErrorKind::UnknownTransfer,
+        format!(
+            "transfer {transfer_id} of instance {} expired (its locks outlived {ttl}); no byte \
+             was moved",
+            inst.id
+        ),
+    )
 }
 
 fn unknown(inst: &Instance, transfer_id: u64) -> Error {
@@ -81,11 +99,23 @@ pub fn take_write(
     let inst = attached(ctx, caller, instance_id)?;
     let write = inst.pending.lock().writes.remove(&transfer_id);
     let write = write.ok_or_else(|| unknown(&inst, transfer_id))?;
+    let pinned: Vec<Moving> = write
+        .items
+        .iter()
+        .map(|(k, g)| (*k, g.lease, g.slot.offset))
+        .collect();
+    if ctx.storage.pin_for_move(&pinned, true).is_err() {
+        // Its reservations expired (the TTL safety net freed them; their slots may hold
+        // another object already): no byte may move. The table's sweep ends it.
+        put_back_write(ctx, &inst, transfer_id, write);
+        return Err(expired(&inst, transfer_id, "write_ttl_secs"));
+    }
     Ok(WriteTake {
         ctx: ctx.clone(),
         inst,
         transfer_id,
         write: Some(write),
+        pinned,
     })
 }
 
@@ -100,11 +130,23 @@ pub fn take_read(
     let inst = attached(ctx, caller, instance_id)?;
     let read = inst.pending.lock().reads.remove(&transfer_id);
     let read = read.ok_or_else(|| unknown(&inst, transfer_id))?;
+    let pinned: Vec<Moving> = read
+        .keys
+        .iter()
+        .zip(&read.slots)
+        .map(|(&(k, lease), &(offset, _))| (k, lease, offset))
+        .collect();
+    if read.keys.len() != read.slots.len() || ctx.storage.pin_for_move(&pinned, false).is_err() {
+        // Its read locks expired: the bytes may no longer be the object's.
+        put_back_read(ctx, &inst, transfer_id, read);
+        return Err(expired(&inst, transfer_id, "read_ttl_secs"));
+    }
     Ok(ReadTake {
         ctx: ctx.clone(),
         inst,
         transfer_id,
         read: Some(read),
+        pinned,
     })
 }
 
@@ -130,6 +172,7 @@ impl WriteTake {
     /// Puts the store back untouched (its bytes never started to move).
     pub fn put_back(mut self) {
         let write = self.write.take().expect("settled once");
+        self.ctx.storage.unpin_moved(&self.pinned, true);
         put_back_write(&self.ctx, &self.inst, self.transfer_id, write);
     }
 
@@ -138,6 +181,8 @@ impl WriteTake {
     /// `commit`; failure: freed at once. Returns the reply to send.
     pub fn settle(mut self, moved: std::result::Result<u64, String>, commit: bool) -> Response {
         let write = self.write.take().expect("settled once");
+        // The fabric has let go of the slots (the caller got the op's completion).
+        self.ctx.storage.unpin_moved(&self.pinned, true);
         match moved {
             Err(why) => {
                 free_write(&self.ctx, &self.inst, write);
@@ -178,6 +223,7 @@ impl WriteTake {
 impl Drop for WriteTake {
     fn drop(&mut self) {
         if let Some(w) = self.write.take() {
+            self.ctx.storage.unpin_moved(&self.pinned, true);
             free_write(&self.ctx, &self.inst, w);
         }
     }
@@ -199,6 +245,7 @@ impl ReadTake {
     /// any (the bytes were valid: they were read under the locks).
     pub fn settle(mut self, moved_ok: bool, commit: bool) -> Option<Response> {
         let read = self.read.take().expect("settled once");
+        self.ctx.storage.unpin_moved(&self.pinned, false);
         if !put_back_read(&self.ctx, &self.inst, self.transfer_id, read) || !commit || !moved_ok {
             return None;
         }
@@ -216,6 +263,7 @@ impl ReadTake {
 impl Drop for ReadTake {
     fn drop(&mut self) {
         if let Some(r) = self.read.take() {
+            self.ctx.storage.unpin_moved(&self.pinned, false);
             put_back_read(&self.ctx, &self.inst, self.transfer_id, r);
         }
     }
@@ -272,11 +320,30 @@ fn run_on_shard(ctx: &NodeContext, inst: &Arc<Instance>, req: Request) -> Respon
         )));
     }
     let mut got = sink.resp.lock();
-    while got.is_none() {
-        sink.cv.wait(&mut got);
+    let mut stopping_since: Option<std::time::Instant> = None;
+    loop {
+        if let Some(r) = got.take() {
+            return r;
+        }
+        sink.cv.wait_for(&mut got, SHARD_WAIT_POLL);
+        // Shards stop at shutdown without running what is queued: give up then (the transfer
+        // stays in the table; the release at shutdown ends it).
+        if ctx.shutting_down.load(std::sync::atomic::Ordering::Acquire) {
+            let since = *stopping_since.get_or_insert_with(std::time::Instant::now);
+            if got.is_none() && since.elapsed() >= SHARD_WAIT_AT_SHUTDOWN {
+                return Response::error(&Error::new(
+                    ErrorKind::ShuttingDown,
+                    "the node is shutting down: the bytes moved but were not committed",
+                ));
+            }
+        }
     }
-    got.take().expect("checked")
 }
+
+/// How often [`run_on_shard`] looks whether the node is stopping while it waits.
+const SHARD_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long [`run_on_shard`] still waits for a shard once the node is stopping.
+const SHARD_WAIT_AT_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A reply sink that keeps the one reply it gets (a commit run for a data op).
 #[derive(Default)]

@@ -61,8 +61,6 @@ pub struct RemoteRegistry {
     handshaking: AtomicU64,
     /// Handshake outcomes.
     pub handshakes: HandshakeCounts,
-    /// Remote connections closed with instances still registered over them (each released).
-    pub closed_with_instances: AtomicU64,
     /// Data ops whose bytes failed to move (the transfer was freed or its locks released).
     pub failed_moves: AtomicU64,
     /// Bytes received into slots, all connections.
@@ -206,7 +204,6 @@ impl RemoteRegistry {
                 "timed_out": h.timed_out.load(Ordering::Relaxed),
                 "refused": h.refused.load(Ordering::Relaxed),
             },
-            "closed_with_instances": self.closed_with_instances.load(Ordering::Relaxed),
             "failed_moves": self.failed_moves.load(Ordering::Relaxed),
             "bytes_in": self.bytes_in.load(Ordering::Relaxed),
             "bytes_out": self.bytes_out.load(Ordering::Relaxed),

@@ -27,8 +27,30 @@ use crate::server::dispatch::Registered;
 use crate::transport::reply::StreamReplySink;
 use crate::transport::ReplySink;
 
+/// The only opcode whose frames may carry a trailer (the store's bytes).
+const WRITE_SLOTS_OPCODE: u16 = 18;
+
 /// Bytes of scratch a refused store's trailer is read into and dropped.
 const DRAIN_CHUNK: usize = 64 << 10;
+
+/// A data op counted in `dispatching` (shutdown waits for it before it drains the write-behind
+/// and lets the pool go), as the dispatcher counts requests.
+struct Counted<'a>(&'a NodeContext);
+
+impl Counted<'_> {
+    /// Counts a data op in, unless the node is stopping (`None`).
+    fn enter(ctx: &NodeContext) -> Option<Counted<'_>> {
+        ctx.counters.dispatching.fetch_add(1, Ordering::SeqCst);
+        let c = Counted(ctx);
+        (!ctx.shutting_down.load(Ordering::SeqCst)).then_some(c)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.counters.dispatching.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// The hooks of one authenticated TCP connection. Invariant: the TCP fabric's connection
 /// `fconn` is only used by this connection's reader thread, one op at a time.
@@ -103,6 +125,34 @@ impl RemoteHooks {
         true
     }
 
+    /// Answers a data op that arrived while the node stops, and closes the connection.
+    fn refuse_stopping(&self, header: &FrameHeader) -> Intercepted {
+        let e = Error::new(ErrorKind::ShuttingDown, "node is shutting down");
+        self.reply(header, Instant::now(), Response::error(&e));
+        Intercepted::Close
+    }
+
+    /// Before closing a connection whose client is still sending: stops reading frames, lets
+    /// the reply already queued go, and discards what arrives for at most `dead_after_ms`, so
+    /// the close is not a reset that destroys the reply on the client's side.
+    fn linger_for_reply(&self) {
+        let end = Instant::now() + self.config.dead_after();
+        let _ = self.sink.hold(end);
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        let mut scratch = vec![0u8; DRAIN_CHUNK];
+        let mut s = &*self.stream;
+        loop {
+            let rest = end.saturating_duration_since(Instant::now());
+            if rest.is_zero() || s.set_read_timeout(Some(rest)).is_err() {
+                return;
+            }
+            match s.read(&mut scratch) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
+
     fn write_slots(
         &mut self,
         header: &FrameHeader,
@@ -137,6 +187,7 @@ impl RemoteHooks {
                 self.config.max_trailer_bytes
             ));
             self.reply(header, started, Response::error(&e));
+            self.linger_for_reply();
             return Intercepted::Close;
         }
         let take = match ops::take_write(&self.ctx, &self.caller, instance_id, transfer_id) {
@@ -207,6 +258,9 @@ impl RemoteHooks {
             self.registry.bytes_in.fetch_add(n, Ordering::Relaxed);
         } else {
             self.registry.failed_moves.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Err(e) = &moved {
+            tracing::warn!(connection = self.info.id, transfer_id, error = %e, "a store's bytes did not arrive; its slots are freed, nothing published, and the connection closed");
         }
         self.info.data_ops.fetch_add(1, Ordering::Relaxed);
         let resp = take.settle(moved, commit);
@@ -341,6 +395,10 @@ impl<'a> FrameHooks<PlainSource<&'a TcpStream>> for RemoteHooks {
         true
     }
 
+    fn accepts_trailer(&self, opcode: u16) -> bool {
+        opcode == WRITE_SLOTS_OPCODE
+    }
+
     fn intercept(
         &mut self,
         header: &FrameHeader,
@@ -356,13 +414,25 @@ impl<'a> FrameHooks<PlainSource<&'a TcpStream>> for RemoteHooks {
                 transfer_id,
                 data,
                 commit,
-            } => self.write_slots(header, reader, (instance_id, transfer_id, data, commit)),
+            } => {
+                let ctx = self.ctx.clone();
+                let Some(_counted) = Counted::enter(&ctx) else {
+                    return self.refuse_stopping(header);
+                };
+                self.write_slots(header, reader, (instance_id, transfer_id, data, commit))
+            }
             Request::ReadSlots {
                 instance_id,
                 transfer_id,
                 data,
                 commit,
-            } => self.read_slots(header, (instance_id, transfer_id, data, commit)),
+            } => {
+                let ctx = self.ctx.clone();
+                let Some(_counted) = Counted::enter(&ctx) else {
+                    return self.refuse_stopping(header);
+                };
+                self.read_slots(header, (instance_id, transfer_id, data, commit))
+            }
             Request::RegisterBuffers { regions } => {
                 let started = Instant::now();
                 let resp = match self.regions.register(&regions) {

@@ -126,6 +126,13 @@ pub trait FrameHooks<S: FrameSource> {
         false
     }
 
+    /// Whether a frame of `opcode` may announce a trailer on this connection (then
+    /// [`FrameHooks::intercept`] must consume it). Any other frame with a trailer is refused and
+    /// the connection closed before the request is looked at.
+    fn accepts_trailer(&self, _opcode: u16) -> bool {
+        false
+    }
+
     /// Sees every decoded request first (with its header, the reader and the stream, for
     /// requests whose bytes follow the frame). A frame announcing a trailer must be handled
     /// here: one returned for dispatch closes the connection.
@@ -222,6 +229,10 @@ pub fn serve_frames<S: FrameSource, H: FrameHooks<S>>(
         match reader.read_frame(src, &mut payload) {
             Ok(None) => break,
             Ok(Some((header, _))) => {
+                if header.trailer_len > 0 && !hooks.accepts_trailer(header.opcode) {
+                    refuse_trailer(ctx, sink, &header);
+                    break;
+                }
                 let decoded = decode_request(&header, &payload);
                 // The payload is no longer needed: its budget and a large buffer go back now,
                 // not after the request has run.

@@ -71,6 +71,10 @@ pub struct Entry {
     pub lease: u64,
     /// Millisecond deadline of the current lock (write reservation or read locks): the TTL safety net.
     pub lock_deadline_ms: u64,
+    /// Data ops moving bytes into (a write reservation) or out of (read locks) the slot right
+    /// now (remote engines: the node's fabric holds the memory). While it is not 0 the lock
+    /// never expires, whatever its deadline: the slot cannot be freed or reused under the move.
+    pub pins: u32,
     /// Fingerprint of the layout the object was committed (or loaded from L2) under, 0 if
     /// unknown: what its L2 copy is stamped with.
     pub layout: u64,

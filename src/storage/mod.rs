@@ -14,6 +14,8 @@ pub mod layout;
 mod tests;
 
 pub use self::allocator::{SlabAllocator, Slot};
-pub use self::core::{Grant, KeyError, MemcheckReport, ObjectCounts, StorageConfig, StorageCore};
+pub use self::core::{
+    Grant, KeyError, MemcheckReport, Moving, ObjectCounts, StorageConfig, StorageCore,
+};
 pub use self::key::{pack_kv_rank, NamespaceId, Namespaces, ObjectKey, StorageKey};
 pub use self::layout::{Dtype, Layout};

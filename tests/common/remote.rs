@@ -1,7 +1,15 @@
 //! Helpers for remote-engine tests: token files, a node listening on loopback TCP, clients.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use kvnode::protocol::frame::{
+    decode_response, encode_request, FrameHeader, HEADER_BYTES, VERSION,
+};
+use kvnode::protocol::{Request, Response};
+use kvnode::transport::tcp::handshake::{client_handshake, ClientOffer, FrameRange, FABRIC_TCP};
 
 use kvnode::client::{RemoteClient, RemoteOptions};
 use kvnode::transport::tcp::auth::Token;
@@ -92,4 +100,46 @@ pub fn options() -> RemoteOptions {
         connect_timeout: Duration::from_secs(20),
         reply_timeout: Some(Duration::from_secs(60)),
     }
+}
+
+/// A raw authenticated connection (the test plays a remote engine byte by byte).
+pub fn raw_connect(rn: &RemoteNode) -> TcpStream {
+    let addr = kvnode::config::parse_tcp_url(&rn.url).unwrap();
+    let s = TcpStream::connect(addr).unwrap();
+    let token = Token::from_file(&rn.token_file).unwrap();
+    let offer = ClientOffer {
+        frames: FrameRange {
+            min: VERSION,
+            max: VERSION,
+        },
+        fabrics: FABRIC_TCP,
+    };
+    client_handshake(
+        &s,
+        Some(&token),
+        "raw",
+        &offer,
+        Instant::now() + Duration::from_secs(20),
+    )
+    .unwrap();
+    s
+}
+
+/// Reads one response frame (its header and payload; a trailer stays in the stream).
+pub fn read_reply(s: &mut TcpStream) -> (FrameHeader, Response) {
+    let mut h = [0u8; HEADER_BYTES];
+    s.read_exact(&mut h).unwrap();
+    let h = FrameHeader::decode(&h).unwrap();
+    let mut p = rkyv::util::AlignedVec::<16>::new();
+    p.resize(h.payload_len as usize, 0);
+    s.read_exact(&mut p).unwrap();
+    (h, decode_response(&p).unwrap())
+}
+
+/// Sends `req` as request `id` and reads its response (no trailer).
+pub fn raw_call(s: &mut TcpStream, id: u64, req: &Request) -> Response {
+    s.write_all(&encode_request(id, req).unwrap()).unwrap();
+    let (h, r) = read_reply(s);
+    assert_eq!(h.request_id, id);
+    r
 }

@@ -179,6 +179,7 @@ impl StorageCore {
                 .filter(|(_, e)| {
                     (e.state == ObjectState::WriteReserved || e.readers > 0)
                         && e.lock_deadline_ms <= now_ms
+                        && e.pins == 0
                 })
                 .map(|(k, _)| *k)
                 .collect();

@@ -32,12 +32,14 @@ use super::key::StorageKey;
 mod check;
 mod evict;
 mod incremental;
+mod pin;
 mod read;
 mod tally;
 mod write;
 
 pub use check::STRICT_CHECK_MAX_OBJECTS;
 pub use incremental::{MemcheckStatus, MEMCHECK_MAX_PROBLEMS};
+pub use pin::Moving;
 use tally::{ShardTally, Tally};
 
 /// Number of index shards (a power of two).
@@ -244,8 +246,9 @@ impl StorageCore {
 
     /// Drops read locks whose TTL passed (last-resort safety net): the count restarts at 0 and
     /// the lease changes, so holders of the expired locks can no longer release anyone else's.
+    /// Locks whose bytes are being moved (`pins > 0`) never expire.
     fn drop_expired_reads(&self, e: &mut Entry, now_ms: u64) -> bool {
-        if e.readers > 0 && e.lock_deadline_ms <= now_ms {
+        if e.readers > 0 && e.pins == 0 && e.lock_deadline_ms <= now_ms {
             e.readers = 0;
             e.lease = self.next_stamps(1);
             self.expired_reads.fetch_add(1, Ordering::Relaxed);

@@ -111,6 +111,7 @@ impl StorageCore {
                 stamp: 0,
                 lease,
                 lock_deadline_ms: deadline,
+                pins: 0,
             };
             self.tally(si, Tally::ABSENT, Tally::of(&entry));
             shard.map.insert(keys[i], entry);
