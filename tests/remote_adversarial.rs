@@ -60,6 +60,8 @@ fn slow_store(attempt: u32) -> bool {
         &["--pool-size", "256MiB"],
     );
     let mut s1 = raw_connect(&rn);
+    // A node that stopped answering fails the test instead of hanging it.
+    s1.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let Response::Registered(r) = raw_call(&mut s1, 1, &Request::Register(reg_big(1))) else {
         panic!("register")
     };
@@ -165,6 +167,7 @@ fn slow_retrieve() -> bool {
     let refs: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
     c1.store(1, &rg_a, &refs).unwrap();
     let mut s2 = raw_connect(&rn);
+    s2.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let Response::Registered(_) = raw_call(&mut s2, 1, &Request::Register(reg_big(2))) else {
         panic!("register")
     };
