@@ -45,7 +45,7 @@ impl RemoteTarget {
 /// `Remote` one never maps anything.
 pub enum Conn {
     /// Over the node's Unix socket.
-    Local(Client),
+    Local(Box<Client>),
     /// Over TCP.
     Remote(Box<RemoteClient>),
 }
@@ -73,7 +73,7 @@ impl Conn {
     ) -> Result<Conn, String> {
         match remote {
             Some(r) => Ok(Conn::Remote(Box::new(r.connect(name)?))),
-            None => Ok(Conn::Local(s(Client::connect(socket))?)),
+            None => Ok(Conn::Local(Box::new(s(Client::connect(socket))?))),
         }
     }
 

@@ -83,7 +83,7 @@ pub struct Args {
     /// baselines (default: one started here when the node is on loopback).
     #[arg(long, value_name = "HOST:PORT", requires = "remote")]
     raw_peer_addr: Option<String>,
-    /// Seconds per direction of the raw TCP stream baseline.
+    /// Seconds per direction of the raw TCP stream baseline (half before the load, half after).
     #[arg(long, default_value_t = 1.5, requires = "remote")]
     raw_secs: f64,
     /// Process id of the --remote node on this host (same pid namespace), for its CPU per GB
@@ -399,6 +399,17 @@ fn run(args: &Args) -> Result<bool, String> {
         .as_ref()
         .map(node::SpawnedNode::pid)
         .or(args.node_pid);
+    // Remote: the raw TCP stream is sampled before and after the load (half its time each).
+    let raw_secs = Duration::from_secs_f64(args.raw_secs.max(0.03) / 2.0);
+    let mut streams = rawtcp::Streams::default();
+    let peer = match &target {
+        Some(t) => {
+            let peer = remote::Peer::find(args.raw_peer_addr.as_deref(), &t.url)?;
+            streams.sample(peer.addr(), chunk_bytes, raw_secs)?;
+            Some(peer)
+        }
+        None => None,
+    };
     let cpu_before = remote::CpuSample::take(node_pid);
     let wall = Instant::now();
     let results = if args.processes {
@@ -409,15 +420,11 @@ fn run(args: &Args) -> Result<bool, String> {
     let wall = wall.elapsed();
     let cpu_after = remote::CpuSample::take(node_pid);
     let node_status = probe.status().ok();
-    let remote_figures = match &target {
-        Some(t) => {
-            let noop = remote::noop_probe(&mut probe)?;
-            let peer = remote::Peer::find(args.raw_peer_addr.as_deref(), &t.url)?;
-            let raw = rawtcp::measure(
-                peer.addr(),
-                chunk_bytes,
-                Duration::from_secs_f64(args.raw_secs.max(0.03)),
-            )?;
+    let remote_figures = match (&target, &peer) {
+        (Some(t), Some(peer)) => {
+            streams.sample(peer.addr(), chunk_bytes, raw_secs)?;
+            let raw = streams.finish(peer.addr(), chunk_bytes);
+            let control = remote::control_probe(&mut probe, peer.addr())?;
             Some(remote::Figures {
                 url: t.url.clone(),
                 tcp_engine: status["transports"]["tcp_engine"]
@@ -425,14 +432,15 @@ fn run(args: &Args) -> Result<bool, String> {
                     .unwrap_or("unknown")
                     .to_owned(),
                 raw,
-                noop,
+                control,
                 cpu: (cpu_before, cpu_after),
                 moved_bytes: results.iter().map(|r| r.moved_bytes).sum(),
             })
         }
-        None => None,
+        _ => None,
     };
     drop(probe);
+    drop(peer);
     // Baselines after the load so they do not compete with it.
     let prefer = match backing.as_str() {
         "hugetlb-1g" => kvnode_hw::PagePreference::Huge1G,

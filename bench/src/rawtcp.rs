@@ -41,10 +41,8 @@ const MAX_PEER_CONNECTIONS: usize = 16;
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Size of a ping-pong message (a small request frame).
 pub const PINGPONG_MSG_BYTES: usize = 32;
-/// Round trips of the ping-pong that are timed, and the untimed ones before them.
-const PINGPONG_ITERATIONS: usize = 5_000;
-const PINGPONG_WARMUP: usize = 500;
-/// Stream samples per direction (the reported rate is their median).
+/// Stream samples per direction per call of [`Streams::sample`] (the reported rate is the
+/// median of all).
 const STREAM_SAMPLES: usize = 3;
 
 fn header(mode: u32, a: u64, b: u64) -> [u8; HEADER_BYTES] {
@@ -206,10 +204,10 @@ fn pattern(len: usize) -> Vec<u8> {
 pub struct StreamRate {
     /// Median of the samples, GB/s (1e9 bytes/s).
     pub gbps: f64,
-    /// Every sample, GB/s.
+    /// Every sample, GB/s, in the order taken (half before the load, half after).
     pub samples_gbps: Vec<f64>,
-    /// The peer's CPU seconds per GB moved (its thread, kernel time included), summed over the
-    /// samples; the cost of a bare `read`/`write` loop on the node's side.
+    /// The peer's CPU seconds per GB moved (its thread, kernel time included), over all the
+    /// samples: the cost of a bare `read`/`write` loop on the node's host.
     pub peer_cpu_s_per_gb: f64,
     /// The bench's own CPU seconds per GB moved (this thread).
     pub local_cpu_s_per_gb: f64,
@@ -220,19 +218,16 @@ pub struct StreamRate {
 pub struct RawTcp {
     /// The peer's address.
     pub peer: String,
-    /// Bytes per write (the workload's chunk, at most [`MAX_PEER_BUF_BYTES`] on the peer).
+    /// Bytes per write (the workload's chunk, at most [`MAX_PEER_BUF_BYTES`]).
     pub write_bytes: u64,
     /// Bench -> peer (the store direction).
     pub send: StreamRate,
     /// Peer -> bench (the retrieve direction).
     pub recv: StreamRate,
-    /// Small-message round trips, microseconds.
-    pub pingpong_p50_us: f64,
-    /// 99th percentile of the same.
-    pub pingpong_p99_us: f64,
-    /// Timed round trips.
-    pub pingpong_iterations: usize,
 }
+
+/// One stream sample: bytes, elapsed, the peer's CPU, this thread's CPU.
+type Sample = (u64, Duration, Duration, Duration);
 
 fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     let s = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
@@ -347,61 +342,93 @@ pub fn resolve(addr: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("raw peer address {addr:?} resolves to nothing"))
 }
 
-/// Measures both stream directions (about `secs` each, in [`STREAM_SAMPLES`] samples, with
-/// `write_bytes`-byte writes) and the ping-pong floor against the peer at `addr`.
-pub fn measure(addr: SocketAddr, write_bytes: u64, secs: Duration) -> Result<RawTcp, String> {
-    let write = write_bytes.clamp(1, MAX_PEER_BUF_BYTES) as usize;
-    let mut buf = pattern(write);
-    let per_sample = secs / STREAM_SAMPLES as u32;
-    let sends = (0..STREAM_SAMPLES)
-        .map(|_| send_sample(addr, &buf, per_sample))
-        .collect::<Result<Vec<_>, _>>()?;
-    let send = rate_of(&sends);
-    // Receive about as long as a send sample took, in whole writes (at least 4).
-    let total =
-        ((send.gbps * 1e9 * per_sample.as_secs_f64()) as u64 / write as u64).max(4) * write as u64;
-    let recvs = (0..STREAM_SAMPLES)
-        .map(|_| recv_sample(addr, &mut buf, total))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (p50, p99) = pingpong(addr, PINGPONG_ITERATIONS, PINGPONG_WARMUP)?;
-    Ok(RawTcp {
-        peer: addr.to_string(),
-        write_bytes: write as u64,
-        send,
-        recv: rate_of(&recvs),
-        pingpong_p50_us: p50,
-        pingpong_p99_us: p99,
-        pingpong_iterations: PINGPONG_ITERATIONS,
-    })
+/// Stream samples of both directions, accumulated over several calls of [`Streams::sample`].
+#[derive(Debug, Default)]
+pub struct Streams {
+    send: Vec<Sample>,
+    recv: Vec<Sample>,
 }
 
-/// `iterations` timed round trips of [`PINGPONG_MSG_BYTES`] after `warmup` untimed ones;
-/// returns (p50, p99) in microseconds.
-fn pingpong(addr: SocketAddr, iterations: usize, warmup: usize) -> Result<(f64, f64), String> {
-    let mut s = connect(addr)?;
-    s.write_all(&header(MODE_ECHO, PINGPONG_MSG_BYTES as u64, 0))
-        .map_err(|e| e.to_string())?;
-    let mut msg = [0x5Au8; PINGPONG_MSG_BYTES];
-    let mut echo = [0u8; PINGPONG_MSG_BYTES];
-    let mut us = Vec::with_capacity(iterations);
-    for round in 0..warmup + iterations {
-        msg[..8].copy_from_slice(&(round as u64).to_le_bytes());
-        let t = Instant::now();
-        s.write_all(&msg)
-            .and_then(|()| s.read_exact(&mut echo))
-            .map_err(|e| format!("tcp ping-pong round {round}: {e}"))?;
-        let rtt = t.elapsed();
-        if echo != msg {
-            return Err(format!(
-                "tcp ping-pong round {round}: different bytes echoed"
-            ));
+impl Streams {
+    /// Takes [`STREAM_SAMPLES`] samples per direction, about `secs` per direction in all, with
+    /// `write_bytes`-byte writes (send first; the receive samples ask for about as many bytes as
+    /// a send sample moved).
+    pub fn sample(
+        &mut self,
+        addr: SocketAddr,
+        write_bytes: u64,
+        secs: Duration,
+    ) -> Result<(), String> {
+        let write = write_bytes.clamp(1, MAX_PEER_BUF_BYTES) as usize;
+        let mut buf = pattern(write);
+        let per_sample = secs / STREAM_SAMPLES as u32;
+        let mut moved = 0u64;
+        let mut took = Duration::ZERO;
+        for _ in 0..STREAM_SAMPLES {
+            let s = send_sample(addr, &buf, per_sample)?;
+            moved += s.0;
+            took += s.1;
+            self.send.push(s);
         }
-        if round >= warmup {
-            us.push(rtt.as_secs_f64() * 1e6);
+        let rate = moved as f64 / took.as_secs_f64().max(1e-9);
+        let total = ((rate * per_sample.as_secs_f64()) as u64 / write as u64).max(4) * write as u64;
+        for _ in 0..STREAM_SAMPLES {
+            self.recv.push(recv_sample(addr, &mut buf, total)?);
+        }
+        Ok(())
+    }
+
+    /// The figures over every sample taken.
+    pub fn finish(&self, addr: SocketAddr, write_bytes: u64) -> RawTcp {
+        RawTcp {
+            peer: addr.to_string(),
+            write_bytes: write_bytes.clamp(1, MAX_PEER_BUF_BYTES),
+            send: rate_of(&self.send),
+            recv: rate_of(&self.recv),
         }
     }
-    us.sort_by(f64::total_cmp);
-    Ok((percentile(&us, 50.0), percentile(&us, 99.0)))
+}
+
+/// A ping-pong connection to the peer (echo mode, `TCP_NODELAY` on both ends).
+pub struct Echo {
+    s: TcpStream,
+    round: u64,
+    msg: [u8; PINGPONG_MSG_BYTES],
+    back: [u8; PINGPONG_MSG_BYTES],
+}
+
+impl Echo {
+    /// Connects.
+    pub fn connect(addr: SocketAddr) -> Result<Echo, String> {
+        let mut s = connect(addr)?;
+        s.write_all(&header(MODE_ECHO, PINGPONG_MSG_BYTES as u64, 0))
+            .map_err(|e| e.to_string())?;
+        Ok(Echo {
+            s,
+            round: 0,
+            msg: [0x5A; PINGPONG_MSG_BYTES],
+            back: [0; PINGPONG_MSG_BYTES],
+        })
+    }
+
+    /// One timed round trip of a [`PINGPONG_MSG_BYTES`]-byte message.
+    pub fn round_trip(&mut self) -> Result<Duration, String> {
+        self.round += 1;
+        self.msg[..8].copy_from_slice(&self.round.to_le_bytes());
+        let t = Instant::now();
+        self.s
+            .write_all(&self.msg)
+            .and_then(|()| self.s.read_exact(&mut self.back))
+            .map_err(|e| format!("tcp ping-pong round {}: {e}", self.round))?;
+        let rtt = t.elapsed();
+        if self.back != self.msg {
+            return Err(format!(
+                "tcp ping-pong round {}: different bytes echoed",
+                self.round
+            ));
+        }
+        Ok(rtt)
+    }
 }
 
 /// Nearest-rank percentile of ascending `sorted` (0 when empty).
@@ -466,15 +493,22 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
-            for c in l.incoming().take(STREAM_SAMPLES * 2 + 1) {
+            for c in l.incoming().take(STREAM_SAMPLES * 4 + 1) {
                 let s = c.unwrap();
                 std::thread::spawn(move || serve_one(s).unwrap());
             }
         });
-        let r = measure(addr, 1 << 20, Duration::from_millis(60)).unwrap();
+        let mut st = Streams::default();
+        st.sample(addr, 1 << 20, Duration::from_millis(60)).unwrap();
+        st.sample(addr, 1 << 20, Duration::from_millis(60)).unwrap();
+        let r = st.finish(addr, 1 << 20);
         assert!(r.send.gbps > 0.0 && r.recv.gbps > 0.0, "{r:?}");
-        assert_eq!(r.send.samples_gbps.len(), STREAM_SAMPLES);
-        assert!(r.pingpong_p50_us > 0.0 && r.pingpong_p99_us >= r.pingpong_p50_us);
+        assert_eq!(r.send.samples_gbps.len(), 2 * STREAM_SAMPLES);
+        assert_eq!(r.recv.samples_gbps.len(), 2 * STREAM_SAMPLES);
+        let mut e = Echo::connect(addr).unwrap();
+        for _ in 0..100 {
+            assert!(e.round_trip().unwrap() > Duration::ZERO);
+        }
     }
 
     #[test]

@@ -12,9 +12,11 @@ use crate::conn::{Conn, RemoteTarget};
 use crate::node::SpawnedNode;
 use crate::rawtcp::{self, RawTcp, SpawnedPeer};
 
-/// Untimed and timed NOOP round trips of the control probe.
-const NOOP_WARMUP: usize = 200;
-const NOOP_ITERATIONS: usize = 2_000;
+/// The control probe alternates blocks of TCP ping-pong and NOOP round trips (so that both see
+/// the same machine load); the first block of each is untimed warm-up.
+const CONTROL_BLOCKS: usize = 11;
+/// Round trips per block.
+const CONTROL_BLOCK_ROUNDS: usize = 200;
 
 /// The fabrics `--fabric` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -168,18 +170,46 @@ impl CpuSample {
     }
 }
 
-/// NOOP round trips on an idle connection: (p50, p99) in microseconds.
-pub fn noop_probe(probe: &mut Conn) -> Result<(f64, f64), String> {
-    let mut us = Vec::with_capacity(NOOP_ITERATIONS);
-    for i in 0..NOOP_WARMUP + NOOP_ITERATIONS {
-        let t = Instant::now();
-        probe.noop().map_err(|e| format!("noop: {e}"))?;
-        if i >= NOOP_WARMUP {
-            us.push(t.elapsed().as_secs_f64() * 1e6);
+/// Control round trips against their floor, measured interleaved.
+#[derive(Debug, Clone, Copy)]
+pub struct Control {
+    /// NOOP on an idle authenticated connection, p50 and p99 (microseconds).
+    pub noop: (f64, f64),
+    /// TCP ping-pong of small messages to the raw peer, p50 and p99 (microseconds).
+    pub pingpong: (f64, f64),
+    /// Timed round trips of each.
+    pub rounds: usize,
+}
+
+/// NOOPs on `probe` and ping-pongs with the raw peer at `peer`, in alternating blocks.
+pub fn control_probe(probe: &mut Conn, peer: SocketAddr) -> Result<Control, String> {
+    let mut echo = rawtcp::Echo::connect(peer)?;
+    let timed = (CONTROL_BLOCKS - 1) * CONTROL_BLOCK_ROUNDS;
+    let (mut noop, mut pp) = (Vec::with_capacity(timed), Vec::with_capacity(timed));
+    for block in 0..CONTROL_BLOCKS {
+        for _ in 0..CONTROL_BLOCK_ROUNDS {
+            let rtt = echo.round_trip()?;
+            if block > 0 {
+                pp.push(rtt.as_secs_f64() * 1e6);
+            }
+        }
+        for _ in 0..CONTROL_BLOCK_ROUNDS {
+            let t = Instant::now();
+            probe.noop().map_err(|e| format!("noop: {e}"))?;
+            if block > 0 {
+                noop.push(t.elapsed().as_secs_f64() * 1e6);
+            }
         }
     }
-    us.sort_by(f64::total_cmp);
-    Ok((rawtcp::percentile(&us, 50.0), rawtcp::percentile(&us, 99.0)))
+    let p = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (rawtcp::percentile(&v, 50.0), rawtcp::percentile(&v, 99.0))
+    };
+    Ok(Control {
+        noop: p(noop),
+        pingpong: p(pp),
+        rounds: timed,
+    })
 }
 
 /// Everything a remote run adds to the report.
@@ -190,8 +220,8 @@ pub struct Figures {
     pub tcp_engine: String,
     /// Raw TCP between the same endpoints.
     pub raw: RawTcp,
-    /// NOOP probe (p50, p99), microseconds.
-    pub noop: (f64, f64),
+    /// Control round trips and their floor.
+    pub control: Control,
     /// CPU before and after the load.
     pub cpu: (CpuSample, CpuSample),
     /// Bytes the node moved for the instances (every phase).
@@ -224,7 +254,7 @@ pub fn extend_report(j: &mut Value, f: &Figures) {
     };
     let node_cpu = delta(f.cpu.0.node, f.cpu.1.node);
     let bench_cpu = delta(f.cpu.0.bench, f.cpu.1.bench);
-    let pp = f.raw.pingpong_p50_us;
+    let pp = f.control.pingpong.0;
     let add = json!({
         "fabric": "tcp",
         "remote_url": f.url,
@@ -232,12 +262,13 @@ pub fn extend_report(j: &mut Value, f: &Figures) {
         "raw_tcp_gbps": f.raw.send.gbps,
         "raw_tcp_recv_gbps": f.raw.recv.gbps,
         "tcp_pingpong_p50_us": pp,
-        "tcp_pingpong_p99_us": f.raw.pingpong_p99_us,
+        "tcp_pingpong_p99_us": f.control.pingpong.1,
+        "control_rounds": f.control.rounds,
         "store_vs_raw": ratio(store, f.raw.send.gbps),
         "retrieve_vs_raw": ratio(retrieve, f.raw.recv.gbps),
-        "control_noop_p50_us": f.noop.0,
-        "control_noop_p99_us": f.noop.1,
-        "control_p50_vs_pingpong": ratio(f.noop.0, pp),
+        "control_noop_p50_us": f.control.noop.0,
+        "control_noop_p99_us": f.control.noop.1,
+        "control_p50_vs_pingpong": ratio(f.control.noop.0, pp),
         "ping_vs_tcp_floor": ratio(ping_p50, pp),
         "moved_bytes": f.moved_bytes,
         "node_cpu_s": node_cpu.map(|c| c.as_secs_f64()),
