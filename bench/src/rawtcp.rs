@@ -137,7 +137,7 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
     let cpu0 = thread_cpu();
     match mode {
         MODE_SINK => {
-            let mut buf = vec![0u8; a.clamp(1, MAX_PEER_BUF_BYTES) as usize];
+            let mut buf = Buffer::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize);
             let mut total = 0u64;
             loop {
                 match s.read(&mut buf) {
@@ -155,7 +155,7 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
                     "source of {b} bytes asked; the limit is {MAX_SOURCE_BYTES}"
                 ));
             }
-            let buf = pattern(a.clamp(1, MAX_PEER_BUF_BYTES) as usize);
+            let buf = Buffer::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize);
             let mut left = b;
             while left > 0 {
                 let n = left.min(buf.len() as u64) as usize;
@@ -193,7 +193,55 @@ fn reply_totals(s: &mut TcpStream, bytes: u64, cpu: Duration) -> Result<(), Stri
 
 /// A non-zero buffer, every page touched (no zero-page or lazy-fault effects in the timing).
 fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8) ^ 0xA5).collect()
+    let mut v = vec![0xA5u8; len];
+    for (i, b) in v.iter_mut().enumerate().step_by(251) {
+        *b = i as u8;
+    }
+    v
+}
+
+/// Buffers the peer's connections finished with, kept for the next ones (a new connection
+/// then pays no page faults in its timed transfer). At most [`MAX_PEER_CONNECTIONS`] kept.
+static SPARE: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
+
+/// A peer connection's buffer: a spare one of the same length, else a fresh one; returned to
+/// the spares on drop.
+struct Buffer(Vec<u8>);
+
+impl Buffer {
+    fn take(len: usize) -> Buffer {
+        let mut spare = SPARE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match spare.iter().position(|b| b.len() == len) {
+            Some(i) => Buffer(spare.swap_remove(i)),
+            None => Buffer(pattern(len)),
+        }
+    }
+}
+
+impl std::ops::Deref for Buffer {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Buffer {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.0
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let mut spare = SPARE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if spare.len() < MAX_PEER_CONNECTIONS {
+            spare.push(std::mem::take(&mut self.0));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -362,6 +410,9 @@ impl Streams {
         let write = write_bytes.clamp(1, MAX_PEER_BUF_BYTES) as usize;
         let mut buf = pattern(write);
         let per_sample = secs / STREAM_SAMPLES as u32;
+        // Untimed: the peer allocates (and faults in) its buffers for both modes.
+        send_sample(addr, &buf, Duration::ZERO)?;
+        recv_sample(addr, &mut buf, write as u64)?;
         let mut moved = 0u64;
         let mut took = Duration::ZERO;
         for _ in 0..STREAM_SAMPLES {
@@ -493,7 +544,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
-            for c in l.incoming().take(STREAM_SAMPLES * 4 + 1) {
+            for c in l.incoming().take(4 * STREAM_SAMPLES + 5) {
                 let s = c.unwrap();
                 std::thread::spawn(move || serve_one(s).unwrap());
             }
