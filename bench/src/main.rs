@@ -84,7 +84,7 @@ pub struct Args {
     #[arg(long, value_name = "HOST:PORT", requires = "remote")]
     raw_peer_addr: Option<String>,
     /// Seconds per direction of the raw TCP stream baseline (half before the load, half after).
-    #[arg(long, default_value_t = 1.5, requires = "remote")]
+    #[arg(long, default_value_t = 2.0, requires = "remote")]
     raw_secs: f64,
     /// Process id of the --remote node on this host (same pid namespace), for its CPU per GB
     /// moved (known without this flag when --spawn started it).
