@@ -17,6 +17,7 @@ mod lmcache;
 mod node;
 mod opcount;
 mod payload;
+mod peerbuf;
 mod plot;
 mod rawtcp;
 mod remote;
@@ -402,10 +403,12 @@ fn run(args: &Args) -> Result<bool, String> {
     // Remote: the raw TCP stream is sampled before and after the load (half its time each).
     let raw_secs = Duration::from_secs_f64(args.raw_secs.max(0.03) / 2.0);
     let mut streams = rawtcp::Streams::default();
+    // The peer's buffers on the node pool's page size (the node receives into / sends from it).
+    let peer_pages = peerbuf::Pages::for_pool_backing(&backing);
     let peer = match &target {
         Some(t) => {
             let peer = remote::Peer::find(args.raw_peer_addr.as_deref(), &t.url)?;
-            streams.sample(peer.addr(), chunk_bytes, raw_secs)?;
+            streams.sample(peer.addr(), chunk_bytes, raw_secs, peer_pages)?;
             Some(peer)
         }
         None => None,
@@ -422,7 +425,7 @@ fn run(args: &Args) -> Result<bool, String> {
     let node_status = probe.status().ok();
     let remote_figures = match (&target, &peer) {
         (Some(t), Some(peer)) => {
-            streams.sample(peer.addr(), chunk_bytes, raw_secs)?;
+            streams.sample(peer.addr(), chunk_bytes, raw_secs, peer_pages)?;
             let raw = streams.finish(peer.addr(), chunk_bytes);
             let control = remote::control_probe(&mut probe, peer.addr())?;
             Some(remote::Figures {

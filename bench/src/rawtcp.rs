@@ -5,11 +5,13 @@
 //! node (same host, same network namespace) so that both figures cross the same path.
 //!
 //! Wire protocol (little endian): the client opens with a [`HEADER_BYTES`]-byte header
-//! `magic u32, mode u32, a u64, b u64`:
-//! * `MODE_SINK` (`a` = write size): the peer reads and discards until EOF, then answers
-//!   `bytes u64, cpu_ns u64` (its thread's CPU time over the connection);
+//! `magic u32, mode u32, a u64, b u64, pages u64` (`pages`: the [`Pages`] code the peer's
+//! buffer should be on, the node pool's):
+//! * `MODE_SINK` (`a` = read size): the peer reads into one buffer and discards until EOF, then
+//!   answers `bytes u64, cpu_ns u64, pages u64` (its thread's CPU time over the connection, the
+//!   buffer's backing);
 //! * `MODE_SOURCE` (`a` = write size, `b` = total bytes): the peer sends `b` bytes in writes of
-//!   `a`, then `bytes u64, cpu_ns u64`;
+//!   `a`, then `bytes u64, cpu_ns u64, pages u64`;
 //! * `MODE_ECHO` (`a` = message size): the peer echoes every `a`-byte message until EOF.
 
 use std::io::{ErrorKind, Read, Write};
@@ -18,10 +20,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::peerbuf::{give_back, Pages, PeerBuf};
+
 /// Opening word of every raw-peer connection ("KVRP").
 const MAGIC: u32 = 0x5052_564B;
 /// Length of the opening header.
-const HEADER_BYTES: usize = 24;
+const HEADER_BYTES: usize = 32;
+/// Length of the totals a sink or source connection ends with.
+const TOTALS_BYTES: usize = 24;
 /// Peer reads and discards.
 const MODE_SINK: u32 = 1;
 /// Peer sends.
@@ -46,12 +52,13 @@ pub const PINGPONG_MSG_BYTES: usize = 32;
 /// rate of 1 s ones here), and the workload's connection is long-lived too.
 const STREAM_SAMPLES: usize = 1;
 
-fn header(mode: u32, a: u64, b: u64) -> [u8; HEADER_BYTES] {
+fn header(mode: u32, a: u64, b: u64, pages: Pages) -> [u8; HEADER_BYTES] {
     let mut h = [0u8; HEADER_BYTES];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4..8].copy_from_slice(&mode.to_le_bytes());
     h[8..16].copy_from_slice(&a.to_le_bytes());
     h[16..24].copy_from_slice(&b.to_le_bytes());
+    h[24..32].copy_from_slice(&(pages as u64).to_le_bytes());
     h
 }
 
@@ -135,10 +142,11 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
     }
     let mode = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
     let (a, b) = (u64_at(&h, 8), u64_at(&h, 16));
+    let pages = Pages::from_code(u64_at(&h, 24));
     let cpu0 = thread_cpu();
     match mode {
         MODE_SINK => {
-            let mut buf = Buffer::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize);
+            let mut buf = PeerBuf::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize, pages);
             let mut total = 0u64;
             loop {
                 match s.read(&mut buf) {
@@ -148,7 +156,10 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
                     Err(e) => return Err(format!("sink: {e}")),
                 }
             }
-            reply_totals(&mut s, total, thread_cpu().saturating_sub(cpu0))
+            let cpu = thread_cpu().saturating_sub(cpu0);
+            let got = buf.pages();
+            give_back(buf);
+            reply_totals(&mut s, total, cpu, got)
         }
         MODE_SOURCE => {
             if b > MAX_SOURCE_BYTES {
@@ -156,14 +167,17 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
                     "source of {b} bytes asked; the limit is {MAX_SOURCE_BYTES}"
                 ));
             }
-            let buf = Buffer::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize);
+            let buf = PeerBuf::take(a.clamp(1, MAX_PEER_BUF_BYTES) as usize, pages);
             let mut left = b;
             while left > 0 {
                 let n = left.min(buf.len() as u64) as usize;
                 s.write_all(&buf[..n]).map_err(|e| format!("source: {e}"))?;
                 left -= n as u64;
             }
-            reply_totals(&mut s, b, thread_cpu().saturating_sub(cpu0))
+            let cpu = thread_cpu().saturating_sub(cpu0);
+            let got = buf.pages();
+            give_back(buf);
+            reply_totals(&mut s, b, cpu, got)
         }
         MODE_ECHO => {
             if a == 0 || a > MAX_ECHO_BYTES {
@@ -185,10 +199,11 @@ fn serve_one(mut s: TcpStream) -> Result<(), String> {
     }
 }
 
-fn reply_totals(s: &mut TcpStream, bytes: u64, cpu: Duration) -> Result<(), String> {
-    let mut r = [0u8; 16];
+fn reply_totals(s: &mut TcpStream, bytes: u64, cpu: Duration, pages: Pages) -> Result<(), String> {
+    let mut r = [0u8; TOTALS_BYTES];
     r[..8].copy_from_slice(&bytes.to_le_bytes());
-    r[8..].copy_from_slice(&(cpu.as_nanos() as u64).to_le_bytes());
+    r[8..16].copy_from_slice(&(cpu.as_nanos() as u64).to_le_bytes());
+    r[16..].copy_from_slice(&(pages as u64).to_le_bytes());
     s.write_all(&r).map_err(|e| format!("totals: {e}"))
 }
 
@@ -199,50 +214,6 @@ fn pattern(len: usize) -> Vec<u8> {
         *b = i as u8;
     }
     v
-}
-
-/// Buffers the peer's connections finished with, kept for the next ones (a new connection
-/// then pays no page faults in its timed transfer). At most [`MAX_PEER_CONNECTIONS`] kept.
-static SPARE: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
-
-/// A peer connection's buffer: a spare one of the same length, else a fresh one; returned to
-/// the spares on drop.
-struct Buffer(Vec<u8>);
-
-impl Buffer {
-    fn take(len: usize) -> Buffer {
-        let mut spare = SPARE
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match spare.iter().position(|b| b.len() == len) {
-            Some(i) => Buffer(spare.swap_remove(i)),
-            None => Buffer(pattern(len)),
-        }
-    }
-}
-
-impl std::ops::Deref for Buffer {
-    type Target = Vec<u8>;
-    fn deref(&self) -> &Vec<u8> {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Buffer {
-    fn deref_mut(&mut self) -> &mut Vec<u8> {
-        &mut self.0
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        let mut spare = SPARE
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if spare.len() < MAX_PEER_CONNECTIONS {
-            spare.push(std::mem::take(&mut self.0));
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,6 +232,8 @@ pub struct StreamRate {
     pub peer_cpu_s_per_gb: f64,
     /// The bench's own CPU seconds per GB moved (this thread).
     pub local_cpu_s_per_gb: f64,
+    /// What the peer's buffer was on (the last sample): `hugetlb-2m`, `thp-advised`, `4k`.
+    pub peer_pages: &'static str,
 }
 
 /// The network's limits between this process and the raw peer.
@@ -276,8 +249,9 @@ pub struct RawTcp {
     pub recv: StreamRate,
 }
 
-/// One stream sample: bytes, elapsed, the peer's CPU, this thread's CPU.
-type Sample = (u64, Duration, Duration, Duration);
+/// One stream sample: bytes, elapsed, the peer's CPU, this thread's CPU, the peer buffer's
+/// backing.
+type Sample = (u64, Duration, Duration, Duration, Pages);
 
 fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     let s = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
@@ -289,11 +263,15 @@ fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     Ok(s)
 }
 
-fn read_totals(s: &mut TcpStream) -> Result<(u64, Duration), String> {
-    let mut r = [0u8; 16];
+fn read_totals(s: &mut TcpStream) -> Result<(u64, Duration, Pages), String> {
+    let mut r = [0u8; TOTALS_BYTES];
     s.read_exact(&mut r)
         .map_err(|e| format!("raw peer totals: {e}"))?;
-    Ok((u64_at(&r, 0), Duration::from_nanos(u64_at(&r, 8))))
+    Ok((
+        u64_at(&r, 0),
+        Duration::from_nanos(u64_at(&r, 8)),
+        Pages::from_code(u64_at(&r, 16)),
+    ))
 }
 
 /// One send sample: chunk-sized writes for `secs`, then EOF; timed until the peer confirms it
@@ -302,9 +280,10 @@ fn send_sample(
     addr: SocketAddr,
     buf: &[u8],
     secs: Duration,
-) -> Result<(u64, Duration, Duration, Duration), String> {
+    pages: Pages,
+) -> Result<Sample, String> {
     let mut s = connect(addr)?;
-    s.write_all(&header(MODE_SINK, buf.len() as u64, 0))
+    s.write_all(&header(MODE_SINK, buf.len() as u64, 0, pages))
         .map_err(|e| e.to_string())?;
     let cpu0 = thread_cpu();
     let t = Instant::now();
@@ -314,12 +293,18 @@ fn send_sample(
         sent += buf.len() as u64;
     }
     s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
-    let (got, peer_cpu) = read_totals(&mut s)?;
+    let (got, peer_cpu, got_pages) = read_totals(&mut s)?;
     let elapsed = t.elapsed();
     if got != sent {
         return Err(format!("raw send: the peer read {got} of {sent} bytes"));
     }
-    Ok((sent, elapsed, peer_cpu, thread_cpu().saturating_sub(cpu0)))
+    Ok((
+        sent,
+        elapsed,
+        peer_cpu,
+        thread_cpu().saturating_sub(cpu0),
+        got_pages,
+    ))
 }
 
 /// One receive sample of `total` bytes. Returns (bytes, elapsed, peer cpu, local cpu).
@@ -327,11 +312,12 @@ fn recv_sample(
     addr: SocketAddr,
     buf: &mut [u8],
     total: u64,
-) -> Result<(u64, Duration, Duration, Duration), String> {
+    pages: Pages,
+) -> Result<Sample, String> {
     let mut s = connect(addr)?;
     let cpu0 = thread_cpu();
     let t = Instant::now();
-    s.write_all(&header(MODE_SOURCE, buf.len() as u64, total))
+    s.write_all(&header(MODE_SOURCE, buf.len() as u64, total, pages))
         .map_err(|e| e.to_string())?;
     let mut left = total;
     while left > 0 {
@@ -341,16 +327,22 @@ fn recv_sample(
         left -= n as u64;
     }
     let elapsed = t.elapsed();
-    let (sent, peer_cpu) = read_totals(&mut s)?;
+    let (sent, peer_cpu, got_pages) = read_totals(&mut s)?;
     if sent != total {
         return Err(format!(
             "raw receive: the peer sent {sent} of {total} bytes"
         ));
     }
-    Ok((total, elapsed, peer_cpu, thread_cpu().saturating_sub(cpu0)))
+    Ok((
+        total,
+        elapsed,
+        peer_cpu,
+        thread_cpu().saturating_sub(cpu0),
+        got_pages,
+    ))
 }
 
-fn rate_of(samples: &[(u64, Duration, Duration, Duration)]) -> StreamRate {
+fn rate_of(samples: &[Sample]) -> StreamRate {
     let gb: f64 = samples.iter().map(|s| s.0 as f64 / 1e9).sum();
     let per_gb = |cpu: Duration| {
         if gb > 0.0 {
@@ -372,6 +364,7 @@ fn rate_of(samples: &[(u64, Duration, Duration, Duration)]) -> StreamRate {
             .collect(),
         peer_cpu_s_per_gb: per_gb(samples.iter().map(|s| s.2).sum()),
         local_cpu_s_per_gb: per_gb(samples.iter().map(|s| s.3).sum()),
+        peer_pages: samples.last().map_or("none", |s| s.4.as_str()),
     }
 }
 
@@ -393,23 +386,24 @@ pub struct Streams {
 impl Streams {
     /// Takes [`STREAM_SAMPLES`] samples per direction, about `secs` per direction in all, with
     /// `write_bytes`-byte writes (send first; the receive samples ask for about as many bytes as
-    /// a send sample moved).
+    /// a send sample moved), the peer's buffer on `pages`.
     pub fn sample(
         &mut self,
         addr: SocketAddr,
         write_bytes: u64,
         secs: Duration,
+        pages: Pages,
     ) -> Result<(), String> {
         let write = write_bytes.clamp(1, MAX_PEER_BUF_BYTES) as usize;
         let mut buf = pattern(write);
         let per_sample = secs / STREAM_SAMPLES as u32;
         // Untimed: the peer allocates (and faults in) its buffers for both modes.
-        send_sample(addr, &buf, Duration::ZERO)?;
-        recv_sample(addr, &mut buf, write as u64)?;
+        send_sample(addr, &buf, Duration::ZERO, pages)?;
+        recv_sample(addr, &mut buf, write as u64, pages)?;
         let mut moved = 0u64;
         let mut took = Duration::ZERO;
         for _ in 0..STREAM_SAMPLES {
-            let s = send_sample(addr, &buf, per_sample)?;
+            let s = send_sample(addr, &buf, per_sample, pages)?;
             moved += s.0;
             took += s.1;
             self.send.push(s);
@@ -417,7 +411,7 @@ impl Streams {
         let rate = moved as f64 / took.as_secs_f64().max(1e-9);
         let total = ((rate * per_sample.as_secs_f64()) as u64 / write as u64).max(4) * write as u64;
         for _ in 0..STREAM_SAMPLES {
-            self.recv.push(recv_sample(addr, &mut buf, total)?);
+            self.recv.push(recv_sample(addr, &mut buf, total, pages)?);
         }
         Ok(())
     }
@@ -445,8 +439,13 @@ impl Echo {
     /// Connects.
     pub fn connect(addr: SocketAddr) -> Result<Echo, String> {
         let mut s = connect(addr)?;
-        s.write_all(&header(MODE_ECHO, PINGPONG_MSG_BYTES as u64, 0))
-            .map_err(|e| e.to_string())?;
+        s.write_all(&header(
+            MODE_ECHO,
+            PINGPONG_MSG_BYTES as u64,
+            0,
+            Pages::Small,
+        ))
+        .map_err(|e| e.to_string())?;
         Ok(Echo {
             s,
             round: 0,
@@ -543,8 +542,10 @@ mod tests {
             }
         });
         let mut st = Streams::default();
-        st.sample(addr, 1 << 20, Duration::from_millis(60)).unwrap();
-        st.sample(addr, 1 << 20, Duration::from_millis(60)).unwrap();
+        st.sample(addr, 1 << 20, Duration::from_millis(60), Pages::Small)
+            .unwrap();
+        st.sample(addr, 1 << 20, Duration::from_millis(60), Pages::Thp)
+            .unwrap();
         let r = st.finish(addr, 1 << 20);
         assert!(r.send.gbps > 0.0 && r.recv.gbps > 0.0, "{r:?}");
         assert_eq!(r.send.samples_gbps.len(), 2 * STREAM_SAMPLES);

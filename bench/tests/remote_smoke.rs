@@ -101,6 +101,13 @@ fn check_remote(j: &Value) {
     assert_eq!(raw["recv"]["samples_gbps"].as_array().unwrap().len(), 2);
     assert!(j["control_rounds"].as_u64().unwrap() > 0);
     assert!(raw["recv"]["peer_cpu_s_per_gb"].as_f64().unwrap() >= 0.0);
+    for dir in ["send", "recv"] {
+        let pages = raw[dir]["peer_pages"].as_str().unwrap();
+        assert!(
+            ["hugetlb-2m", "thp-advised", "4k"].contains(&pages),
+            "{pages}"
+        );
+    }
     assert_eq!(raw["write_bytes"], j["chunk_bytes"]);
 }
 
