@@ -132,7 +132,9 @@ print(f"{'place':9}{'workload':16}{'engine':7}{'store':>7}{'retr':>7}{'raw s':>7
       f"{'st/raw':>8}{'re/raw':>8}{'noop50':>8}{'pp50':>7}{'ctl/pp':>7}{'node s/GB':>10}"
       f"{'peer s/GB':>10}{'verified':>9}")
 for (place, name, engine), rs in sorted(runs.items()):
-    peer = statistics.median(r["raw_tcp"]["send"]["peer_cpu_s_per_gb"] for r in rs)
+    # The raw peer's CPU per GB in the workload's direction (retrieve: the peer sends).
+    d = "recv" if "retrieve" in name else "send"
+    peer = statistics.median(r["raw_tcp"][d]["peer_cpu_s_per_gb"] for r in rs)
     print(f"{place:9}{name:16}{engine:7}{med(rs,'store_gbps'):7.2f}{med(rs,'retrieve_gbps'):7.2f}"
           f"{med(rs,'raw_tcp_gbps'):7.2f}{med(rs,'raw_tcp_recv_gbps'):7.2f}"
           f"{med(rs,'store_vs_raw'):8.2f}{med(rs,'retrieve_vs_raw'):8.2f}"
