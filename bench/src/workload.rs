@@ -6,12 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use kvnode::client::{ChunkRangeBuilder, RetrievePrepared};
+use kvnode::client::ChunkRangeBuilder;
 use kvnode::hashing::{chunk_hashes, ChunkHash};
 use kvnode::protocol::{ChunkRange, RegisterRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::conn::{ensure_buffers, Conn, RemoteTarget};
+
+#[path = "workload_io.rs"]
+mod io;
 use crate::payload::{splitmix64, Payload};
 use crate::stats::{Op, OpHistograms};
 
@@ -452,75 +455,6 @@ impl Instance {
         Ok(true)
     }
 
-    /// Copies the slots of a prepared retrieve out of the pool, verifies them, commits.
-    /// Returns (corrupt, checked) chunks.
-    fn read_local(
-        &mut self,
-        id: u64,
-        p: &RetrievePrepared,
-        hashes: &[ChunkHash],
-    ) -> Result<(u64, u64), String> {
-        let Conn::Local(c) = &self.client else {
-            return Err("read_local on a remote connection".into());
-        };
-        let pool = c.pool().ok_or("no pool mapped")?;
-        let (mut bad, mut checked) = (0, 0);
-        for (slot, h) in p.slots.iter().zip(hashes) {
-            pool.read_at(slot.offset, &mut self.dest)
-                .map_err(|e| e.to_string())?;
-            if self.spec.verify {
-                // Verification is the harness's work, not the engine's: it is kept out of the
-                // measured time (the retrieve latency and the goodput).
-                let v = Instant::now();
-                checked += 1;
-                if !self.payload.check(h, &self.dest) {
-                    bad += 1;
-                }
-                self.verify_time += v.elapsed();
-            }
-        }
-        let t1 = Instant::now();
-        self.client
-            .commit_retrieve(id, p.transfer_id)
-            .map_err(|e| format!("commit_retrieve: {e}"))?;
-        self.record(Op::CommitRetrieve, t1);
-        Ok((bad, checked))
-    }
-
-    /// READ_SLOTS of a prepared retrieve (the node sends every slot and releases its locks),
-    /// then verifies. Returns (corrupt, checked) chunks.
-    fn read_remote(
-        &mut self,
-        id: u64,
-        p: &RetrievePrepared,
-        hashes: &[ChunkHash],
-    ) -> Result<(u64, u64), String> {
-        let n = p.slots.len();
-        ensure_buffers(&mut self.dests, n, self.chunk_bytes);
-        let Conn::Remote(c) = &mut self.client else {
-            return Err("read_remote on a local connection".into());
-        };
-        let t1 = Instant::now();
-        let mut out: Vec<&mut [u8]> = self.dests[..n].iter_mut().map(Vec::as_mut_slice).collect();
-        let bytes = c
-            .read_slots(id, p.transfer_id, &mut out, true)
-            .map_err(|e| format!("read_slots: {e}"))?;
-        self.result.moved_bytes += bytes;
-        self.record(Op::ReadSlots, t1);
-        let (mut bad, mut checked) = (0, 0);
-        if self.spec.verify {
-            let v = Instant::now();
-            for (d, h) in self.dests[..n].iter().zip(hashes) {
-                checked += 1;
-                if !self.payload.check(h, d) {
-                    bad += 1;
-                }
-            }
-            self.verify_time += v.elapsed();
-        }
-        Ok((bad, checked))
-    }
-
     fn ping(&mut self) -> Result<(), String> {
         let t = Instant::now();
         self.client
@@ -667,45 +601,5 @@ impl Instance {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn conversation_keys_differ_by_nonce_index_domain_and_number() {
-        let hashes = |nonce, index, domain, conv| {
-            chunk_hashes(
-                &conversation_tokens(conversation_seed(nonce, index, domain, conv), 32),
-                16,
-            )
-        };
-        let a = hashes(1, 0, Domain::Chunk, 0);
-        assert_eq!(a, hashes(1, 0, Domain::Chunk, 0), "a pure function");
-        let mut firsts = std::collections::HashSet::new();
-        for nonce in [1, 2, u64::MAX] {
-            for index in 0..4 {
-                for domain in [Domain::Chunk, Domain::Multiturn] {
-                    for conv in 0..64 {
-                        let h = hashes(nonce, index, domain, conv);
-                        assert!(firsts.insert(h[0]), "{nonce} {index} {domain:?} {conv}");
-                    }
-                }
-            }
-        }
-        // Within one instance a conversation's seed is a bijection of its number.
-        let seeds: std::collections::HashSet<u64> = (0..10_000)
-            .map(|c| conversation_seed(7, 3, Domain::Chunk, c))
-            .collect();
-        assert_eq!(seeds.len(), 10_000);
-    }
-
-    #[test]
-    fn a_longer_conversation_extends_a_shorter_one() {
-        let seed = conversation_seed(9, 1, Domain::Multiturn, 5);
-        let short = conversation_tokens(seed, 32);
-        let long = conversation_tokens(seed, 128);
-        assert_eq!(short[..], long[..32]);
-        assert_eq!(chunk_hashes(&short, 16)[..], chunk_hashes(&long, 16)[..2]);
-        assert_eq!(short[0], seed as u32);
-        assert_eq!(short[1], (seed >> 32) as u32);
-    }
-}
+#[path = "workload_tests.rs"]
+mod tests;
