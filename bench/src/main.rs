@@ -4,9 +4,12 @@
 //! `kvnode-bench l2` measures the L2 disk tier against raw `O_DIRECT` I/O on the same disk;
 //! `kvnode-bench l2-killloop` kills and restarts a node with a disk tier and checks every object
 //! it serves; `kvnode-bench soak` is the kill soak (clients SIGKILLed mid-transfer, the node must
-//! stay clean).
+//! stay clean). `--remote tcp://HOST:PORT` runs the workloads against a node over TCP and
+//! measures the network's limits between the same endpoints (`--raw-peer` is the far end of
+//! those measurements).
 
 mod baseline;
+mod conn;
 mod disk;
 mod l2;
 mod l2kill;
@@ -14,8 +17,12 @@ mod lmcache;
 mod node;
 mod opcount;
 mod payload;
+mod peerbuf;
 mod plot;
+mod rawtcp;
+mod remote;
 mod report;
+mod runner;
 mod soak;
 mod soak_engine;
 mod soak_lmcache;
@@ -25,15 +32,12 @@ mod soak_worker;
 mod stats;
 mod workload;
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use workload::{Instance, InstanceResult, InstanceSpec, LayoutSpec, WorkloadKind};
+use workload::{Instance, InstanceSpec, LayoutSpec, WorkloadKind};
 
 /// Command line. Scripts rely on these exact flag names.
 #[derive(Parser, Debug)]
@@ -61,8 +65,34 @@ pub struct Args {
     #[arg(long, requires = "spawn")]
     node_bin: Option<PathBuf>,
     /// Socket of a running node.
-    #[arg(long, required_unless_present = "spawn")]
+    #[arg(long, required_unless_present_any = ["spawn", "remote", "raw_peer"])]
     socket: Option<PathBuf>,
+    /// A node over TCP (`tcp://HOST:PORT`) instead of its socket: every workload goes through
+    /// the remote client (the node moves the bytes). With --spawn, the spawned node listens on
+    /// this address (port 0: any free one) with --token-file or a generated token.
+    #[arg(long, value_name = "URL", conflicts_with = "socket")]
+    remote: Option<String>,
+    /// The client token's file for --remote (none: the node must run --insecure-no-auth).
+    #[arg(long, value_name = "FILE", requires = "remote")]
+    token_file: Option<PathBuf>,
+    /// Fabric of --remote: tcp, or rdma (refused: RDMA is not offered by this build/node yet).
+    #[arg(long, value_enum, default_value = "tcp", requires = "remote")]
+    fabric: remote::FabricArg,
+    /// The raw peer (`kvnode-bench --raw-peer`) beside the --remote node, for the raw TCP
+    /// baselines (default: one started here when the node is on loopback).
+    #[arg(long, value_name = "HOST:PORT", requires = "remote")]
+    raw_peer_addr: Option<String>,
+    /// Seconds per direction of the raw TCP stream baseline (half before the load, half after).
+    #[arg(long, default_value_t = 2.0, requires = "remote")]
+    raw_secs: f64,
+    /// Process id of the --remote node on this host (same pid namespace), for its CPU per GB
+    /// moved (known without this flag when --spawn started it).
+    #[arg(long, requires = "remote")]
+    node_pid: Option<u32>,
+    /// Serve as the raw peer on ADDR:PORT (port 0: any; prints `LISTENING ADDR:PORT`) until
+    /// killed: a sink, source and echo for another kvnode-bench's --remote baselines.
+    #[arg(long, value_name = "ADDR:PORT", exclusive = true)]
+    raw_peer: Option<String>,
     /// Layout preset: tiny, qwen2.5-0.5b, llama3-8b (explicit flags override its fields).
     #[arg(long, default_value = "tiny")]
     preset: String,
@@ -129,7 +159,7 @@ pub struct Args {
 
 /// A fresh random run nonce: std's `RandomState` (randomly keyed per process) over the pid and
 /// the time, so two runs, even started at the same instant, get different keys.
-fn random_nonce() -> u64 {
+pub(crate) fn random_nonce() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());
@@ -192,6 +222,13 @@ fn main() {
         _ => {}
     }
     let args = Args::parse();
+    if let Some(addr) = &args.raw_peer {
+        if let Err(e) = rawtcp::serve(addr) {
+            eprintln!("kvnode-bench: {e}");
+            std::process::exit(2);
+        }
+        return;
+    }
     let outcome = match &args.mode {
         Some(Mode::L2(a)) => l2::run(a),
         Some(Mode::L2Killloop(a)) => l2kill::run(a),
@@ -275,12 +312,15 @@ fn run(args: &Args) -> Result<bool, String> {
         return Err("--hit-ratio must be within 0..=1".into());
     }
     let mut layout = layout(args)?;
+    let setup = remote::Setup::new(args)?;
     let spawned = if args.spawn {
+        let mut node_args = args.node_args.clone();
+        node_args.extend(setup.iter().flat_map(remote::Setup::node_args));
         Some(node::SpawnedNode::start(
             args.node_bin.as_deref(),
             &args.pool_size,
             layout.chunk_tokens,
-            &args.node_args,
+            &node_args,
         )?)
     } else {
         None
@@ -288,10 +328,19 @@ fn run(args: &Args) -> Result<bool, String> {
     let socket = match (&spawned, &args.socket) {
         (Some(n), _) => n.socket.clone(),
         (None, Some(s)) => s.clone(),
-        (None, None) => return Err("give --spawn or --socket PATH".into()),
+        (None, None) if setup.is_some() => PathBuf::new(),
+        (None, None) => return Err("give --spawn, --socket PATH or --remote URL".into()),
     };
-    let mut probe = kvnode::client::Client::connect(&socket).map_err(|e| e.to_string())?;
-    let node_chunk = probe.chunk_tokens().map_err(|e| e.to_string())?;
+    let target = match &setup {
+        Some(s) => Some(s.target(spawned.as_ref())?),
+        None => None,
+    };
+    let mut probe = conn::Conn::connect(
+        &socket.display().to_string(),
+        target.as_ref(),
+        "kvnode-bench probe",
+    )?;
+    let node_chunk = probe.chunk_tokens()?;
     if node_chunk != layout.chunk_tokens {
         eprintln!(
             "note: the node uses {node_chunk}-token chunks; the layout follows it (preset said {})",
@@ -299,7 +348,7 @@ fn run(args: &Args) -> Result<bool, String> {
         );
         layout.chunk_tokens = node_chunk;
     }
-    let status = probe.status().map_err(|e| e.to_string())?;
+    let status = probe.status()?;
     let pool_bytes = status["capacity_bytes"].as_u64().unwrap_or(0);
     let backing = status["pool_backing"].as_str().unwrap_or("4k").to_owned();
     let chunk_bytes = layout.chunk_bytes();
@@ -314,6 +363,7 @@ fn run(args: &Args) -> Result<bool, String> {
     let specs: Vec<InstanceSpec> = (0..args.instances)
         .map(|i| InstanceSpec {
             socket: socket.display().to_string(),
+            remote: target.clone(),
             instance_id: (run_id << 16) | u64::from(i),
             index: i,
             run_nonce,
@@ -344,15 +394,54 @@ fn run(args: &Args) -> Result<bool, String> {
         pool_bytes >> 20,
         specs[0].working_set_chunks
     );
+    let node_pid = spawned
+        .as_ref()
+        .map(node::SpawnedNode::pid)
+        .or(args.node_pid);
+    // Remote: the raw TCP stream is sampled before and after the load (half its time each).
+    let raw_secs = Duration::from_secs_f64(args.raw_secs.max(0.03) / 2.0);
+    let mut streams = rawtcp::Streams::default();
+    // The peer's buffers on the node pool's page size (the node receives into / sends from it).
+    let peer_pages = peerbuf::Pages::for_pool_backing(&backing);
+    let peer = match &target {
+        Some(t) => {
+            let peer = remote::Peer::find(args.raw_peer_addr.as_deref(), &t.url)?;
+            streams.sample(peer.addr(), chunk_bytes, raw_secs, peer_pages)?;
+            Some(peer)
+        }
+        None => None,
+    };
+    let cpu_before = remote::CpuSample::take(node_pid);
     let wall = Instant::now();
     let results = if args.processes {
-        run_processes(&specs)?
+        runner::run_processes(&specs)?
     } else {
-        run_threads(&specs, args)?
+        runner::run_threads(&specs, args)?
     };
     let wall = wall.elapsed();
+    let cpu_after = remote::CpuSample::take(node_pid);
     let node_status = probe.status().ok();
+    let remote_figures = match (&target, &peer) {
+        (Some(t), Some(peer)) => {
+            streams.sample(peer.addr(), chunk_bytes, raw_secs, peer_pages)?;
+            let raw = streams.finish(peer.addr(), chunk_bytes);
+            let control = remote::control_probe(&mut probe, peer.addr())?;
+            Some(remote::Figures {
+                url: t.url.clone(),
+                tcp_engine: status["transports"]["tcp_engine"]
+                    .as_str()
+                    .unwrap_or("unknown")
+                    .to_owned(),
+                raw,
+                control,
+                cpu: (cpu_before, cpu_after),
+                moved_bytes: results.iter().map(|r| r.moved_bytes).sum(),
+            })
+        }
+        _ => None,
+    };
     drop(probe);
+    drop(peer);
     // Baselines after the load so they do not compete with it.
     let prefer = match backing.as_str() {
         "hugetlb-1g" => kvnode_hw::PagePreference::Huge1G,
@@ -390,7 +479,14 @@ fn run(args: &Args) -> Result<bool, String> {
         pingpong,
         node_status,
     });
+    let mut rep = rep;
+    if let Some(f) = &remote_figures {
+        remote::extend_report(&mut rep.json, f);
+    }
     rep.print_table();
+    if remote_figures.is_some() {
+        remote::print_table(&rep.json);
+    }
     if let Some(p) = &args.json {
         std::fs::write(
             p,
@@ -408,114 +504,4 @@ fn run(args: &Args) -> Result<bool, String> {
         );
     }
     Ok(rep.verified || args.no_verify)
-}
-
-fn run_threads(specs: &[InstanceSpec], args: &Args) -> Result<Vec<InstanceResult>, String> {
-    let done = Arc::new(AtomicU64::new(0));
-    let total = args.ops.map(|o| o * specs.len() as u64);
-    let bar = if std::io::stderr().is_terminal() {
-        let b = match total {
-            Some(t) => indicatif::ProgressBar::new(t),
-            None => indicatif::ProgressBar::new_spinner(),
-        };
-        Some(b)
-    } else {
-        None
-    };
-    let barrier = Arc::new(std::sync::Barrier::new(specs.len()));
-    let handles: Vec<_> = specs
-        .iter()
-        .cloned()
-        .map(|spec| {
-            let done = done.clone();
-            let barrier = barrier.clone();
-            std::thread::Builder::new()
-                .name(format!("bench-instance-{}", spec.index))
-                .spawn(move || {
-                    // A failed connect must still reach the barrier, or the others wait forever.
-                    let inst = Instance::connect(spec);
-                    match inst {
-                        Ok(i) => i.run(
-                            || {
-                                barrier.wait();
-                            },
-                            |_| {
-                                done.fetch_add(1, Ordering::Relaxed);
-                            },
-                        ),
-                        Err(e) => {
-                            barrier.wait();
-                            Err(e)
-                        }
-                    }
-                })
-                .map_err(|e| e.to_string())
-        })
-        .collect::<Result<_, _>>()?;
-    while handles.iter().any(|h| !h.is_finished()) {
-        if let Some(b) = &bar {
-            b.set_position(done.load(Ordering::Relaxed));
-            b.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    if let Some(b) = &bar {
-        b.finish_and_clear();
-    }
-    handles
-        .into_iter()
-        .map(|h| {
-            h.join()
-                .map_err(|_| "instance thread panicked".to_string())?
-        })
-        .collect()
-}
-
-fn run_processes(specs: &[InstanceSpec]) -> Result<Vec<InstanceResult>, String> {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = specs
-        .iter()
-        .map(|s| {
-            Command::new(&exe)
-                .arg("__instance")
-                .arg(serde_json::to_string(s).map_err(|e| e.to_string())?)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(|e| format!("spawning instance process: {e}"))
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    // Start barrier: wait until every child has filled and warmed up, then release them together.
-    let mut readers = Vec::new();
-    for c in &mut children {
-        let mut r = BufReader::new(c.stdout.take().ok_or("no child stdout")?);
-        let mut line = String::new();
-        while !line.starts_with("READY") {
-            line.clear();
-            if r.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
-                break; // the child failed before the barrier; its exit status says why
-            }
-        }
-        readers.push(r);
-    }
-    for c in &mut children {
-        if let Some(mut stdin) = c.stdin.take() {
-            let _ = stdin.write_all(b"GO\n");
-        }
-    }
-    children
-        .into_iter()
-        .zip(readers)
-        .map(|(mut c, mut r)| {
-            let mut out = String::new();
-            r.read_to_string(&mut out).map_err(|e| e.to_string())?;
-            let status = c.wait().map_err(|e| e.to_string())?;
-            if !status.success() {
-                return Err(format!("instance process failed ({status})"));
-            }
-            report::instance_from_json(&out)
-        })
-        .collect()
 }

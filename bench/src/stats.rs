@@ -25,11 +25,17 @@ pub enum Op {
     Store,
     /// Whole retrieve: prepare, copy out of the pool, commit.
     Retrieve,
+    /// Remote store's WRITE_SLOTS round trip: the chunks over TCP into the slots, and the
+    /// commit (the node publishes in the same call).
+    WriteSlots,
+    /// Remote retrieve's READ_SLOTS round trip: the chunks over TCP out of the slots, and the
+    /// commit (the node releases its read locks in the same call).
+    ReadSlots,
 }
 
 impl Op {
     /// Every operation, in report order.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 10] = [
         Op::PrepareStore,
         Op::CommitStore,
         Op::PrepareRetrieve,
@@ -38,6 +44,8 @@ impl Op {
         Op::Ping,
         Op::Store,
         Op::Retrieve,
+        Op::WriteSlots,
+        Op::ReadSlots,
     ];
 
     /// The JSON name.
@@ -51,6 +59,8 @@ impl Op {
             Op::Ping => "ping",
             Op::Store => "store",
             Op::Retrieve => "retrieve",
+            Op::WriteSlots => "write_slots",
+            Op::ReadSlots => "read_slots",
         }
     }
 }

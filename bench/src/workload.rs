@@ -1,14 +1,20 @@
 //! Workload definitions and the per-instance driver: one simulated engine instance with its own
 //! connection and registration, storing and retrieving chunks through the public client library
-//! exactly as an engine would (prepare, copy into/out of the shared pool, commit).
+//! exactly as an engine would: locally prepare, copy into/out of the shared pool, commit;
+//! remotely (`--remote`) prepare, then WRITE_SLOTS / READ_SLOTS (the node moves the bytes over
+//! TCP and commits in the same call).
 
 use std::time::{Duration, Instant};
 
-use kvnode::client::{ChunkRangeBuilder, Client};
+use kvnode::client::ChunkRangeBuilder;
 use kvnode::hashing::{chunk_hashes, ChunkHash};
 use kvnode::protocol::{ChunkRange, RegisterRequest};
 use serde::{Deserialize, Serialize};
 
+use crate::conn::{ensure_buffers, Conn, RemoteTarget};
+
+#[path = "workload_io.rs"]
+mod io;
 use crate::payload::{splitmix64, Payload};
 use crate::stats::{Op, OpHistograms};
 
@@ -79,8 +85,11 @@ pub enum WorkloadKind {
 /// Everything one instance needs (serialisable: `--processes` hands it to a child process).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InstanceSpec {
-    /// Node socket.
+    /// Node socket (unused when `remote` is set).
     pub socket: String,
+    /// The node over TCP instead of its socket.
+    #[serde(default)]
+    pub remote: Option<RemoteTarget>,
     /// Instance id (unique per instance and process; it names the registration, not the keys).
     pub instance_id: u64,
     /// Index of this instance in the run (0-based); hashed into its keys.
@@ -128,6 +137,9 @@ pub struct InstanceResult {
     pub hits: u64,
     /// Retrieves that missed (evicted or never stored).
     pub misses: u64,
+    /// Bytes the node moved over TCP for this instance in every phase (fill, warm-up, timed,
+    /// read-back): WRITE_SLOTS and READ_SLOTS trailers. Zero for a local instance.
+    pub moved_bytes: u64,
     /// Chunks verified byte for byte.
     pub verified_chunks: u64,
     /// Chunks whose bytes differed (must be 0).
@@ -206,7 +218,7 @@ impl Rng {
 /// The simulated engine instance.
 pub struct Instance {
     spec: InstanceSpec,
-    client: Client,
+    client: Conn,
     chunk_tokens: u32,
     chunk_bytes: usize,
     /// Every chunk's bytes, a function of its key only (so any reader can verify any chunk).
@@ -215,6 +227,10 @@ pub struct Instance {
     source: Vec<u8>,
     /// Private destination for retrieves.
     dest: Vec<u8>,
+    /// Remote stores: one source per slot of a transfer (the node reads them all in one call).
+    sources: Vec<Vec<u8>>,
+    /// Remote retrieves: one destination per slot of a transfer.
+    dests: Vec<Vec<u8>>,
     rng: Rng,
     next_conv: u64,
     stored: Vec<ChunkHash>,
@@ -231,7 +247,8 @@ pub struct Instance {
 impl Instance {
     /// Connects and registers.
     pub fn connect(spec: InstanceSpec) -> Result<Instance, String> {
-        let mut client = Client::connect(&spec.socket).map_err(|e| e.to_string())?;
+        let name = format!("kvnode-bench instance {}", spec.index);
+        let mut client = Conn::connect(&spec.socket, spec.remote.as_ref(), &name)?;
         let reg = client
             .register(&RegisterRequest {
                 instance_id: spec.instance_id,
@@ -252,6 +269,8 @@ impl Instance {
             chunk_tokens: reg.chunk_tokens,
             chunk_bytes,
             dest: vec![0u8; chunk_bytes],
+            sources: Vec::new(),
+            dests: Vec::new(),
             source: vec![0u8; chunk_bytes],
             payload: Payload::new(chunk_bytes),
             client,
@@ -314,9 +333,11 @@ impl Instance {
                 hashes.len()
             ));
         }
-        let pool = self.client.pool().ok_or("no pool mapped")?;
+        if self.client.is_remote() {
+            ensure_buffers(&mut self.sources, p.slots.len(), self.chunk_bytes);
+        }
         let mut generating = Duration::ZERO;
-        for (slot, &i) in p.slots.iter().zip(&p.chunk_indices) {
+        for (k, (slot, &i)) in p.slots.iter().zip(&p.chunk_indices).enumerate() {
             let h = hashes.get(i as usize).ok_or_else(|| {
                 format!(
                     "prepare_store: chunk index {i} of a {}-chunk range",
@@ -330,10 +351,20 @@ impl Instance {
                 ));
             }
             let g = Instant::now();
-            self.payload.fill(h, &mut self.source);
-            generating += g.elapsed();
-            pool.write_at(slot.offset, &self.source)
-                .map_err(|e| e.to_string())?;
+            match &self.client {
+                Conn::Local(c) => {
+                    let pool = c.pool().ok_or("no pool mapped")?;
+                    self.payload.fill(h, &mut self.source);
+                    generating += g.elapsed();
+                    pool.write_at(slot.offset, &self.source)
+                        .map_err(|e| e.to_string())?;
+                }
+                // The node reads every slot's bytes in one WRITE_SLOTS below.
+                Conn::Remote(_) => {
+                    self.payload.fill(h, &mut self.sources[k]);
+                    generating += g.elapsed();
+                }
+            }
         }
         self.payload_time += generating;
         self.result.store_skipped_chunks += (hashes.len() - p.slots.len()) as u64;
@@ -347,10 +378,24 @@ impl Instance {
         }
         if !p.slots.is_empty() {
             let t1 = Instant::now();
-            self.client
-                .commit_store(id, p.transfer_id)
-                .map_err(|e| format!("commit_store: {e}"))?;
-            self.record(Op::CommitStore, t1);
+            match &mut self.client {
+                Conn::Local(c) => {
+                    c.commit_store(id, p.transfer_id)
+                        .map_err(|e| format!("commit_store: {e}"))?;
+                    self.record(Op::CommitStore, t1);
+                }
+                Conn::Remote(c) => {
+                    let data: Vec<&[u8]> = self.sources[..p.slots.len()]
+                        .iter()
+                        .map(Vec::as_slice)
+                        .collect();
+                    let (bytes, _) = c
+                        .write_slots(id, p.transfer_id, &data, true)
+                        .map_err(|e| format!("write_slots: {e}"))?;
+                    self.result.moved_bytes += bytes;
+                    self.record(Op::WriteSlots, t1);
+                }
+            }
         }
         if self.timing {
             self.result
@@ -390,28 +435,11 @@ impl Instance {
                 hashes.len()
             ));
         }
-        let pool = self.client.pool().ok_or("no pool mapped")?;
-        let mut bad = 0;
-        let mut checked = 0;
-        for (slot, h) in p.slots.iter().zip(hashes) {
-            pool.read_at(slot.offset, &mut self.dest)
-                .map_err(|e| e.to_string())?;
-            if self.spec.verify {
-                // Verification is the harness's work, not the engine's: it is kept out of the
-                // measured time (the retrieve latency and the goodput).
-                let v = Instant::now();
-                checked += 1;
-                if !self.payload.check(h, &self.dest) {
-                    bad += 1;
-                }
-                self.verify_time += v.elapsed();
-            }
-        }
-        let t1 = Instant::now();
-        self.client
-            .commit_retrieve(id, p.transfer_id)
-            .map_err(|e| format!("commit_retrieve: {e}"))?;
-        self.record(Op::CommitRetrieve, t1);
+        let (bad, checked) = if self.client.is_remote() {
+            self.read_remote(id, &p, hashes)?
+        } else {
+            self.read_local(id, &p, hashes)?
+        };
         if self.timing {
             let verifying = self.verify_time - verify_before;
             self.result
@@ -573,45 +601,5 @@ impl Instance {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn conversation_keys_differ_by_nonce_index_domain_and_number() {
-        let hashes = |nonce, index, domain, conv| {
-            chunk_hashes(
-                &conversation_tokens(conversation_seed(nonce, index, domain, conv), 32),
-                16,
-            )
-        };
-        let a = hashes(1, 0, Domain::Chunk, 0);
-        assert_eq!(a, hashes(1, 0, Domain::Chunk, 0), "a pure function");
-        let mut firsts = std::collections::HashSet::new();
-        for nonce in [1, 2, u64::MAX] {
-            for index in 0..4 {
-                for domain in [Domain::Chunk, Domain::Multiturn] {
-                    for conv in 0..64 {
-                        let h = hashes(nonce, index, domain, conv);
-                        assert!(firsts.insert(h[0]), "{nonce} {index} {domain:?} {conv}");
-                    }
-                }
-            }
-        }
-        // Within one instance a conversation's seed is a bijection of its number.
-        let seeds: std::collections::HashSet<u64> = (0..10_000)
-            .map(|c| conversation_seed(7, 3, Domain::Chunk, c))
-            .collect();
-        assert_eq!(seeds.len(), 10_000);
-    }
-
-    #[test]
-    fn a_longer_conversation_extends_a_shorter_one() {
-        let seed = conversation_seed(9, 1, Domain::Multiturn, 5);
-        let short = conversation_tokens(seed, 32);
-        let long = conversation_tokens(seed, 128);
-        assert_eq!(short[..], long[..32]);
-        assert_eq!(chunk_hashes(&short, 16)[..], chunk_hashes(&long, 16)[..2]);
-        assert_eq!(short[0], seed as u32);
-        assert_eq!(short[1], (seed >> 32) as u32);
-    }
-}
+#[path = "workload_tests.rs"]
+mod tests;
