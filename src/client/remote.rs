@@ -188,6 +188,7 @@ impl TcpTransport {
     }
 
     /// The connection's RDMA state, when it chose RDMA.
+    #[cfg(feature = "rdma")]
     pub(super) fn rdma_state_mut(&mut self) -> Option<&mut ClientRdma> {
         self.rdma.as_mut()
     }

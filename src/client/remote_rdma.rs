@@ -258,15 +258,20 @@ impl TcpTransport {
     }
 }
 
+impl RemoteClient {
+    /// The RDMA device this connection uses, when its handshake chose RDMA.
+    pub fn rdma_device(&self) -> Option<String> {
+        #[cfg(feature = "rdma")]
+        return self.stream.rdma_state().map(ClientRdma::describe);
+        #[cfg(not(feature = "rdma"))]
+        return self.stream.rdma_state().map(|r| match *r {});
+    }
+}
+
 #[cfg(feature = "rdma")]
 impl RemoteClient {
     fn rdma_mut(&mut self) -> Result<&mut ClientRdma> {
         self.stream.rdma_state_mut().ok_or_else(not_rdma)
-    }
-
-    /// The RDMA device this connection uses, when it chose RDMA.
-    pub fn rdma_device(&self) -> Option<String> {
-        self.stream.rdma_state().map(ClientRdma::describe)
     }
 
     /// Registers `buf` for the node's RDMA READ and WRITE and tells the node (REGISTER_BUFFERS);
@@ -487,9 +492,7 @@ mod tests {
         }
         assert!(open_for(FabricChoice::Auto, "auto").unwrap().is_none());
         assert!(open_for(FabricChoice::Tcp, "auto").unwrap().is_none());
-        let e = open_for(FabricChoice::Rdma, "auto")
-            .err()
-            .expect("no RDMA here");
+        let e = open_for(FabricChoice::Rdma, "auto").expect_err("no RDMA here");
         assert_eq!(e.kind, ErrorKind::Unsupported);
         let m = e.to_string();
         assert!(m.contains("this host cannot use it"), "{m}");
