@@ -658,6 +658,14 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
         .as_bytes()
         .to_vec()
     };
+    // The client's RdmaOffer (QP number 0 is malformed).
+    let rdma_offer = |qpn: u32| {
+        let mut o = vec![0u8, 5, 0, 0];
+        o.extend_from_slice(&qpn.to_le_bytes());
+        o.extend_from_slice(&0x00ab_cdefu32.to_le_bytes());
+        o.extend_from_slice(&[0x20; 16]);
+        o
+    };
     let both = FABRIC_TCP | FABRIC_RDMA;
     let tcp_node = (FABRIC_TCP as u8) << FAB;
     let both_node = (both as u8) << FAB;
@@ -690,6 +698,27 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
                 5,
                 GENUINE | both_node,
                 &full(std_hello.clone(), auth(FABRIC_RDMA)),
+            ),
+        ),
+        (
+            "genuine-rdma-exchange",
+            input(
+                3,
+                GENUINE | both_node,
+                &[
+                    full(std_hello.clone(), auth(FABRIC_RDMA)),
+                    rdma_offer(0x1234),
+                    vec![0],
+                ]
+                .concat(),
+            ),
+        ),
+        (
+            "genuine-rdma-bad-offer",
+            input(
+                0,
+                GENUINE | both_node,
+                &[full(std_hello.clone(), auth(FABRIC_RDMA)), rdma_offer(0)].concat(),
             ),
         ),
         (

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvnode::client::{RemoteClient, RemoteOptions};
+use kvnode::client::{FabricChoice, RemoteClient, RemoteOptions};
 use kvnode::error::ErrorKind;
 use kvnode::transport::tcp::auth::{generate_token_file, Token};
 
@@ -55,6 +55,9 @@ fn connect(
         name: "kvnode-cli".into(),
         connect_timeout: timeout,
         reply_timeout: Some(timeout),
+        // Control requests only: no queue pair for a ping or a status.
+        fabric: FabricChoice::Tcp,
+        ..RemoteOptions::default()
     };
     RemoteClient::connect_remote(url, token.as_ref(), &opts).map_err(|e| CliError {
         code: if e.kind == ErrorKind::PermissionDenied {

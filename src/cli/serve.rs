@@ -65,6 +65,12 @@ pub(crate) struct ServeArgs {
     /// and send) [default: uring, unless the config file sets remote.tcp_engine].
     #[arg(long, value_name = "ENGINE")]
     tcp_engine: Option<String>,
+    /// RDMA device offered to remote engines on --listen: auto (the first usable one), a device
+    /// name (e.g. mlx5_0), or none (TCP only). A device that cannot be opened is logged and the
+    /// node serves TCP only; status `transports.rdma` says why. Untested on hardware
+    /// [default: auto, unless the config file sets remote.rdma_device].
+    #[arg(long, value_name = "DEVICE")]
+    rdma_device: Option<String>,
     #[command(flatten)]
     l2: L2Args,
     #[command(flatten)]
@@ -124,6 +130,9 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     }
     if let Some(v) = args.tcp_engine {
         cfg.remote.tcp_engine = v;
+    }
+    if let Some(v) = args.rdma_device {
+        cfg.remote.rdma_device = v;
     }
     args.l2.apply(&mut cfg.l2)?;
     args.access.apply(&mut cfg.access);

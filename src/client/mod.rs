@@ -25,6 +25,7 @@ use std::time::Duration;
 mod connect;
 mod local;
 pub mod remote;
+pub mod remote_rdma;
 
 use kvnode_hw::PoolMapping;
 use rkyv::util::AlignedVec;
@@ -38,6 +39,7 @@ use crate::protocol::{ChunkRange, RegisterReply, Request, Response, WireLayout, 
 
 pub use self::local::UnixTransport;
 pub use self::remote::{RemoteClient, RemoteOptions, TcpTransport};
+pub use self::remote_rdma::{BufSpan, BufferId, FabricChoice};
 
 /// Builds [`ChunkRange`]s from token lists (hashing on the client, once).
 pub struct ChunkRangeBuilder {

@@ -3,6 +3,11 @@
 //! WRITE_SLOTS frame on the stream (sent straight from the caller's buffers), a retrieve's
 //! follow the READ_SLOTS reply (received straight into the caller's buffers).
 //!
+//! A connection may choose RDMA in its handshake ([`RemoteOptions::fabric`]): the node then
+//! moves the bytes of [`RemoteClient::store_registered`] / [`RemoteClient::retrieve_registered`]
+//! with RDMA READ/WRITE straight from and into buffers the engine registered
+//! (`remote_rdma.rs`; untested on hardware); the inline calls above keep working on it.
+//!
 //! A background thread sends a heartbeat (a NOOP with [`HEARTBEAT_REQUEST_ID`], never
 //! answered) whenever nothing was sent for [`HEARTBEAT_MS`]: the node treats a connection that
 //! stays silent for `remote.dead_after_ms` as dead and releases its instances.
@@ -18,6 +23,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rkyv::util::AlignedVec;
 
+use super::remote_rdma::{self, ClientRdma, FabricChoice};
 use super::{frame_err, Client, ClientTransport};
 use crate::config::{parse_tcp_url, HEARTBEAT_MS};
 use crate::error::{Error, ErrorKind, Result};
@@ -28,8 +34,10 @@ use crate::protocol::frame::{
 use crate::protocol::{ChunkRange, DataPath, RegisterReply, RegisterRequest, Request, Response};
 use crate::transport::tcp::auth::Token;
 use crate::transport::tcp::handshake::{
-    client_handshake, ClientNegotiated, ClientOffer, FrameRange, FABRIC_TCP,
+    client_handshake, ClientNegotiated, ClientOffer, FrameRange, HandshakeError, FABRIC_RDMA,
+    FABRIC_TCP,
 };
+use kvnode_hw::fabric::FabricKind;
 
 /// A client of a node on another host.
 pub type RemoteClient = Client<TcpTransport>;
@@ -43,6 +51,11 @@ pub struct RemoteOptions {
     pub connect_timeout: Duration,
     /// Longest one reply (or one trailer) may take; `None`: wait forever.
     pub reply_timeout: Option<Duration>,
+    /// The fabric to ask for: `Auto` (RDMA when this host and the node both can, else TCP),
+    /// `Tcp`, or `Rdma` (an error naming why when either side cannot).
+    pub fabric: FabricChoice,
+    /// The RDMA device this host uses (`"auto"` or a name such as `"mlx5_0"`).
+    pub rdma_device: String,
 }
 
 impl Default for RemoteOptions {
@@ -51,6 +64,8 @@ impl Default for RemoteOptions {
             name: format!("kvnode-client pid {}", std::process::id()),
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Some(Duration::from_secs(60)),
+            fabric: FabricChoice::Auto,
+            rdma_device: "auto".into(),
         }
     }
 }
@@ -74,14 +89,18 @@ pub struct TcpTransport {
     peer: SocketAddr,
     negotiated: ClientNegotiated,
     heartbeats: Arc<AtomicU64>,
+    /// The queue pair and registered buffers, when the handshake chose RDMA.
+    rdma: Option<ClientRdma>,
 }
 
 impl TcpTransport {
-    /// Connects to `url` (`tcp://HOST:PORT`), proves `token` and checks the node's proof.
-    /// Errors name the address; a rejected token is `PermissionDenied` ("authentication
-    /// failed").
+    /// Connects to `url` (`tcp://HOST:PORT`), proves `token` and checks the node's proof, then
+    /// (when both sides chose RDMA) connects the queue pairs. Errors name the address; a
+    /// rejected token is `PermissionDenied` ("authentication failed"); `FabricChoice::Rdma`
+    /// towards a node or from a host without RDMA is `Unsupported`, naming why.
     pub fn connect(url: &str, token: Option<&Token>, opts: &RemoteOptions) -> Result<TcpTransport> {
         let addr = parse_tcp_url(url)?;
+        let engine = remote_rdma::open_for(opts.fabric, &opts.rdma_device)?;
         let deadline = Instant::now() + opts.connect_timeout;
         let stream = TcpStream::connect_timeout(&addr, opts.connect_timeout).map_err(|e| {
             Error::new(
@@ -95,9 +114,29 @@ impl TcpTransport {
                 min: VERSION,
                 max: VERSION,
             },
-            fabrics: FABRIC_TCP,
+            fabrics: match (opts.fabric, engine.is_some()) {
+                (FabricChoice::Rdma, _) => FABRIC_RDMA,
+                (_, true) => FABRIC_TCP | FABRIC_RDMA,
+                (_, false) => FABRIC_TCP,
+            },
         };
-        let negotiated = client_handshake(&stream, token, &opts.name, &wanted, deadline)
+        let negotiated = client_handshake(&stream, token, &opts.name, &wanted, deadline).map_err(
+            |e| match e {
+                HandshakeError::NoCommonFabric { .. } if opts.fabric == FabricChoice::Rdma => {
+                    Error::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "RDMA was asked for (fabric rdma) but the node at {addr} does not \
+                             offer it (its status transports.rdma says why); use fabric auto \
+                             or tcp"
+                        ),
+                    )
+                }
+                e => Error::from(e).context(format!("node at {addr}")),
+            },
+        )?;
+        let chose_rdma = negotiated.fabric == FabricKind::Rdma;
+        let rdma = remote_rdma::exchange(&stream, engine, chose_rdma, deadline)
             .map_err(|e| Error::from(e).context(format!("node at {addr}")))?;
         let read = stream.try_clone()?;
         let epoch = Instant::now();
@@ -122,6 +161,7 @@ impl TcpTransport {
             peer: addr,
             negotiated,
             heartbeats,
+            rdma,
         };
         t.set_timeout(opts.reply_timeout)?;
         Ok(t)
@@ -135,6 +175,22 @@ impl TcpTransport {
     /// What the handshake agreed.
     pub fn negotiated(&self) -> &ClientNegotiated {
         &self.negotiated
+    }
+
+    /// The fabric the handshake chose (`Tcp` or `Rdma`).
+    pub fn fabric(&self) -> FabricKind {
+        self.negotiated.fabric
+    }
+
+    /// The connection's RDMA state, when it chose RDMA.
+    pub(super) fn rdma_state(&self) -> Option<&ClientRdma> {
+        self.rdma.as_ref()
+    }
+
+    /// The connection's RDMA state, when it chose RDMA.
+    #[cfg(feature = "rdma")]
+    pub(super) fn rdma_state_mut(&mut self) -> Option<&mut ClientRdma> {
+        self.rdma.as_mut()
     }
 
     /// Heartbeats sent so far.

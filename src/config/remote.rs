@@ -18,6 +18,11 @@ pub const HEARTBEAT_MS: u64 = 150;
 /// Largest `max_trailer_bytes` accepted (the frame codec's own bound).
 pub const MAX_TRAILER_LIMIT: u64 = crate::protocol::frame::MAX_TRAILER_BYTES;
 
+/// `rdma_device` value that turns RDMA off.
+pub const RDMA_DEVICE_NONE: &str = "none";
+/// Longest RDMA device name accepted (the kernel's `IB_DEVICE_NAME_MAX` is 64).
+pub const MAX_RDMA_DEVICE_NAME_BYTES: usize = 64;
+
 /// How the TCP fabric moves bytes (`tcp_engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TcpEngineChoice {
@@ -67,6 +72,14 @@ pub struct RemoteConfig {
     pub tcp_rings: usize,
     /// Fabric operations in flight at once, node-wide (one per remote connection at most).
     pub max_inflight_ops: usize,
+    /// The RDMA device offered to remote engines: `"auto"` (the first device with an active
+    /// port and a usable GID), a device name (`"mlx5_0"`), or `"none"` (TCP only). A device
+    /// that cannot be opened is logged once and the node serves TCP only (status
+    /// `transports.rdma` says why). Untested on hardware.
+    pub rdma_device: String,
+    /// The GID table index to use on the RDMA port; unset: chosen (RoCE v2 with an IPv4-mapped
+    /// address, then a global IPv6 one; never link-local).
+    pub rdma_gid_index: Option<u8>,
 }
 
 impl Default for RemoteConfig {
@@ -88,6 +101,8 @@ impl Default for RemoteConfig {
             tcp_engine: "uring".into(),
             tcp_rings: 2,
             max_inflight_ops: 1024,
+            rdma_device: "auto".into(),
+            rdma_gid_index: None,
         }
     }
 }
@@ -112,6 +127,11 @@ impl RemoteConfig {
                 "remote.tcp_engine = {other:?}: expected \"uring\" or \"plain\""
             ))),
         }
+    }
+
+    /// The RDMA device to open, or `None` when `rdma_device` is `"none"`.
+    pub fn rdma_device(&self) -> Option<&str> {
+        (self.rdma_device != RDMA_DEVICE_NONE).then_some(self.rdma_device.as_str())
     }
 
     /// [`RemoteConfig::handshake_timeout_ms`] as a duration.
@@ -190,6 +210,19 @@ impl RemoteConfig {
                 self.dead_after_ms
             )));
         }
+        if self.rdma_device.is_empty()
+            || self.rdma_device.len() > MAX_RDMA_DEVICE_NAME_BYTES
+            || !self
+                .rdma_device
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        {
+            return Err(Error::invalid(format!(
+                "remote.rdma_device = {:?}: expected \"auto\", \"none\" or a device name \
+                 (letters, digits, '_', '-', '.'; at most {MAX_RDMA_DEVICE_NAME_BYTES} bytes)",
+                self.rdma_device
+            )));
+        }
         if !(1..=MAX_TRAILER_LIMIT).contains(&self.max_trailer_bytes) {
             return Err(Error::invalid(format!(
                 "remote.max_trailer_bytes = {} is outside 1..={MAX_TRAILER_LIMIT}",
@@ -257,6 +290,20 @@ mod tests {
             ..Default::default()
         };
         ok.validate().unwrap();
+        assert_eq!(ok.rdma_device(), Some("auto"));
+        for name in ["none", "mlx5_0", "rxe-eth0"] {
+            RemoteConfig {
+                rdma_device: name.into(),
+                ..ok.clone()
+            }
+            .validate()
+            .unwrap();
+        }
+        let none = RemoteConfig {
+            rdma_device: "none".into(),
+            ..ok.clone()
+        };
+        assert_eq!(none.rdma_device(), None);
         for bad in [
             RemoteConfig {
                 dead_after_ms: MIN_DEAD_AFTER_MS - 1,
@@ -272,6 +319,14 @@ mod tests {
             },
             RemoteConfig {
                 tcp_engine: "epoll".into(),
+                ..ok.clone()
+            },
+            RemoteConfig {
+                rdma_device: String::new(),
+                ..ok.clone()
+            },
+            RemoteConfig {
+                rdma_device: "mlx5_0/../x".into(),
                 ..ok.clone()
             },
         ] {

@@ -1,13 +1,19 @@
 //! Fuzz harness of the remote (TCP) handshake: the node's state machine
 //! ([`crate::transport::tcp::handshake::ServerHandshake`]) fed arbitrary client bytes in arbitrary
-//! pieces. Target `fuzz/fuzz_targets/remote_handshake.rs`, corpus `fuzz/corpus/remote_handshake/`.
+//! pieces, and, when an authenticated client chose RDMA, the node's side of the RDMA queue-pair
+//! exchange ([`crate::transport::tcp::handshake::RdmaExchange`]) fed the bytes that follow.
+//! Target `fuzz/fuzz_targets/remote_handshake.rs`, corpus `fuzz/corpus/remote_handshake/`.
 
 use crate::access::Role;
 use crate::transport::tcp::auth::{transcript, Token};
-use crate::transport::tcp::handshake::codec::{ClientHello, ServerAuth, ServerHello, Status};
-use crate::transport::tcp::handshake::{
-    FrameRange, Offer, ServerHandshake, ServerKeys, Step, HANDSHAKE_MAX_BYTES,
+use crate::transport::tcp::handshake::codec::{
+    ClientHello, RdmaOffer, ServerAuth, ServerHello, Status, RDMA_OFFER_BYTES,
 };
+use crate::transport::tcp::handshake::{
+    FrameRange, Offer, RdmaExchange, RdmaStep, ServerHandshake, ServerKeys, Step,
+    HANDSHAKE_MAX_BYTES,
+};
+use kvnode_hw::fabric::{FabricKind, RdmaEndpoint};
 
 /// [`remote_handshake`] mode bit: the node runs in insecure mode (no keys).
 pub const HS_MODE_INSECURE: u8 = 1;
@@ -46,9 +52,96 @@ pub fn remote_handshake_input(chunking: u8, mode: u8, stream: &[u8]) -> Vec<u8> 
 /// * in token mode the node reaches "authenticated" **only** when the harness supplied the
 ///   genuine MAC ([`HS_MODE_GENUINE`]), with the role of the key used and a `mac_s` the client
 ///   accepts; in insecure mode only with the client role;
-/// * after the handshake finished (done, refused or failed) every further byte is an error.
+/// * after the handshake finished (done, refused or failed) every further byte is an error;
+/// * after a handshake that chose RDMA, the exchange machine buffers at most one `RdmaOffer`,
+///   yields the client's endpoint only for an offer that re-encodes to the same bytes (then
+///   the node's offer and ready byte are well-formed), reaches "ready" only after the client's
+///   ready byte, and accepts nothing after it finished.
 pub fn remote_handshake(data: &[u8]) {
     run(data);
+}
+
+/// The node's queue pair the harness answers with.
+const HS_NODE_EP: RdmaEndpoint = RdmaEndpoint {
+    qpn: 0x00_0abc,
+    psn: 0x12_3456,
+    gid: [0xfe; 16],
+    lid: 0,
+    mtu: 5,
+};
+
+/// How the RDMA exchange after an authenticated handshake ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Exchange {
+    /// The handshake chose TCP: no exchange.
+    None,
+    /// The input ran out mid-exchange.
+    Incomplete,
+    /// The exchange failed (malformed, refused, out of order).
+    Failed,
+    /// Both queue pairs ready.
+    Ready,
+}
+
+/// Runs the node's side of the RDMA exchange over `stream` (the bytes after the `ClientAuth`),
+/// cut by the same rule as the handshake.
+fn run_exchange(ctl: u8, raw: bool, stream: &[u8]) -> Exchange {
+    let mut ex = RdmaExchange::node();
+    let (mut pos, mut calls) = (0usize, 0usize);
+    let mut offer_at = 0usize;
+    while pos < stream.len() {
+        calls += 1;
+        let c = usize::from(ctl & 0x7f);
+        let mut n = if c == 0 {
+            stream.len()
+        } else {
+            1 + (c * 5 + calls * 11) % (c * 3 + 1)
+        };
+        if !raw {
+            n = n.min(ex.wanted().max(1));
+        }
+        let piece = &stream[pos..(pos + n).min(stream.len())];
+        pos += piece.len();
+        let step = ex.feed(piece);
+        assert!(
+            ex.buffered() <= RDMA_OFFER_BYTES,
+            "buffered {}",
+            ex.buffered()
+        );
+        match step {
+            Ok(RdmaStep::NeedMore) => {}
+            Ok(RdmaStep::Peer(ep)) => {
+                let offer = &stream[offer_at..pos];
+                assert_eq!(
+                    RdmaOffer::Ok(ep).encode().as_bytes(),
+                    offer,
+                    "an accepted offer re-encodes differently"
+                );
+                let ours = ex
+                    .local(Some(&HS_NODE_EP))
+                    .expect("the node's offer, in order");
+                assert_eq!(
+                    RdmaOffer::decode(ours.as_bytes()).expect("the node's offer decodes"),
+                    RdmaOffer::Ok(HS_NODE_EP)
+                );
+                let ready = ex.connected(true).expect("the node's ready byte, in order");
+                assert_eq!(ready.as_bytes(), &[0]);
+                offer_at = pos;
+            }
+            Ok(RdmaStep::Ready) => {
+                assert_eq!(pos - offer_at, 1, "ready is one byte after the offers");
+                assert!(ex.is_finished() && ex.wanted() == 0);
+                assert!(ex.feed(b"K").is_err(), "bytes accepted after the exchange");
+                return Exchange::Ready;
+            }
+            Err(_) => {
+                assert!(ex.is_finished());
+                assert!(ex.feed(b"K").is_err(), "bytes accepted after a failure");
+                return Exchange::Failed;
+            }
+        }
+    }
+    Exchange::Incomplete
 }
 
 /// How a [`remote_handshake`] run ended (for the harness's own tests).
@@ -60,8 +153,9 @@ enum Outcome {
     Failed,
     /// The node sent a refusal.
     Refused,
-    /// The node authenticated the client with this role.
-    Done(Role),
+    /// The node authenticated the client with this role (and how the RDMA exchange that
+    /// follows went).
+    Done(Role, Exchange),
 }
 
 fn run(data: &[u8]) -> Outcome {
@@ -160,7 +254,12 @@ fn run(data: &[u8]) -> Outcome {
                         &sa.mac
                     );
                 }
-                Some(Outcome::Done(negotiated.role))
+                let exchange = if negotiated.fabric == FabricKind::Rdma {
+                    run_exchange(*ctl, mode & HS_MODE_RAW != 0, &buf[pos..])
+                } else {
+                    Exchange::None
+                };
+                Some(Outcome::Done(negotiated.role, exchange))
             }
             Ok(Step::Refuse { reply, .. }) => {
                 let r = reply.as_bytes();
@@ -195,15 +294,27 @@ mod tests {
     fn seeds_reach_their_outcomes() {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/remote_handshake");
+        use Exchange::None as Tcp;
         let want = [
-            ("genuine-client", Outcome::Done(Role::Client)),
-            ("genuine-admin", Outcome::Done(Role::Admin)),
-            ("genuine-rdma-chunked", Outcome::Done(Role::Client)),
-            ("genuine-interleaved", Outcome::Done(Role::Client)),
+            ("genuine-client", Outcome::Done(Role::Client, Tcp)),
+            ("genuine-admin", Outcome::Done(Role::Admin, Tcp)),
+            (
+                "genuine-rdma-chunked",
+                Outcome::Done(Role::Client, Exchange::Incomplete),
+            ),
+            (
+                "genuine-rdma-exchange",
+                Outcome::Done(Role::Client, Exchange::Ready),
+            ),
+            (
+                "genuine-rdma-bad-offer",
+                Outcome::Done(Role::Client, Exchange::Failed),
+            ),
+            ("genuine-interleaved", Outcome::Done(Role::Client, Tcp)),
             ("genuine-fabric-not-offered", Outcome::Refused),
             ("wrong-mac", Outcome::Refused),
-            ("insecure", Outcome::Done(Role::Client)),
-            ("insecure-chunked", Outcome::Done(Role::Client)),
+            ("insecure", Outcome::Done(Role::Client, Tcp)),
+            ("insecure-chunked", Outcome::Done(Role::Client, Tcp)),
             ("raw-early-auth", Outcome::Failed),
             ("version-mismatch", Outcome::Refused),
             ("handshake-v2", Outcome::Refused),
@@ -214,7 +325,7 @@ mod tests {
         for (name, outcome) in want {
             let data = std::fs::read(dir.join(format!("seed-{name}"))).expect("committed seed");
             assert_eq!(run(&data), outcome, "{name}");
-            if matches!(outcome, Outcome::Done(_)) && data[1] & HS_MODE_GENUINE != 0 {
+            if matches!(outcome, Outcome::Done(..)) && data[1] & HS_MODE_GENUINE != 0 {
                 let mut forged = data.clone();
                 forged[1] &= !HS_MODE_GENUINE;
                 assert_eq!(
@@ -224,5 +335,44 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Seeded random bytes after the genuine RDMA handshake, in every chunking: the exchange's
+    /// invariants hold (a small in-tree stand-in for the fuzzer on the new machine).
+    #[test]
+    fn random_exchanges_keep_the_invariants() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/remote_handshake");
+        let base = std::fs::read(dir.join("seed-genuine-rdma-exchange")).expect("committed seed");
+        let prefix = base.len() - RDMA_OFFER_BYTES - 1;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut ready = 0;
+        for i in 0..4000u64 {
+            let mut data = base.clone();
+            data[0] = (next() % 9) as u8 | if i % 5 == 0 { 0x80 } else { 0 };
+            if i % 7 == 0 {
+                data[1] |= HS_MODE_RAW;
+            }
+            // Mutate a few bytes of the exchange (or none), and sometimes the length.
+            for _ in 0..(next() % 4) {
+                let at = prefix + (next() as usize % (data.len() - prefix));
+                data[at] = next() as u8;
+            }
+            match next() % 6 {
+                0 => data.truncate(prefix + (next() as usize % (RDMA_OFFER_BYTES + 1))),
+                1 => data.push(next() as u8),
+                _ => {}
+            }
+            if let Outcome::Done(_, Exchange::Ready) = run(&data) {
+                ready += 1;
+            }
+        }
+        assert!(ready > 0, "some runs complete the exchange");
     }
 }

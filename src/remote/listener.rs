@@ -1,6 +1,9 @@
 //! The TCP listener for remote engines: admission limits, the authenticated handshake (nothing
 //! is allocated or registered for a connection before it), then the ordinary frame loop with
-//! the remote data-op hooks, over the TCP fabric.
+//! the remote data-op hooks. Every connection is handed to the TCP fabric (inline data: the
+//! bytes on the stream); one that chose RDMA in its handshake also gets a queue pair of the
+//! node's RDMA fabric (created after authentication, in the handshake's RDMA exchange) for its
+//! descriptor-based data ops. The RDMA path is untested on hardware.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -15,6 +18,8 @@ use parking_lot::Mutex;
 
 use super::descriptors::RegionTable;
 use super::mover::Mover;
+use super::rdma::{MoverQp, NodeRdma};
+use super::rdma_ops::RemotePath;
 use super::registry::{Admitted, RemoteConnInfo, RemoteRegistry};
 use super::serve::RemoteHooks;
 use crate::access::Role;
@@ -26,9 +31,11 @@ use crate::server::connection::{serve_frames, REPLY_QUEUE_BYTES};
 use crate::transport::reply::StreamReplySink;
 use crate::transport::tcp::auth::{os_random, Token};
 use crate::transport::tcp::handshake::{
-    send_busy, server_handshake, FrameRange, HandshakeError, Offer, ServerKeys, FABRIC_TCP,
+    send_busy, server_handshake, server_rdma_exchange, FrameRange, HandshakeError, Offer,
+    ServerKeys, FABRIC_RDMA, FABRIC_TCP,
 };
 use crate::transport::ReplySink;
+use kvnode_hw::fabric::FabricKind;
 
 /// How long a refused connection is given to take its "busy" answer.
 const BUSY_WRITE: Duration = Duration::from_millis(100);
@@ -42,6 +49,8 @@ struct Shared {
     keys: ServerKeys,
     offer: Offer,
     mover: Arc<Mover>,
+    /// The RDMA fabric, when offered, and what status says about it.
+    rdma: NodeRdma,
     registry: Arc<RemoteRegistry>,
     stop: AtomicBool,
     /// Open authenticated connections' streams (shut down at stop).
@@ -101,6 +110,7 @@ impl RemoteService {
             .register(&ctx.pool)
             .map_err(|e| Error::from(e).context("cannot register the pool with the TCP fabric"))?;
         let mover = Mover::start(Arc::new(fabric))?;
+        let rdma = NodeRdma::open(&config, &ctx.pool);
         let mut node_id = [0u8; 16];
         os_random(&mut node_id)?;
         let offer = Offer {
@@ -108,7 +118,11 @@ impl RemoteService {
                 min: VERSION,
                 max: VERSION,
             },
-            fabrics: FABRIC_TCP,
+            fabrics: if rdma.offered() {
+                FABRIC_TCP | FABRIC_RDMA
+            } else {
+                FABRIC_TCP
+            },
             node_id,
         };
         let auth = match keys {
@@ -128,6 +142,7 @@ impl RemoteService {
             keys,
             offer,
             mover,
+            rdma,
             registry: Arc::new(RemoteRegistry::default()),
             stop: AtomicBool::new(false),
             streams: Mutex::new(HashMap::new()),
@@ -150,7 +165,7 @@ impl RemoteService {
                 .name("kvnode-remote-accept".into())
                 .spawn(move || accept_loop(&shared, &listener))?
         };
-        tracing::info!(%addr, auth, engine = engine.as_str(), "listening for remote engines");
+        tracing::info!(%addr, auth, engine = engine.as_str(), rdma = %shared.rdma.status, "listening for remote engines");
         Ok(Some(RemoteService {
             addr,
             listener,
@@ -170,6 +185,12 @@ impl RemoteService {
             ServerKeys::Insecure => "none",
             ServerKeys::Token { .. } => "token",
         }
+    }
+
+    /// What status `transports.rdma` says: the RDMA device offered to remote engines, or
+    /// `"unavailable: <reason>"`, or `"disabled (...)"`.
+    pub fn rdma_status(&self) -> &str {
+        &self.shared.rdma.status
     }
 
     /// The TCP fabric's engine name (`uring` or `plain`).
@@ -280,6 +301,33 @@ fn serve_connection(
             return;
         }
     };
+    // The RDMA exchange (queue pairs created only now, after authentication) still counts as
+    // the handshake: bounded by `max_handshakes` and by its own `handshake_timeout_ms`.
+    let rdma = match (negotiated.fabric, &shared.rdma.mover) {
+        (FabricKind::Rdma, Some(mover)) => {
+            let deadline = Instant::now() + shared.config.handshake_timeout();
+            match server_rdma_exchange(&stream, &mut MoverQp(mover), deadline) {
+                Ok(conn) => Some(RemotePath {
+                    mover: mover.clone(),
+                    conn,
+                }),
+                Err(e) => {
+                    handshake_failed(shared, peer, &e);
+                    return;
+                }
+            }
+        }
+        (FabricKind::Rdma, None) => {
+            // Unreachable: the handshake refuses a fabric the offer lacks.
+            handshake_failed(
+                shared,
+                peer,
+                &HandshakeError::Rdma("RDMA chosen but not offered".into()),
+            );
+            return;
+        }
+        _ => None,
+    };
     place.handshake_over();
     shared
         .registry
@@ -297,6 +345,9 @@ fn serve_connection(
         Ok(c) => c,
         Err(e) => {
             tracing::error!(%peer, error = %e, "cannot hand a remote connection to the TCP fabric");
+            if let Some(r) = &rdma {
+                r.mover.teardown(r.conn);
+            }
             return;
         }
     };
@@ -312,7 +363,7 @@ fn serve_connection(
         id,
         peer,
         name: negotiated.client_name.clone(),
-        fabric: "tcp",
+        fabric: if rdma.is_some() { "rdma" } else { "tcp" },
         role,
         since: Instant::now(),
         bytes_in: Default::default(),
@@ -321,7 +372,7 @@ fn serve_connection(
     });
     shared.registry.add(info.clone());
     shared.streams.lock().insert(id, stream.clone());
-    tracing::info!(connection = id, %peer, name = %negotiated.client_name, role, "remote engine connected");
+    tracing::info!(connection = id, %peer, name = %negotiated.client_name, role, fabric = info.fabric, "remote engine connected");
     let mut hooks = RemoteHooks {
         ctx: ctx.clone(),
         sink,
@@ -329,6 +380,7 @@ fn serve_connection(
         stream: stream.clone(),
         mover: shared.mover.clone(),
         fconn,
+        rdma: rdma.clone(),
         info,
         registry: shared.registry.clone(),
         regions: RegionTable::new(shared.config.max_registered_regions),
@@ -337,6 +389,11 @@ fn serve_connection(
     };
     serve_frames(ctx, &mut PlainSource(&*stream), &dyn_sink, &mut hooks);
     shared.mover.teardown(fconn);
+    if let Some(r) = &rdma {
+        // Every op of the queue pair completed (its reader was the only poster); QP -> ERR,
+        // then destroyed once drained.
+        r.mover.teardown(r.conn);
+    }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     shared.streams.lock().remove(&id);
     shared.registry.remove(id);

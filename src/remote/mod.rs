@@ -13,19 +13,32 @@ pub mod descriptors;
 pub mod listener;
 pub mod mover;
 pub mod ops;
+pub mod rdma;
+pub mod rdma_ops;
+#[cfg(test)]
+mod rdma_ops_tests;
 pub mod registry;
 pub mod serve;
 
 pub use listener::RemoteService;
 pub use registry::{RemoteConnInfo, RemoteRegistry};
 
-/// What the status report says about RDMA: the device RDMA would use, or
-/// `"unavailable: <reason>"` (no kernel support, no device, built without the `rdma` feature).
-/// The node serves remote engines over TCP; the RDMA data path is built and tested through the
-/// fake fabric but not yet offered in the handshake (untested on hardware).
-pub fn rdma_status() -> String {
-    match kvnode_hw::fabric::rdma_availability("auto") {
-        Ok(device) => format!("available, not yet offered to engines: {device}"),
+/// What the status report says about RDMA (`transports.rdma`): with a listener, what it
+/// decided at start (the device in use, `"unavailable: <reason>"`, or `"disabled (...)"`);
+/// without one, whether `remote.rdma_device` could be used (`"not offered (no --listen): <device>"`
+/// or `"unavailable: <reason>"`). RDMA is untested on hardware.
+pub fn rdma_status(
+    config: &crate::config::RemoteConfig,
+    service: Option<&RemoteService>,
+) -> String {
+    if let Some(s) = service {
+        return s.rdma_status().to_owned();
+    }
+    let Some(device) = config.rdma_device() else {
+        return "disabled (remote.rdma_device = \"none\")".into();
+    };
+    match kvnode_hw::fabric::rdma_availability(device) {
+        Ok(device) => format!("not offered (no --listen): {device}"),
         Err(reason) => format!("unavailable: {reason}"),
     }
 }

@@ -2,6 +2,13 @@
 //! and buffer registration run on the connection's reader thread, which owns the stream while a
 //! store's trailer arrives or a retrieve's trailer leaves; every other request goes through the
 //! ordinary dispatch (same semantics as local engines).
+//!
+//! Data paths: `DataPath::Inline` (the bytes on the TCP stream, as a trailer) works on every
+//! connection, including one that chose RDMA (an engine may send small or unregistered data
+//! inline); `DataPath::Remote(bufs)` (descriptors of the engine's registered memory, moved by
+//! the node with RDMA READ/WRITE: [`super::rdma_ops`]) only on a connection that chose RDMA in
+//! its handshake, with no trailer. A failed RDMA op closes the connection (its queue pair is
+//! in error; the connection's end tears it down).
 
 use std::io::Read;
 use std::net::TcpStream;
@@ -14,6 +21,7 @@ use kvnode_hw::fabric::{ConnId, Dir};
 use super::descriptors::{stream_items, RegionTable};
 use super::mover::{Mover, Pace};
 use super::ops;
+use super::rdma_ops::{read_remote, write_remote, DataOpOutcome, RemoteDataOp, RemotePath};
 use super::registry::{RemoteConnInfo, RemoteRegistry};
 use crate::config::RemoteConfig;
 use crate::error::{Error, ErrorKind};
@@ -67,6 +75,8 @@ pub struct RemoteHooks {
     pub mover: Arc<Mover>,
     /// This connection in the TCP fabric.
     pub fconn: ConnId,
+    /// This connection's queue pair in the RDMA fabric, when it chose RDMA.
+    pub rdma: Option<RemotePath>,
     /// Status record of this connection.
     pub info: Arc<RemoteConnInfo>,
     /// Node-wide remote counters.
@@ -165,14 +175,29 @@ impl RemoteHooks {
             DataPath::Inline => None,
             DataPath::Remote(bufs) => Some(bufs),
         };
-        if bufs.is_some() {
-            // This connection's fabric is TCP: descriptors of engine memory cannot be served
-            // (and a trailer beside them would be a protocol error).
-            let e = Error::new(
-                ErrorKind::Unsupported,
-                "this connection moves bytes over TCP: send the store's bytes inline (the \
-                 node has no RDMA fabric for it)",
-            );
+        if let Some(bufs) = bufs {
+            let e = match (&self.rdma, trailer) {
+                (Some(_), 0) => {
+                    let op = RemoteDataOp {
+                        instance_id,
+                        transfer_id,
+                        bufs: &bufs,
+                        commit,
+                    };
+                    return self.remote_op(header, started, Dir::Pull, &op);
+                }
+                (Some(_), _) => Error::new(
+                    ErrorKind::InvalidRequest,
+                    "a store with buffer descriptors carries no trailer",
+                ),
+                // This connection's fabric is TCP: descriptors of engine memory cannot be
+                // served.
+                (None, _) => Error::new(
+                    ErrorKind::Unsupported,
+                    "this connection chose TCP in its handshake: send the store's bytes \
+                     inline (buffer descriptors need a connection that chose RDMA)",
+                ),
+            };
             self.reply(header, started, Response::error(&e));
             return if trailer == 0 || self.drain(reader, trailer) {
                 Intercepted::Done
@@ -287,14 +312,23 @@ impl RemoteHooks {
             self.reply(header, started, Response::error(&e));
             return Intercepted::Close;
         }
-        if matches!(data, DataPath::Remote(_)) {
-            let e = Error::new(
-                ErrorKind::Unsupported,
-                "this connection moves bytes over TCP: ask for the retrieve's bytes inline \
-                 (the node has no RDMA fabric for it)",
-            );
-            self.reply(header, started, Response::error(&e));
-            return Intercepted::Done;
+        if let DataPath::Remote(bufs) = data {
+            if self.rdma.is_none() {
+                let e = Error::new(
+                    ErrorKind::Unsupported,
+                    "this connection chose TCP in its handshake: ask for the retrieve's bytes \
+                     inline (buffer descriptors need a connection that chose RDMA)",
+                );
+                self.reply(header, started, Response::error(&e));
+                return Intercepted::Done;
+            }
+            let op = RemoteDataOp {
+                instance_id,
+                transfer_id,
+                bufs: &bufs,
+                commit,
+            };
+            return self.remote_op(header, started, Dir::Push, &op);
         }
         let take = match ops::take_read(&self.ctx, &self.caller, instance_id, transfer_id) {
             Ok(t) => t,
@@ -374,6 +408,47 @@ impl RemoteHooks {
             Intercepted::Done
         } else {
             Intercepted::Close
+        }
+    }
+}
+
+impl RemoteHooks {
+    /// A data op with buffer descriptors, over this connection's RDMA queue pair (`Pull`: a
+    /// store, `Push`: a retrieve); the caller checked that the connection has one.
+    fn remote_op(
+        &mut self,
+        header: &FrameHeader,
+        started: Instant,
+        dir: Dir,
+        op: &RemoteDataOp<'_>,
+    ) -> Intercepted {
+        let Some(path) = self.rdma.clone() else {
+            return Intercepted::Close;
+        };
+        let deadline = self.deadline();
+        let out: DataOpOutcome = match dir {
+            Dir::Pull => write_remote(&self.ctx, &self.caller, &self.regions, &path, op, deadline),
+            Dir::Push => read_remote(&self.ctx, &self.caller, &self.regions, &path, op, deadline),
+        };
+        self.info.data_ops.fetch_add(1, Ordering::Relaxed);
+        let (mine, all) = match dir {
+            Dir::Pull => (&self.info.bytes_in, &self.registry.bytes_in),
+            Dir::Push => (&self.info.bytes_out, &self.registry.bytes_out),
+        };
+        mine.fetch_add(out.moved, Ordering::Relaxed);
+        all.fetch_add(out.moved, Ordering::Relaxed);
+        if out.broken {
+            self.registry.failed_moves.fetch_add(1, Ordering::Relaxed);
+        }
+        self.reply(header, started, out.resp);
+        if out.broken {
+            tracing::warn!(
+                connection = self.info.id,
+                "an RDMA transfer failed: closing the connection (its queue pair is torn down)"
+            );
+            Intercepted::Close
+        } else {
+            Intercepted::Done
         }
     }
 }

@@ -318,7 +318,7 @@ fn publish_transports(ctx: &Arc<NodeContext>, remote: Option<&crate::remote::Rem
     let tcp = remote.map(|r| r.local_addr().to_string());
     let tcp_auth = remote.map(crate::remote::RemoteService::auth);
     let tcp_engine = remote.map(|r| r.engine().to_owned());
-    let rdma = crate::remote::rdma_status();
+    let rdma = crate::remote::rdma_status(&ctx.config.remote, remote);
     let value = serde_json::json!({
         "uds": uds,
         "tcp": tcp,

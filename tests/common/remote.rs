@@ -99,6 +99,7 @@ pub fn options() -> RemoteOptions {
         name: "kvnode-test".into(),
         connect_timeout: Duration::from_secs(20),
         reply_timeout: Some(Duration::from_secs(60)),
+        ..RemoteOptions::default()
     }
 }
 

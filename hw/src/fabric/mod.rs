@@ -12,6 +12,7 @@
 //! peer. `teardown(conn)` completes every op still in flight on `conn` (`Flushed` if it was not
 //! done) and then returns exactly one completion with `op == OpId::TEARDOWN_DONE`.
 
+mod engine_buffer;
 mod fake;
 mod fake_peer;
 pub mod rdma;
@@ -33,6 +34,9 @@ use std::time::Duration;
 
 use crate::{HwResult, SharedPool};
 
+#[cfg(feature = "rdma")]
+pub use engine_buffer::RegisteredBuffer;
+pub use engine_buffer::{EngineBuffer, MAX_ENGINE_BUFFER_BYTES};
 pub use fake::FakeFabric;
 pub use fake_peer::{
     FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,

@@ -10,6 +10,11 @@
 //!   16 server_nonce [32] | 48 node_id [16]`.
 //! - `ClientAuth` (34): `0 fabric u16 | 2 mac_c [32]`.
 //! - `ServerAuth` (34): `0 status u8 | 1 role u8 | 2 mac_s [32]`.
+//!
+//! Only when the chosen fabric is RDMA, after a `ServerAuth` with status ok (see [`super::rdma`]):
+//! - `RdmaOffer` (28), client → node, then node → client: `0 status u8 (0 ok, 1 failed) |
+//!   1 mtu u8 | 2 lid u16 | 4 qpn u32 | 8 psn u32 | 12 gid [16]` (all zero after status 1).
+//! - `RdmaReady` (1), each way: `0 ready` (the sender's queue pair is in RTS) or `1 failed`.
 
 use super::{FrameRange, HandshakeError, Outgoing, HS_VERSION, MAGIC, MAX_NAME_BYTES};
 
@@ -25,6 +30,14 @@ pub const SERVER_HELLO_BYTES: usize = 64;
 pub const CLIENT_AUTH_BYTES: usize = 34;
 /// Bytes of a `ServerAuth`.
 pub const SERVER_AUTH_BYTES: usize = 34;
+/// Bytes of an `RdmaOffer`.
+pub const RDMA_OFFER_BYTES: usize = 28;
+/// Bytes of an `RdmaReady`.
+pub const RDMA_READY_BYTES: usize = 1;
+/// Largest queue pair number and packet sequence number (both 24 bits on the wire of verbs).
+pub const RDMA_MAX_24BIT: u32 = 0x00ff_ffff;
+/// Path MTU enum values a peer may send (`IBV_MTU_256` = 1 ..= `IBV_MTU_4096` = 5).
+pub const RDMA_MTU_RANGE: std::ops::RangeInclusive<u8> = 1..=5;
 
 /// The `status` byte of the node's messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -331,4 +344,95 @@ impl ServerAuth {
             mac: [0; 32],
         }
     }
+}
+
+/// One side's RDMA queue pair, or its failure to create one.
+///
+/// Invariant (checked by [`RdmaOffer::decode`]): an `Ok` endpoint has a QP number in
+/// `1..=0xffffff`, a PSN of at most 24 bits and an MTU enum in [`RDMA_MTU_RANGE`]; a failure
+/// carries no other byte (all zero on the wire). The hardware layer checks the endpoint again
+/// before connecting (GID and LID against the port's link layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaOffer {
+    /// The sender's queue pair, in INIT, waiting for this side's endpoint.
+    Ok(kvnode_hw::fabric::RdmaEndpoint),
+    /// The sender could not create a queue pair (it closes after this message).
+    Failed,
+}
+
+impl RdmaOffer {
+    /// Decodes an `RdmaOffer` (exactly [`RDMA_OFFER_BYTES`]).
+    pub fn decode(b: &[u8]) -> Result<RdmaOffer, HandshakeError> {
+        exact_len("the RdmaOffer", b, RDMA_OFFER_BYTES)?;
+        match b[0] {
+            0 => {}
+            1 if b[1..].iter().all(|&x| x == 0) => return Ok(RdmaOffer::Failed),
+            1 => return Err(malformed("a failed RdmaOffer carries endpoint bytes")),
+            x => return Err(malformed(format!("unknown RdmaOffer status {x}"))),
+        }
+        let u32_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        let ep = kvnode_hw::fabric::RdmaEndpoint {
+            mtu: b[1],
+            lid: u16_at(b, 2),
+            qpn: u32_at(4),
+            psn: u32_at(8),
+            gid: array_at(b, 12),
+        };
+        if ep.qpn == 0 || ep.qpn > RDMA_MAX_24BIT {
+            return Err(malformed(format!(
+                "RDMA queue pair number {:#x} is not in 1..=0xffffff",
+                ep.qpn
+            )));
+        }
+        if ep.psn > RDMA_MAX_24BIT {
+            return Err(malformed(format!(
+                "RDMA packet sequence number {:#x} is over 24 bits",
+                ep.psn
+            )));
+        }
+        if !RDMA_MTU_RANGE.contains(&ep.mtu) {
+            return Err(malformed(format!(
+                "RDMA path MTU enum {} is not in 1..=5",
+                ep.mtu
+            )));
+        }
+        Ok(RdmaOffer::Ok(ep))
+    }
+
+    /// Encodes the message ([`RDMA_OFFER_BYTES`]).
+    pub fn encode(&self) -> Outgoing {
+        let mut o = Outgoing::new();
+        match self {
+            RdmaOffer::Failed => {
+                o.put(&[1u8]);
+                o.put(&[0u8; RDMA_OFFER_BYTES - 1]);
+            }
+            RdmaOffer::Ok(ep) => {
+                o.put(&[0u8, ep.mtu]);
+                o.put(&ep.lid.to_le_bytes());
+                o.put(&ep.qpn.to_le_bytes());
+                o.put(&ep.psn.to_le_bytes());
+                o.put(&ep.gid);
+            }
+        }
+        o
+    }
+}
+
+/// Decodes an `RdmaReady` (exactly [`RDMA_READY_BYTES`]): `true` when the sender's queue pair is
+/// in RTS, `false` when connecting it failed.
+pub fn decode_rdma_ready(b: &[u8]) -> Result<bool, HandshakeError> {
+    exact_len("the RdmaReady", b, RDMA_READY_BYTES)?;
+    match b[0] {
+        0 => Ok(true),
+        1 => Ok(false),
+        x => Err(malformed(format!("unknown RdmaReady value {x}"))),
+    }
+}
+
+/// Encodes an `RdmaReady` ([`RDMA_READY_BYTES`]).
+pub fn encode_rdma_ready(ready: bool) -> Outgoing {
+    let mut o = Outgoing::new();
+    o.put(&[u8::from(!ready)]);
+    o
 }

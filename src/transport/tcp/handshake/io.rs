@@ -6,7 +6,10 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
 
+use kvnode_hw::fabric::RdmaEndpoint;
+
 use super::client::{ClientHandshake, ClientStep};
+use super::rdma::{RdmaExchange, RdmaStep};
 use super::server::{busy_hello, ServerHandshake, Step};
 use super::{
     ClientNegotiated, ClientOffer, HandshakeError, Negotiated, Offer, ServerKeys,
@@ -175,4 +178,139 @@ pub fn client_handshake(
             }
         }
     }
+}
+
+/// How one side creates and connects its RDMA queue pair, for the exchange drivers
+/// ([`server_rdma_exchange`], [`client_rdma_exchange`]). The node implements it over its RDMA
+/// fabric's mover, the client over its engine-side fabric, tests over fake endpoints.
+///
+/// Invariant expected of implementations: `connect` consumes what `prepare` returned; a
+/// connection returned by `connect` is either kept by the caller or handed to `abandon` (which
+/// tears it down), never leaked.
+pub trait QpSetup {
+    /// A queue pair in INIT, waiting for the peer's endpoint.
+    type Pending;
+    /// A connected queue pair (in RTS).
+    type Conn;
+    /// Creates a queue pair in INIT; the error says why (for the log and the peer's error).
+    fn prepare(&mut self) -> Result<(Self::Pending, RdmaEndpoint), String>;
+    /// Connects `pending` to the peer's endpoint (INIT -> RTR -> RTS).
+    fn connect(&mut self, pending: Self::Pending, peer: RdmaEndpoint)
+        -> Result<Self::Conn, String>;
+    /// Tears down a connected queue pair the exchange does not hand over (the peer failed).
+    fn abandon(&mut self, conn: Self::Conn);
+}
+
+/// Reads the peer's next exchange message before `deadline` (never more than it asks for).
+fn rdma_read(
+    stream: &TcpStream,
+    ex: &mut RdmaExchange,
+    deadline: Instant,
+) -> Result<RdmaStep, HandshakeError> {
+    let mut buf = [0u8; HANDSHAKE_MAX_BYTES];
+    loop {
+        let want = ex.wanted().clamp(1, HANDSHAKE_MAX_BYTES);
+        let n = read_some(stream, &mut buf[..want], deadline)?;
+        match ex.feed(&buf[..n])? {
+            RdmaStep::NeedMore => {}
+            step => return Ok(step),
+        }
+    }
+}
+
+/// Connects this side's queue pair, sends the ready byte, waits for the peer's.
+fn rdma_connect_and_ready<S: QpSetup>(
+    stream: &TcpStream,
+    ex: &mut RdmaExchange,
+    setup: &mut S,
+    pending: S::Pending,
+    peer: RdmaEndpoint,
+    deadline: Instant,
+) -> Result<S::Conn, HandshakeError> {
+    let conn = match setup.connect(pending, peer) {
+        Ok(c) => c,
+        Err(why) => {
+            let _ = write_all(stream, ex.connected(false)?.as_bytes(), deadline);
+            return Err(HandshakeError::Rdma(format!(
+                "connecting this side's queue pair failed: {why}"
+            )));
+        }
+    };
+    let waited = write_all(stream, ex.connected(true)?.as_bytes(), deadline)
+        .and_then(|()| rdma_read(stream, ex, deadline));
+    match waited {
+        Ok(RdmaStep::Ready) => {
+            clear_timeouts(stream)?;
+            Ok(conn)
+        }
+        Ok(other) => {
+            setup.abandon(conn);
+            Err(HandshakeError::Malformed(format!(
+                "RDMA exchange: {other:?} where a ready byte was expected"
+            )))
+        }
+        Err(e) => {
+            setup.abandon(conn);
+            Err(e)
+        }
+    }
+}
+
+/// The node's side of the RDMA exchange on `stream`, after [`server_handshake`] returned a
+/// negotiation whose fabric is RDMA: reads the client's offer, creates the node's queue pair
+/// only then (`setup.prepare`), answers with its endpoint, connects, exchanges ready bytes, all
+/// before `deadline`. Returns the connected queue pair; on any error nothing is kept (a queue
+/// pair already connected went to `setup.abandon`) and the caller closes the stream. Never
+/// reads past the client's ready byte.
+pub fn server_rdma_exchange<S: QpSetup>(
+    stream: &TcpStream,
+    setup: &mut S,
+    deadline: Instant,
+) -> Result<S::Conn, HandshakeError> {
+    let mut ex = RdmaExchange::node();
+    let RdmaStep::Peer(peer) = rdma_read(stream, &mut ex, deadline)? else {
+        return Err(HandshakeError::Malformed(
+            "RDMA exchange: no offer from the client".into(),
+        ));
+    };
+    let (pending, local) = match setup.prepare() {
+        Ok(p) => p,
+        Err(why) => {
+            let _ = write_all(stream, ex.local(None)?.as_bytes(), deadline);
+            return Err(HandshakeError::Rdma(format!(
+                "the node could not create a queue pair: {why}"
+            )));
+        }
+    };
+    write_all(stream, ex.local(Some(&local))?.as_bytes(), deadline)?;
+    rdma_connect_and_ready(stream, &mut ex, setup, pending, peer, deadline)
+}
+
+/// The client's side of the RDMA exchange on `stream`, after [`client_handshake`] returned a
+/// negotiation whose fabric is RDMA: creates the client's queue pair, sends its endpoint, reads
+/// the node's, connects, exchanges ready bytes, before `deadline`. Returns the connected queue
+/// pair; on error nothing is kept and the caller closes the stream.
+pub fn client_rdma_exchange<S: QpSetup>(
+    stream: &TcpStream,
+    setup: &mut S,
+    deadline: Instant,
+) -> Result<S::Conn, HandshakeError> {
+    let (pending, local) = match setup.prepare() {
+        Ok(p) => p,
+        Err(why) => {
+            let (_, refusal) = RdmaExchange::client(None);
+            let _ = write_all(stream, refusal.as_bytes(), deadline);
+            return Err(HandshakeError::Rdma(format!(
+                "this client could not create a queue pair: {why}"
+            )));
+        }
+    };
+    let (mut ex, offer) = RdmaExchange::client(Some(&local));
+    write_all(stream, offer.as_bytes(), deadline)?;
+    let RdmaStep::Peer(peer) = rdma_read(stream, &mut ex, deadline)? else {
+        return Err(HandshakeError::Malformed(
+            "RDMA exchange: no offer from the node".into(),
+        ));
+    };
+    rdma_connect_and_ready(stream, &mut ex, setup, pending, peer, deadline)
 }

@@ -21,6 +21,9 @@
 //! insecure mode (`--insecure-no-auth`) sends `auth = 0` and accepts any `mac_c` (a tokenless
 //! client sends zeros), granting the client role.
 //!
+//! When the chosen fabric is RDMA, the two sides then exchange their queue pairs' endpoints and
+//! a ready byte each ([`rdma`]; the node creates nothing RDMA-related before the `ServerAuth`).
+//!
 //! [`ServerHandshake`] and [`ClientHandshake`] are sans-IO state machines fed bytes in any
 //! chunking (fuzzed: `fuzz/fuzz_targets/remote_handshake.rs`); [`server_handshake`] and
 //! [`client_handshake`] drive them over a blocking [`std::net::TcpStream`] under a deadline.
@@ -28,14 +31,21 @@
 mod client;
 pub mod codec;
 mod io;
+pub mod rdma;
 mod server;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_rdma;
+#[cfg(test)]
 mod tests_wire;
 
 pub use client::{ClientHandshake, ClientStep};
-pub use io::{client_handshake, send_busy, server_handshake};
+pub use io::{
+    client_handshake, client_rdma_exchange, send_busy, server_handshake, server_rdma_exchange,
+    QpSetup,
+};
+pub use rdma::{RdmaExchange, RdmaSide, RdmaStep};
 pub use server::{busy_hello, ServerHandshake, Step};
 
 use kvnode_hw::fabric::FabricKind;
@@ -222,6 +232,10 @@ pub enum HandshakeError {
     /// A socket error.
     #[error("I/O error during the handshake: {0}")]
     Io(#[source] std::io::Error),
+    /// The RDMA queue-pair exchange after the authentication failed (the reason says which side
+    /// and why).
+    #[error("RDMA connection setup failed: {0}")]
+    Rdma(String),
 }
 
 impl HandshakeError {
@@ -250,9 +264,10 @@ impl From<HandshakeError> for Error {
             | HandshakeError::HandshakeVersion { .. }
             | HandshakeError::NoCommonFabric { .. } => ErrorKind::Unsupported,
             HandshakeError::Malformed(_) => ErrorKind::InvalidRequest,
-            HandshakeError::Closed | HandshakeError::TimedOut | HandshakeError::Io(_) => {
-                ErrorKind::Io
-            }
+            HandshakeError::Closed
+            | HandshakeError::TimedOut
+            | HandshakeError::Io(_)
+            | HandshakeError::Rdma(_) => ErrorKind::Io,
         };
         Error::new(kind, e.to_string())
     }
