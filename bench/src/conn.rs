@@ -35,6 +35,9 @@ impl RemoteTarget {
             name: name.into(),
             connect_timeout: CONNECT_TIMEOUT,
             reply_timeout: Some(REPLY_TIMEOUT),
+            // The workloads move bytes inline (on the TCP stream); see `remote::FabricArg`.
+            fabric: kvnode::client::FabricChoice::Tcp,
+            ..RemoteOptions::default()
         };
         RemoteClient::connect_remote(&self.url, token.as_ref(), &opts)
             .map_err(|e| format!("{}: {e}", self.url))

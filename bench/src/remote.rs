@@ -54,8 +54,9 @@ impl Setup {
         };
         if args.fabric == FabricArg::Rdma {
             return Err(format!(
-                "--fabric rdma: RDMA is not offered by this build/node (kvnode-bench and the \
-                 node move remote bytes over TCP only for now); use --fabric tcp against {url}"
+                "--fabric rdma: RDMA is not offered by this build/node to the bench (its \
+                 workloads move bytes inline over TCP; the RDMA path, untested on hardware, has \
+                 no bench workload yet); use --fabric tcp against {url}"
             ));
         }
         let mut token_file = args.token_file.clone();
