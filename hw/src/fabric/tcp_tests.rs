@@ -564,3 +564,34 @@ fn op_run_cuts_at_piece_boundaries_and_continues_short_transfers() {
     assert!(run.is_done() && run.next_io().is_none());
     assert_eq!(run.moved(), 35);
 }
+
+/// A connection whose zero-copy sends the kernel reports as copied (a local peer: loopback)
+/// sends with plain copies from then on: the second Push adds no `SendZc`, and its bytes are
+/// right.
+#[test]
+fn copied_zero_copy_sends_switch_the_connection_to_plain_sends() {
+    let len = 2 * MIB;
+    let (p, f) = setup(uring_fixed(), 8 * MIB);
+    let (node, mut peer) = tcp_pair();
+    let conn = connect(&f, &node);
+    let bytes = pattern(9, len as usize);
+    p.region().write_at(0, &bytes).expect("fill");
+    for op in 1..=2 {
+        post(&f, op, conn, Dir::Push, &stream_items(&[(0, len)]), far()).expect("post");
+        let mut got = vec![0u8; len as usize];
+        peer.read_exact(&mut got).expect("read");
+        assert!(got == bytes, "push {op}: bytes differ");
+        assert_eq!(wait_n(&f, 1)[0].result, Ok(len));
+        let zc = f.zc_counters();
+        if op == 1 {
+            assert!(zc.sends >= 1, "the first push is a zero-copy send: {zc:?}");
+            assert!(zc.copied >= 1, "loopback copies: {zc:?}");
+        } else {
+            let first = zc.sends;
+            post(&f, 3, conn, Dir::Push, &stream_items(&[(0, len)]), far()).expect("post");
+            peer.read_exact(&mut got).expect("read");
+            assert_eq!(wait_n(&f, 1)[0].result, Ok(len));
+            assert_eq!(f.zc_counters().sends, first, "no more zero-copy sends");
+        }
+    }
+}

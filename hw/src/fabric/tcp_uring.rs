@@ -123,6 +123,10 @@ struct UConn {
     active: Option<Active>,
     broken: bool,
     tearing: bool,
+    /// The kernel reported that it copied a zero-copy send of this connection anyway (the
+    /// peer is on this host: loopback, veth): later sends are plain copies, which cost less
+    /// than a zero-copy send that copies and notifies.
+    zc_copies: bool,
 }
 
 struct UringWorker {
@@ -267,8 +271,16 @@ impl UringWorker {
                 };
                 if cqueue::notif(flags) {
                     a.notifs = a.notifs.saturating_sub(1);
-                    self.core
-                        .count_zc_notification(res as u32 & NOTIF_USAGE_ZC_COPIED != 0);
+                    let copied = res as u32 & NOTIF_USAGE_ZC_COPIED != 0;
+                    self.core.count_zc_notification(copied);
+                    if copied && !c.zc_copies {
+                        c.zc_copies = true;
+                        tracing::debug!(
+                            conn = conn.0,
+                            "tcp fabric: the kernel copies this connection's zero-copy sends \
+                             (a local peer); plain sends from now on"
+                        );
+                    }
                     return;
                 }
                 a.data_out = false;
@@ -339,6 +351,7 @@ impl UringWorker {
                         active: None,
                         broken: false,
                         tearing: false,
+                        zc_copies: false,
                     },
                 );
                 if self.stopping.is_some() {
@@ -509,7 +522,7 @@ impl UringWorker {
                     Dir::Pull => opcode::Recv::new(fd, ptr, len)
                         .flags(libc::MSG_WAITALL)
                         .build(),
-                    Dir::Push if io.item_len >= *zc_min => {
+                    Dir::Push if io.item_len >= *zc_min && !c.zc_copies => {
                         let mut op = opcode::SendZc::new(fd, ptr, len)
                             .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL)
                             .zc_flags(SEND_ZC_REPORT_USAGE);
