@@ -15,6 +15,9 @@ pub const MAX_REMOTE_TIMEOUT_MS: u64 = 600_000;
 pub const MIN_DEAD_AFTER_MS: u64 = 4 * HEARTBEAT_MS;
 /// How often the client library sends a heartbeat on an otherwise idle connection.
 pub const HEARTBEAT_MS: u64 = 150;
+/// Most remote connections a node may be configured to hold (each: a thread, two descriptors,
+/// up to a 4 MiB reply queue).
+pub const MAX_REMOTE_CONNECTIONS: usize = 4096;
 /// Largest `max_trailer_bytes` accepted (the frame codec's own bound).
 pub const MAX_TRAILER_LIMIT: u64 = crate::protocol::frame::MAX_TRAILER_BYTES;
 
@@ -186,6 +189,12 @@ impl RemoteConfig {
             if v == 0 {
                 return Err(Error::invalid(format!("{name} must be > 0")));
             }
+        }
+        if self.max_connections > MAX_REMOTE_CONNECTIONS {
+            return Err(Error::invalid(format!(
+                "remote.max_connections = {} is above {MAX_REMOTE_CONNECTIONS}",
+                self.max_connections
+            )));
         }
         if self.tcp_rings > 64 {
             return Err(Error::invalid(format!(
