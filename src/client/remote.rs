@@ -91,6 +91,10 @@ pub struct TcpTransport {
     heartbeats: Arc<AtomicU64>,
     /// The queue pair and registered buffers, when the handshake chose RDMA.
     rdma: Option<ClientRdma>,
+    /// Why the registered buffers may no longer be touched: a descriptor op failed without the
+    /// node's answer, so its RDMA READ or WRITE may still run (set once, never cleared).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(super) rdma_poisoned: Option<String>,
 }
 
 impl TcpTransport {
@@ -162,6 +166,7 @@ impl TcpTransport {
             negotiated,
             heartbeats,
             rdma,
+            rdma_poisoned: None,
         };
         t.set_timeout(opts.reply_timeout)?;
         Ok(t)

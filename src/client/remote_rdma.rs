@@ -271,7 +271,35 @@ impl RemoteClient {
 #[cfg(feature = "rdma")]
 impl RemoteClient {
     fn rdma_mut(&mut self) -> Result<&mut ClientRdma> {
+        self.check_unpoisoned()?;
         self.stream.rdma_state_mut().ok_or_else(not_rdma)
+    }
+
+    /// `Err` once a descriptor op failed without the node's answer: the node may still be
+    /// reading or writing the registered buffers, so they are never handed out again.
+    fn check_unpoisoned(&self) -> Result<()> {
+        match &self.stream.rdma_poisoned {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                ErrorKind::Io,
+                format!(
+                    "the registered buffers are no longer usable: a transfer failed without the \
+                     node's answer ({why}), so its RDMA may still be running; reconnect"
+                ),
+            )),
+        }
+    }
+
+    /// Sends a descriptor op and poisons the buffers if it fails without the node's answer.
+    fn descriptor_call(&mut self, req: &Request) -> Result<Response> {
+        self.check_unpoisoned()?;
+        match self.call(req) {
+            Err(e) if e.kind == ErrorKind::Io || e.kind == ErrorKind::Internal => {
+                self.stream.rdma_poisoned = Some(e.to_string());
+                Err(e)
+            }
+            other => other,
+        }
     }
 
     /// Registers `buf` for the node's RDMA READ and WRITE and tells the node (REGISTER_BUFFERS);
@@ -315,6 +343,7 @@ impl RemoteClient {
 
     /// The bytes of registered buffer `id`.
     pub fn buffer(&self, id: BufferId) -> Result<&[u8]> {
+        self.check_unpoisoned()?;
         let rdma = self.stream.rdma()?;
         rdma.buffers
             .get(&id.0)
@@ -367,7 +396,7 @@ impl RemoteClient {
         bufs: Vec<RemoteBuf>,
         commit: bool,
     ) -> Result<(u64, Option<u32>)> {
-        match self.call(&Request::WriteSlots {
+        match self.descriptor_call(&Request::WriteSlots {
             instance_id,
             transfer_id,
             data: DataPath::Remote(bufs),
@@ -388,7 +417,7 @@ impl RemoteClient {
         bufs: Vec<RemoteBuf>,
         commit: bool,
     ) -> Result<u64> {
-        match self.call(&Request::ReadSlots {
+        match self.descriptor_call(&Request::ReadSlots {
             instance_id,
             transfer_id,
             data: DataPath::Remote(bufs),

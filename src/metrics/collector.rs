@@ -210,7 +210,7 @@ fn encode_remote(out: &mut Out, r: &serde_json::Value) -> Fmt {
     out.gauge(
         "kvnode_remote_stuck_ops",
         "Fabric ops past their deadline without completion (their slots stay reserved)",
-        n(&["mover", "stuck_ops"]),
+        n(&["mover", "stuck_ops"]) + n(&["rdma_mover", "stuck_ops"]),
     )
 }
 

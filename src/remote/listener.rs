@@ -154,6 +154,9 @@ impl RemoteService {
                 status.upgrade().map_or(serde_json::Value::Null, |s| {
                     let mut v = s.registry.status();
                     v["mover"] = s.mover.status();
+                    if let Some(m) = &s.rdma.mover {
+                        v["rdma_mover"] = m.status();
+                    }
                     v
                 })
             }),

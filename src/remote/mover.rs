@@ -264,7 +264,7 @@ impl Mover {
     /// [`Mover::transfer`] in pieces of at most [`PACE_PIECE_BYTES`], each with its own
     /// deadline from `pace`: a peer that stalls mid-transfer is detected within about
     /// `pace.stall`. Returns the bytes moved; the first failed piece ends the transfer (the
-    /// caller treats it as failed whole).
+    /// caller treats it as failed whole). `NotPosted` only when nothing moved.
     pub fn transfer_paced(
         &self,
         conn: ConnId,
@@ -273,10 +273,19 @@ impl Mover {
         pace: &Pace,
     ) -> Result<u64, MoveError> {
         let mut moved = 0;
-        for piece in pieces(items, PACE_PIECE_BYTES) {
+        for (k, piece) in pieces(items, PACE_PIECE_BYTES).into_iter().enumerate() {
             let bytes: u64 = piece.iter().map(|i| i.local.len).sum();
             let deadline = pace.deadline(Instant::now(), bytes);
-            moved += self.transfer(conn, dir, &piece, deadline)?;
+            match self.transfer(conn, dir, &piece, deadline) {
+                Ok(n) => moved += n,
+                // Only the first piece's refusal means nothing moved.
+                Err(MoveError::NotPosted(e)) if k > 0 => {
+                    return Err(MoveError::Failed(FabricError::Local(format!(
+                        "not posted after {moved} bytes moved: {e}"
+                    ))))
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(moved)
     }

@@ -14,12 +14,11 @@
 //! (`rdma_ops_tests.rs`); over the real RDMA fabric it is **untested on hardware**.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvnode_hw::fabric::{ConnId, Dir, PostError};
 
 use super::descriptors::RegionTable;
-use super::mover::{MoveError, Mover};
+use super::mover::{MoveError, Mover, Pace};
 use super::ops;
 use crate::error::{Error, ErrorKind};
 use crate::modules::{Caller, NodeContext};
@@ -94,7 +93,7 @@ pub fn write_remote(
     regions: &RegionTable,
     path: &RemotePath,
     op: &RemoteDataOp<'_>,
-    deadline: Instant,
+    pace: &Pace,
 ) -> DataOpOutcome {
     let take = match ops::take_write(ctx, caller, op.instance_id, op.transfer_id) {
         Ok(t) => t,
@@ -107,7 +106,7 @@ pub fn write_remote(
             return DataOpOutcome::refused(&e);
         }
     };
-    let moved = match path.mover.transfer(path.conn, Dir::Pull, &items, deadline) {
+    let moved = match path.mover.transfer_paced(path.conn, Dir::Pull, &items, pace) {
         Err(MoveError::NotPosted(e)) => {
             take.put_back();
             return DataOpOutcome::not_posted(&e);
@@ -141,7 +140,7 @@ pub fn read_remote(
     regions: &RegionTable,
     path: &RemotePath,
     op: &RemoteDataOp<'_>,
-    deadline: Instant,
+    pace: &Pace,
 ) -> DataOpOutcome {
     let take = match ops::take_read(ctx, caller, op.instance_id, op.transfer_id) {
         Ok(t) => t,
@@ -155,7 +154,7 @@ pub fn read_remote(
             return DataOpOutcome::refused(&e);
         }
     };
-    let moved = match path.mover.transfer(path.conn, Dir::Push, &items, deadline) {
+    let moved = match path.mover.transfer_paced(path.conn, Dir::Push, &items, pace) {
         Err(MoveError::NotPosted(e)) => {
             drop(take); // put back untouched
             return DataOpOutcome::not_posted(&e);

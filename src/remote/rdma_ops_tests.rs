@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 
 use super::descriptors::RegionTable;
 use super::mover::Mover;
+use super::mover::Pace;
 use super::rdma_ops::{read_remote, write_remote, RemoteDataOp, RemotePath};
 use crate::access::Role;
 use crate::client::ChunkRangeBuilder;
@@ -230,8 +231,12 @@ impl Rig {
         }
     }
 
-    fn deadline() -> Instant {
-        Instant::now() + Duration::from_secs(60)
+    fn deadline() -> Pace {
+        Pace {
+            stall: Duration::from_secs(60),
+            min_bytes_per_sec: 1,
+            cap: Instant::now() + Duration::from_secs(60),
+        }
     }
 }
 
@@ -269,7 +274,7 @@ fn a_store_and_a_retrieve_move_every_byte_through_the_fabric() {
         bufs: &bufs,
         commit: true,
     };
-    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, Rig::deadline());
+    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
     let total = CHUNKS as u64 * rig.object_bytes;
     assert!(!out.broken);
     assert_eq!(out.moved, total);
@@ -291,7 +296,7 @@ fn a_store_and_a_retrieve_move_every_byte_through_the_fabric() {
         bufs: &bufs,
         commit: true,
     };
-    let out = read_remote(&rig.ctx, &rig.caller, &regions, &path, &op, Rig::deadline());
+    let out = read_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
     assert!(!out.broken, "{:?}", out.resp);
     assert_eq!(out.resp, Response::SlotsRead { bytes: total });
     let got = rig
@@ -337,7 +342,7 @@ fn descriptors_out_of_bounds_are_refused_before_anything_is_posted() {
             bufs: &bufs,
             commit: true,
         };
-        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, Rig::deadline());
+        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
         assert!(!out.broken, "{why}");
         assert_eq!(
             error_kind(&out.resp),
@@ -378,7 +383,7 @@ fn descriptors_out_of_bounds_are_refused_before_anything_is_posted() {
         &regions2,
         &path,
         &op,
-        Rig::deadline(),
+        &Rig::deadline(),
     );
     assert!(
         matches!(out.resp, Response::SlotsWritten { .. }),
@@ -401,7 +406,7 @@ fn descriptors_out_of_bounds_are_refused_before_anything_is_posted() {
         &regions2,
         &path,
         &op,
-        Rig::deadline(),
+        &Rig::deadline(),
     );
     assert_eq!(
         error_kind(&out.resp),
@@ -449,7 +454,7 @@ fn a_failed_op_frees_the_store_and_never_publishes_it() {
             bufs: &bufs,
             commit: true,
         };
-        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, Rig::deadline());
+        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
         assert!(out.broken, "{what}");
         assert_eq!(out.moved, 0);
         assert_eq!(
@@ -495,7 +500,7 @@ fn a_failed_retrieve_is_an_error_and_the_objects_stay() {
         bufs: &bufs,
         commit: true,
     };
-    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, Rig::deadline());
+    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
     assert!(matches!(out.resp, Response::SlotsWritten { .. }));
     // The engine lies about its buffer: the fake NIC refuses the access (bad rkey).
     let mut lying = regions.clone();
@@ -515,7 +520,7 @@ fn a_failed_retrieve_is_an_error_and_the_objects_stay() {
         bufs: &bufs,
         commit: true,
     };
-    let out = read_remote(&rig.ctx, &rig.caller, &lying, &path, &op, Rig::deadline());
+    let out = read_remote(&rig.ctx, &rig.caller, &lying, &path, &op, &Rig::deadline());
     assert!(out.broken);
     assert_eq!(error_kind(&out.resp), Some(ErrorKind::Io), "{:?}", out.resp);
     // Not committed: the retrieve is back in the table; committing it releases the locks.

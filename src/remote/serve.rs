@@ -199,11 +199,12 @@ impl RemoteHooks {
                 ),
             };
             self.reply(header, started, Response::error(&e));
-            return if trailer == 0 || self.drain(reader, trailer) {
-                Intercepted::Done
-            } else {
-                Intercepted::Close
-            };
+            if trailer == 0 {
+                return Intercepted::Done;
+            }
+            // Descriptors and a trailer together: a protocol violation, not drained.
+            self.linger_for_reply();
+            return Intercepted::Close;
         }
         if trailer > self.config.max_trailer_bytes {
             let e = Error::limit(format!(
@@ -425,10 +426,10 @@ impl RemoteHooks {
         let Some(path) = self.rdma.clone() else {
             return Intercepted::Close;
         };
-        let deadline = self.deadline();
+        let pace = self.pace();
         let out: DataOpOutcome = match dir {
-            Dir::Pull => write_remote(&self.ctx, &self.caller, &self.regions, &path, op, deadline),
-            Dir::Push => read_remote(&self.ctx, &self.caller, &self.regions, &path, op, deadline),
+            Dir::Pull => write_remote(&self.ctx, &self.caller, &self.regions, &path, op, &pace),
+            Dir::Push => read_remote(&self.ctx, &self.caller, &self.regions, &path, op, &pace),
         };
         self.info.data_ops.fetch_add(1, Ordering::Relaxed);
         let (mine, all) = match dir {

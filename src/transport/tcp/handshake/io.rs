@@ -239,10 +239,13 @@ fn rdma_connect_and_ready<S: QpSetup>(
     let waited = write_all(stream, ex.connected(true)?.as_bytes(), deadline)
         .and_then(|()| rdma_read(stream, ex, deadline));
     match waited {
-        Ok(RdmaStep::Ready) => {
-            clear_timeouts(stream)?;
-            Ok(conn)
-        }
+        Ok(RdmaStep::Ready) => match clear_timeouts(stream) {
+            Ok(()) => Ok(conn),
+            Err(e) => {
+                setup.abandon(conn);
+                Err(e)
+            }
+        },
         Ok(other) => {
             setup.abandon(conn);
             Err(HandshakeError::Malformed(format!(
