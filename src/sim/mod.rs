@@ -450,13 +450,16 @@ mod tests {
     /// Seeds the CI test runs.
     const SMOKE_SEEDS: u64 = 16;
 
-    /// The bounded CI run: a few seeds of every client kind; `scripts/simulate.sh` runs many.
+    /// The bounded CI run: a few seeds of the local client kinds (the remote workers' run is
+    /// `remote::tests`, with native and LMCache workers beside them); `scripts/simulate.sh`
+    /// runs many seeds of every kind at once.
     #[test]
     fn simulator_seeds_hold_every_invariant() {
         let mut total = SimStats::default();
         for seed in 1..=SMOKE_SEEDS {
             let opts = SimOptions {
                 steps: 1_500,
+                remote_instances: 0,
                 ..SimOptions::new(seed)
             };
             match run(&opts) {

@@ -21,6 +21,10 @@
 mod check;
 mod data;
 mod flight;
+#[cfg(test)]
+mod repro;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
