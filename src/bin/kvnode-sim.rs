@@ -55,7 +55,7 @@ struct Args {
     #[arg(long)]
     fail_fast: bool,
     /// Checks not to run, comma-separated (to look past a known failure): memcheck, slots,
-    /// bytes, locks, reaper, wheel, namespaces, owners, quotas, inflight. With --l2: known tier bugs to steer around:
+    /// bytes, locks, reaper, wheel, namespaces, owners, quotas, inflight, settle. With --l2: known tier bugs to steer around:
     /// internal-sync, superblock, in-flight-sync.
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,

@@ -56,7 +56,8 @@ pub struct SimOptions {
     /// Steps of history printed with a failure.
     pub trace: usize,
     /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
-    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`, `quotas`, `inflight`.
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`, `quotas`, `inflight`
+    /// (remote ops' pool ranges), `settle` (a remote op's outcome when it settles).
     pub skip: Vec<String>,
 }
 
@@ -381,7 +382,10 @@ impl Sim {
         let natives = if self.natives.is_empty() { 0 } else { 55 };
         let lms = if self.lms.is_empty() { 0 } else { 25 };
         let remotes = if self.remote.actors.is_empty() { 0 } else { 40 };
-        match self.rng.weighted(&[natives * 4, lms * 4, 32, 24, 16, 1, remotes * 4]) {
+        match self
+            .rng
+            .weighted(&[natives * 4, lms * 4, 32, 24, 16, 1, remotes * 4])
+        {
             0 => {
                 let i = self.rng.index(self.natives.len());
                 self.native_step(i)?;

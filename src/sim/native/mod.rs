@@ -55,7 +55,10 @@ impl Conn {
         };
         conn.registered
             .lock()
-            .set_caller(crate::modules::Caller::remote(id, crate::access::Role::Client));
+            .set_caller(crate::modules::Caller::remote(
+                id,
+                crate::access::Role::Client,
+            ));
         conn
     }
 

@@ -90,10 +90,11 @@ impl Sim {
             }
         }
         for (k, o) in &self.remote.ops {
-            let all_in_flight = o
-                .slots
-                .iter()
-                .all(|s| inflight.iter().any(|(op, _, r)| op.0 == *k && r.offset == s.offset));
+            let all_in_flight = o.slots.iter().all(|s| {
+                inflight
+                    .iter()
+                    .any(|(op, _, r)| op.0 == *k && r.offset == s.offset)
+            });
             let (items, listed) = {
                 let p = o.inst.pending.lock();
                 match &o.taken {

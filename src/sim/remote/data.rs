@@ -306,7 +306,9 @@ impl Sim {
         let id = self.remote.actors[i].id;
         let commit = self.rng.chance(65);
         if self.too_late(mid, world::WRITE_TTL_MS) {
-            self.log(format!("remote {id} gives store {tid} up: too close to its TTL"));
+            self.log(format!(
+                "remote {id} gives store {tid} up: too close to its TTL"
+            ));
             self.remote.actors[i].writes.push((tid, mid, moved));
             return Ok(());
         }
@@ -365,7 +367,11 @@ impl Sim {
                     grant.slot.offset
                 ));
             };
-            let rkey = rc.known.iter().find(|r| r.id == b.region).map_or(0, |r| r.rkey);
+            let rkey = rc
+                .known
+                .iter()
+                .find(|r| r.id == b.region)
+                .map_or(0, |r| r.rkey);
             held.push(HeldSlot {
                 key: *key,
                 lease: grant.lease,
@@ -378,13 +384,29 @@ impl Sim {
         let peer = self.remote_peer(
             &rc.known,
             &bufs,
-            |n| Some(world::stamp_bytes(held[n].len, &held[n].key, held[n].version)),
+            |n| {
+                Some(world::stamp_bytes(
+                    held[n].len,
+                    &held[n].key,
+                    held[n].version,
+                ))
+            },
             how == Descr::WrongKey,
         );
         if !self.remote_can_post(&items, Dir::Pull, &format!("store {tid}"))? {
             unreachable!("a store never waits");
         }
-        self.post(i, conn_id, tid, mid, commit, held, Taken::Write(take), peer, &items)
+        self.post(
+            i,
+            conn_id,
+            tid,
+            mid,
+            commit,
+            held,
+            Taken::Write(take),
+            peer,
+            &items,
+        )
     }
 
     /// READ_SLOTS of a prepared retrieve: its bytes go to the engine's memory.
@@ -397,7 +419,9 @@ impl Sim {
         let id = self.remote.actors[i].id;
         let commit = self.rng.chance(65);
         if self.too_late(mid, world::READ_TTL_MS) {
-            self.log(format!("remote {id} gives retrieve {tid} up: too close to its TTL"));
+            self.log(format!(
+                "remote {id} gives retrieve {tid} up: too close to its TTL"
+            ));
             self.remote.actors[i].reads.push((tid, mid));
             return Ok(());
         }
@@ -449,12 +473,20 @@ impl Sim {
         };
         let mut held = Vec::new();
         for (((key, lease), &(offset, len)), b) in take.locked().iter().zip(&slots).zip(&bufs) {
-            let Some(g) = t.grants.iter().find(|g| g.offset == offset && g.key == *key) else {
+            let Some(g) = t
+                .grants
+                .iter()
+                .find(|g| g.offset == offset && g.key == *key)
+            else {
                 return Err(format!(
                     "retrieve {tid} of remote {id} locks slot {offset} the PREPARE did not hand out"
                 ));
             };
-            let rkey = rc.known.iter().find(|r| r.id == b.region).map_or(0, |r| r.rkey);
+            let rkey = rc
+                .known
+                .iter()
+                .find(|r| r.id == b.region)
+                .map_or(0, |r| r.rkey);
             held.push(HeldSlot {
                 key: *key,
                 lease: *lease,
@@ -473,7 +505,17 @@ impl Sim {
             self.remote.actors[i].reads.push((tid, mid));
             return Ok(());
         }
-        self.post(i, conn_id, tid, mid, commit, held, Taken::Read(take), peer, &items)
+        self.post(
+            i,
+            conn_id,
+            tid,
+            mid,
+            commit,
+            held,
+            Taken::Read(take),
+            peer,
+            &items,
+        )
     }
 
     /// Connects the op's fabric connection and posts it (a refused post settles at once, as
@@ -502,7 +544,9 @@ impl Sim {
             Taken::Write(_) => (Dir::Pull, "WRITE_SLOTS"),
             _ => (Dir::Push, "READ_SLOTS"),
         };
-        debug_assert!(items.iter().all(|w| matches!(w.remote, RemoteSeg::Rdma { .. })));
+        debug_assert!(items
+            .iter()
+            .all(|w| matches!(w.remote, RemoteSeg::Rdma { .. })));
         let posted = fabric.post(PostBatch {
             op,
             conn: fconn,
@@ -513,7 +557,10 @@ impl Sim {
         if let Err(e) = posted {
             fabric.teardown(fconn);
             self.log(format!("remote {id} {what} {tid} not posted: {e}"));
-            return Err(format!("a fresh fabric connection refused op {}: {e}", op.0));
+            return Err(format!(
+                "a fresh fabric connection refused op {}: {e}",
+                op.0
+            ));
         }
         let inst = self.remote.actors[i]
             .reg
@@ -527,8 +574,7 @@ impl Sim {
             slots.len(),
             slots.iter().map(|s| s.offset).collect::<Vec<_>>()
         ));
-        self.remote
-            .actors[i]
+        self.remote.actors[i]
             .conn
             .as_mut()
             .expect("connected")
@@ -654,7 +700,10 @@ impl Sim {
                 transfer_id: tid,
             },
         );
-        self.log(format!("remote {id} COMMIT_RETRIEVE {tid} -> {}", short(&r)));
+        self.log(format!(
+            "remote {id} COMMIT_RETRIEVE {tid} -> {}",
+            short(&r)
+        ));
         if self.model.finish(mid).is_some() && !matches!(r, Response::Ok) {
             return Err(format!(
                 "COMMIT_RETRIEVE of held retrieve {tid} (remote {id}) failed: {r:?}"
@@ -739,7 +788,10 @@ impl Sim {
                     Request::RegisterBuffers { regions: vec![] }
                 };
                 let r = self.native_call(&conn, req);
-                self.log(format!("local conn sends a remote data request -> {}", short(&r)));
+                self.log(format!(
+                    "local conn sends a remote data request -> {}",
+                    short(&r)
+                ));
                 match r {
                     Response::Error { kind, .. } if kind == ErrorKind::Unsupported.code() => Ok(()),
                     other => Err(format!(
@@ -756,12 +808,15 @@ impl Sim {
                     return Ok(());
                 };
                 let caller = rc.caller();
+                self.touched(id, false);
                 let r = if write {
                     ops::take_write(&self.ctx, &caller, id, tid).map(|t| t.put_back())
                 } else {
                     ops::take_read(&self.ctx, &caller, id, tid).map(drop)
                 };
-                self.log(format!("remote {id} data op on transfer {tid} in flight -> {r:?}"));
+                self.log(format!(
+                    "remote {id} data op on transfer {tid} in flight -> {r:?}"
+                ));
                 match r {
                     Err(e)
                         if e.kind == ErrorKind::UnknownTransfer
@@ -786,7 +841,11 @@ impl Sim {
                     return Ok(());
                 }
                 let target = reg.inst.id;
-                let caller = self.remote.actors[i].conn.as_ref().expect("connected").caller();
+                let caller = self.remote.actors[i]
+                    .conn
+                    .as_ref()
+                    .expect("connected")
+                    .caller();
                 let r = ops::take_write(&self.ctx, &caller, target, tid).map(|t| t.put_back());
                 self.log(format!(
                     "remote {id} WRITE_SLOTS of remote {target}'s store {tid} -> {r:?}"

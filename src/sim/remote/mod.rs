@@ -249,7 +249,12 @@ impl Sim {
     /// One random action of remote worker `i`.
     pub(super) fn remote_step(&mut self, i: usize) -> Check {
         if self.remote.actors[i].dead {
-            return Ok(());
+            if self.remote.actors[i].conn.is_some() {
+                return Ok(());
+            }
+            // The node closed the hung engine's connection: a new process replaces it.
+            self.remote.actors[i].dead = false;
+            self.stats.revived += 1;
         }
         if self.remote.actors[i].conn.is_none() {
             self.remote_connect(i);
@@ -277,7 +282,10 @@ impl Sim {
         ];
         match self.rng.weighted(&weights) {
             0 => {
-                let hidden = self.remote.actors[i].reg.as_ref().map_or(HIDDEN, |r| r.hidden);
+                let hidden = self.remote.actors[i]
+                    .reg
+                    .as_ref()
+                    .map_or(HIDDEN, |r| r.hidden);
                 self.remote_register(i, hidden)
             }
             1 => {
@@ -313,7 +321,9 @@ impl Sim {
             13 => {
                 self.remote.actors[i].dead = true;
                 let id = self.remote.actors[i].id;
-                self.log(format!("remote {id} falls silent (connection and ops left open)"));
+                self.log(format!(
+                    "remote {id} falls silent (connection and ops left open)"
+                ));
                 Ok(())
             }
             _ => self.remote_refused(i),
@@ -402,7 +412,9 @@ impl Sim {
             short(&r)
         ));
         if !matches!(r, Response::Registered(_)) {
-            return Err(format!("registration of remote instance {id} refused: {r:?}"));
+            return Err(format!(
+                "registration of remote instance {id} refused: {r:?}"
+            ));
         }
         if replaces {
             self.remote_forget(i)?;

@@ -74,7 +74,8 @@ fn the_lock_ttl_never_frees_a_store_slot_the_fabric_is_writing() {
     // The op is still in flight when the TTL passes and maintenance runs.
     sim.clock.advance(1_500);
     sim.maintenance().expect("maintenance");
-    sim.check().expect("the slots of a store in flight stay reserved");
+    sim.check()
+        .expect("the slots of a store in flight stay reserved");
 }
 
 #[test]
@@ -108,5 +109,6 @@ fn the_lock_ttl_never_frees_a_retrieve_slot_the_fabric_is_reading() {
     sim.check().expect("the op's slots are held");
     sim.clock.advance(1_500);
     sim.maintenance().expect("maintenance");
-    sim.check().expect("the slots of a retrieve in flight stay read-locked");
+    sim.check()
+        .expect("the slots of a retrieve in flight stay read-locked");
 }

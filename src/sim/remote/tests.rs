@@ -45,7 +45,10 @@ fn until_in_flight(sim: &mut Sim, write: bool) -> u64 {
     for _ in 0..4_000 {
         sim.step().expect("clean run");
         let found = sim.remote.ops.iter().find(|(_, o)| {
-            matches!((&o.taken, write), (Taken::Write(_), true) | (Taken::Read(_), false))
+            matches!(
+                (&o.taken, write),
+                (Taken::Write(_), true) | (Taken::Read(_), false)
+            )
         });
         if let Some((k, _)) = found {
             return *k;
@@ -69,7 +72,9 @@ fn the_inflight_check_catches_a_store_slot_freed_under_its_op() {
     let items = take.reserved().0.to_vec();
     // Sabotage: what a release path that ignored the take would do.
     sim.ctx.storage.abort_write(&items);
-    let e = sim.check().expect_err("a slot freed under a fabric op went unnoticed");
+    let e = sim
+        .check()
+        .expect_err("a slot freed under a fabric op went unnoticed");
     assert!(e.contains("[inflight]"), "{e}");
     // The op's own settle would free the slots a second time: leave the run here.
     std::mem::forget(sim);
@@ -85,7 +90,9 @@ fn the_inflight_check_catches_a_retrieve_lock_released_under_its_op() {
     };
     let keys = take.locked().to_vec();
     sim.ctx.storage.finish_read(&keys, 0);
-    let e = sim.check().expect_err("a lock released under a fabric op went unnoticed");
+    let e = sim
+        .check()
+        .expect_err("a lock released under a fabric op went unnoticed");
     assert!(e.contains("[inflight]") || e.contains("read locks"), "{e}");
     std::mem::forget(sim);
 }
