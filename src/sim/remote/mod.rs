@@ -19,6 +19,7 @@
 //! is ever published, and the model's view of reservations and locks matches storage's.
 
 mod check;
+mod control;
 mod data;
 mod flight;
 #[cfg(test)]
