@@ -70,6 +70,11 @@ impl Sim {
         };
         let mid = self.model.hand_out(t)?;
         self.remote.actors[i].writes.push((transfer_id, mid, false));
+        if self.rng.chance(50) {
+            // As the remote client's `store` does: the bytes follow the PREPARE at once.
+            let k = self.remote.actors[i].writes.len() - 1;
+            return self.remote_write_slots_at(i, k);
+        }
         Ok(())
     }
 
@@ -148,6 +153,10 @@ impl Sim {
         };
         let mid = self.model.hand_out(t)?;
         self.remote.actors[i].reads.push((transfer_id, mid));
+        if self.rng.chance(50) {
+            let k = self.remote.actors[i].reads.len() - 1;
+            return self.remote_read_slots_at(i, k);
+        }
         Ok(())
     }
 

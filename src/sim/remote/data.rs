@@ -153,12 +153,17 @@ impl Sim {
             .is_none_or(|t| self.now() + TRANSFER_TIMEOUT_MS + 1 >= t.created_ms + ttl_ms)
     }
 
-    /// WRITE_SLOTS of a prepared store: its bytes come from the engine's memory.
+    /// WRITE_SLOTS of a random prepared store of worker `i`.
     pub(super) fn remote_write_slots(&mut self, i: usize) -> Check {
         if self.remote.actors[i].writes.is_empty() {
             return Ok(());
         }
         let k = self.rng.index(self.remote.actors[i].writes.len());
+        self.remote_write_slots_at(i, k)
+    }
+
+    /// WRITE_SLOTS of worker `i`'s prepared store `k`: its bytes come from the engine's memory.
+    pub(super) fn remote_write_slots_at(&mut self, i: usize, k: usize) -> Check {
         let (tid, mid, moved) = self.remote.actors[i].writes.remove(k);
         let id = self.remote.actors[i].id;
         let commit = self.rng.chance(65);
@@ -266,12 +271,17 @@ impl Sim {
         )
     }
 
-    /// READ_SLOTS of a prepared retrieve: its bytes go to the engine's memory.
+    /// READ_SLOTS of a random prepared retrieve of worker `i`.
     pub(super) fn remote_read_slots(&mut self, i: usize) -> Check {
         if self.remote.actors[i].reads.is_empty() {
             return Ok(());
         }
         let k = self.rng.index(self.remote.actors[i].reads.len());
+        self.remote_read_slots_at(i, k)
+    }
+
+    /// READ_SLOTS of worker `i`'s prepared retrieve `k`: its bytes go to the engine's memory.
+    pub(super) fn remote_read_slots_at(&mut self, i: usize, k: usize) -> Check {
         let (tid, mid) = self.remote.actors[i].reads.remove(k);
         let id = self.remote.actors[i].id;
         let commit = self.rng.chance(65);

@@ -10,7 +10,8 @@
 //! any op whose fabric cannot drain, which the mover waits for forever) thus has its slots
 //! freed — and reallocated — while the fabric may still write them (a store: another object's
 //! bytes get overwritten) or read them (a retrieve: the engine gets another object's bytes).
-//! Seeds 3, 5, 10, 13-18, 20 of `kvnode-sim --remote-late --seeds 20` find it (10 of 20).
+//! Seeds 4-6, 11, 13, 15 and 17-20 of `kvnode-sim --remote-late --seeds 20` find it (10 of
+//! 20).
 //! Fix suggestion: a take holds its entries beyond any TTL (e.g. `lock_deadline_ms = u64::MAX`
 //! or an `io_holds` count that `expire_locks` and `drop_expired_reads` respect) and the settle
 //! gives them a fresh deadline when it puts the transfer back.
@@ -71,7 +72,8 @@ fn the_lock_ttl_never_frees_a_store_slot_the_fabric_is_writing() {
     while sim.remote.actors[0].writes.is_empty() {
         sim.remote_prepare_store(0).expect("prepares");
     }
-    // A slow engine: its WRITE_SLOTS comes one second before the store's TTL.
+    // A slow engine: its WRITE_SLOTS comes one second before the store's TTL (or it came with
+    // the PREPARE, and the fabric has not completed it since: the mover waits for it).
     sim.clock.advance(WRITE_TTL_MS - 1_000);
     post_a_store(&mut sim);
     sim.check().expect("the op's slots are held");
