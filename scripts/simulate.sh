@@ -5,7 +5,11 @@
 #   scripts/simulate.sh --seed S [--steps M]                        one seed, with its trace
 #   scripts/simulate.sh --l2 [--seeds N] [--steps M] [--seed S]     the L2 tier's simulator
 #                                                                   (default 200 x 2000)
-#   other flags pass through: --native N --lmcache N --skip CHECKS --fail-fast --log FILTER
+#   other flags pass through: --native N --lmcache N --remote N --skip CHECKS --fail-fast --log FILTER
+#   --remote N (default 3): remote engine workers (WRITE_SLOTS / READ_SLOTS / REGISTER_BUFFERS /
+#   UNREGISTER_BUFFERS over a fake fabric; each seed draws its own mix of delays, drops,
+#   reordering, errors and peer deaths); --remote-late also sends data ops late in a transfer's
+#   TTL, which reproduces a known bug (src/sim/remote/repro.rs).
 #
 # Prints one line per failing seed (reproduce it with --seed) and a summary line
 # "SIMULATE: <seeds> seeds, <failed> failed, <steps> steps, ..." ("SIMULATE L2: ..." with --l2).

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up and runs the whole test suite: unit tests (state machines, allocator,
 # timer wheel, hashing vectors, frame validation, proptests), hw tests (pool backings, fd
-# passing), integration tests that start the real kvnode binary and client processes, and a
+# passing), the deterministic simulator's bounded seed runs (local, LMCache and remote workers,
+# the L2 tier; src/sim/, a few seconds each in `cargo test`; scripts/simulate.sh runs many),
+# integration tests that start the real kvnode binary and client processes, and a
 # smoke run of the load harness (kvnode-bench --spawn, tiny preset, few ops, every workload;
 # bench/tests/smoke.rs asserts `verified` and every documented JSON field).
 set -euo pipefail

@@ -40,6 +40,14 @@ struct Args {
     /// LMCache engine workers per run (through the real frontend).
     #[arg(long, default_value_t = 3)]
     lmcache: usize,
+    /// Remote engine workers per run (WRITE_SLOTS / READ_SLOTS / buffer registration over a
+    /// fake fabric with a per-seed mix of delays, drops, reordering, errors and peer deaths).
+    #[arg(long, default_value_t = 3)]
+    remote: usize,
+    /// Remote workers also send data ops late in their transfer's TTL (reproduces the storage
+    /// lock TTL freeing slots under a fabric op in flight; see `kvnode::sim` remote repro).
+    #[arg(long)]
+    remote_late: bool,
     /// Steps of history printed with a failure (with --seed).
     #[arg(long, default_value_t = 40)]
     trace: usize,
@@ -47,7 +55,7 @@ struct Args {
     #[arg(long)]
     fail_fast: bool,
     /// Checks not to run, comma-separated (to look past a known failure): memcheck, slots,
-    /// bytes, locks, reaper, wheel, namespaces. With --l2: known tier bugs to steer around:
+    /// bytes, locks, reaper, wheel, namespaces, owners, quotas, inflight, settle. With --l2: known tier bugs to steer around:
     /// internal-sync, superblock, in-flight-sync.
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
@@ -74,6 +82,7 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let (mut failed, mut steps, mut requests, mut sim_ms) = (Vec::new(), 0u64, 0u64, 0u64);
     let mut intrusions = 0u64;
+    let (mut remote_ops, mut remote_failed, mut remote_orphans, mut remote_reads) = (0, 0, 0, 0);
     for &seed in &seeds {
         let opts = SimOptions {
             steps: args.steps.unwrap_or(4000),
@@ -81,6 +90,8 @@ fn main() -> ExitCode {
             skip: args.skip.clone(),
             native_instances: args.native,
             lmcache_instances: args.lmcache,
+            remote_instances: args.remote,
+            remote_late: args.remote_late,
             ..SimOptions::new(seed)
         };
         match run(&opts) {
@@ -89,6 +100,10 @@ fn main() -> ExitCode {
                 requests += s.requests;
                 sim_ms += s.sim_ms;
                 intrusions += s.intrusions;
+                remote_ops += s.remote_ops;
+                remote_failed += s.remote_ops_failed;
+                remote_orphans += s.remote_settled_released;
+                remote_reads += s.remote_reads_verified;
             }
             Err(f) => {
                 if report_failure(&args, &f, &mut failed) {
@@ -99,7 +114,9 @@ fn main() -> ExitCode {
     }
     println!(
         "SIMULATE: {} seeds, {} failed{}, {steps} steps, {requests} requests ({intrusions} \
-         intrusions refused), {:.0} simulated minutes, {:.1} s",
+         intrusions refused), {remote_ops} remote data ops ({remote_failed} failed, \
+         {remote_orphans} settled after their instance's release, {remote_reads} retrieves \
+         verified at the engine), {:.0} simulated minutes, {:.1} s",
         seeds.len(),
         failed.len(),
         if failed.is_empty() {

@@ -169,6 +169,15 @@ impl WriteTake {
         self.slots().iter().map(|s| s.1).sum()
     }
 
+    /// The reserved objects (key and grant, in the transfer's order) and the bytes charged for
+    /// them: what storage must keep `WriteReserved` while the bytes move (for checkers such as
+    /// the simulator). Empty once settled.
+    pub fn reserved(&self) -> (&[(crate::storage::StorageKey, crate::storage::Grant)], u64) {
+        self.write
+            .as_ref()
+            .map_or((&[], 0), |w| (&w.items[..], w.charged))
+    }
+
     /// Puts the store back untouched (its bytes never started to move).
     pub fn put_back(mut self) {
         let write = self.write.take().expect("settled once");
@@ -238,6 +247,13 @@ impl ReadTake {
     /// Bytes the slots hold in all.
     pub fn bytes(&self) -> u64 {
         self.slots().iter().map(|s| s.1).sum()
+    }
+
+    /// The read-locked keys with the lease of their lock, in the transfer's order: what storage
+    /// must keep locked while the bytes move (for checkers such as the simulator). Empty once
+    /// settled.
+    pub fn locked(&self) -> &[(crate::storage::StorageKey, u64)] {
+        self.read.as_ref().map_or(&[], |r| &r.keys)
     }
 
     /// Settles the retrieve after its bytes moved: put back, then committed through the

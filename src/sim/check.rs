@@ -7,13 +7,16 @@ use super::{Check, Sim};
 impl Sim {
     /// Checks after every step: the model's invariants, the reaper's deadlines and the wheel.
     pub(super) fn check(&mut self) -> Check {
-        self.model.check(&self.ctx, &self.opts.skip)?;
+        let taken_locks = self.remote_taken_locks();
+        self.model.check(&self.ctx, &self.opts.skip, &taken_locks)?;
+        self.check_remote()?;
         let now = self.now();
         for r in self
             .natives
             .iter()
             .filter_map(|a| a.reg.as_ref())
             .chain(self.lms.iter().filter_map(|a| a.reg.as_ref()))
+            .chain(self.remote.actors.iter().filter_map(|a| a.reg.as_ref()))
         {
             if self.on("reaper") && now >= r.deadline_ms() + 2 * TICK_MS {
                 return Err(format!(
@@ -55,14 +58,34 @@ impl Sim {
     /// The store quotas balance: each live instance's `reserved_bytes` is exactly what its
     /// pending stores hold (each store charged exactly its slots), within the per-instance cap;
     /// each user's shared counter is the sum over that user's live instances, within the
-    /// per-user cap. (A leak or a double refund anywhere shows up here.)
+    /// per-user cap. Stores whose bytes are moving (out of their instance's table) stay
+    /// charged until they settle, also when their instance was released meanwhile. (A leak or a
+    /// double refund anywhere shows up here.)
     fn check_reservation_quotas(&self) -> Check {
         let mut users: Vec<(std::sync::Arc<std::sync::atomic::AtomicU64>, u64)> = Vec::new();
         let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Acquire);
-        for inst in self.ctx.instances.all() {
+        let taken = self.remote_taken_charges();
+        let live = self.ctx.instances.all();
+        for (inst, charged) in &taken {
+            if live.iter().any(|l| std::sync::Arc::ptr_eq(l, inst)) {
+                continue;
+            }
+            match users
+                .iter_mut()
+                .find(|(c, _)| std::sync::Arc::ptr_eq(c, &inst.user_reserved))
+            {
+                Some((_, sum)) => *sum += charged,
+                None => users.push((inst.user_reserved.clone(), *charged)),
+            }
+        }
+        for inst in live {
             let held: u64 = {
                 let p = inst.pending.lock();
-                let mut sum = 0;
+                let mut sum: u64 = taken
+                    .iter()
+                    .filter(|(i, _)| std::sync::Arc::ptr_eq(i, &inst))
+                    .map(|(_, c)| c)
+                    .sum();
                 for (t, w) in &p.writes {
                     let slots: u64 = w.items.iter().map(|(_, g)| g.slot.len).sum();
                     if w.charged != slots {

@@ -17,6 +17,7 @@ mod lm_disconnect;
 pub mod model;
 mod native;
 mod releases;
+mod remote;
 pub mod rng;
 pub mod world;
 
@@ -43,12 +44,20 @@ pub struct SimOptions {
     pub native_instances: usize,
     /// LMCache engine workers (through the real frontend).
     pub lmcache_instances: usize,
+    /// Remote engine workers (WRITE_SLOTS / READ_SLOTS over a fake fabric with faults).
+    pub remote_instances: usize,
+    /// Whether remote workers also start data ops on transfers so close to their TTL that the
+    /// op may still be in flight when the TTL passes (off: they give such transfers up). On,
+    /// it reproduces the storage lock TTL freeing slots under a fabric op (see
+    /// `remote::repro`).
+    pub remote_late: bool,
     /// Distinct prompts.
     pub prompts: usize,
     /// Steps of history printed with a failure.
     pub trace: usize,
     /// Checks not to run (to look past a known failure): `memcheck`, `slots`, `bytes`,
-    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`, `quotas`.
+    /// `locks`, `reaper`, `wheel`, `namespaces`, `owners`, `sessions`, `quotas`, `inflight`
+    /// (remote ops' pool ranges), `settle` (a remote op's outcome when it settles).
     pub skip: Vec<String>,
 }
 
@@ -60,6 +69,8 @@ impl SimOptions {
             steps: 4_000,
             native_instances: 5,
             lmcache_instances: 3,
+            remote_instances: 3,
+            remote_late: false,
             prompts: 12,
             trace: 40,
             skip: Vec::new(),
@@ -111,6 +122,20 @@ pub struct SimStats {
     pub sim_ms: u64,
     /// Lookup sessions evicted to keep within the session count and byte limits.
     pub sessions_evicted: u64,
+    /// Remote data ops posted to the fabric.
+    pub remote_ops: u64,
+    /// Remote stores committed (by WRITE_SLOTS or a later COMMIT_STORE).
+    pub remote_stores_committed: u64,
+    /// Remote retrieves whose delivered bytes were verified.
+    pub remote_reads_verified: u64,
+    /// Remote data ops that failed (error, peer death, deadline, teardown).
+    pub remote_ops_failed: u64,
+    /// Remote data ops settled after their instance was released.
+    pub remote_settled_released: u64,
+    /// Remote data ops that missed their deadline.
+    pub remote_deadline_misses: u64,
+    /// Remote data ops refused for their descriptors.
+    pub remote_refused: u64,
 }
 
 /// A failed run: the first broken invariant, where, and the steps leading to it.
@@ -191,6 +216,7 @@ pub struct Sim {
     model: Model,
     natives: Vec<native::NativeActor>,
     lms: Vec<lm::LmActor>,
+    remote: remote::RemoteWorld,
     schedulers: Vec<native::Conn>,
     /// A scheduler of another user (an allowed client, not an admin).
     foreign: native::Conn,
@@ -219,17 +245,22 @@ type Check = Result<(), String>;
 /// Runs one seed to the end or to its first broken invariant.
 pub fn run(opts: &SimOptions) -> Result<SimStats, SimFailure> {
     let mut sim = Sim::new(opts.clone());
+    let fail = |sim: &Sim, message: String| SimFailure {
+        seed: opts.seed,
+        step: sim.step,
+        message,
+        trace: sim.trace.iter().cloned().collect(),
+        l2: false,
+        reproduce_steps: sim.step + 1,
+    };
     for _ in 0..opts.steps {
         if let Err(message) = sim.step() {
-            return Err(SimFailure {
-                seed: opts.seed,
-                step: sim.step,
-                message,
-                trace: sim.trace.iter().cloned().collect(),
-                l2: false,
-                reproduce_steps: sim.step + 1,
-            });
+            return Err(fail(&sim, message));
         }
+    }
+    // Every remote connection is torn down: every data op must drain.
+    if let Err(message) = sim.remote_drain() {
+        return Err(fail(&sim, format!("[drain] {message}")));
     }
     sim.stats.steps = sim.step;
     sim.stats.sim_ms = sim.clock.now_ms();
@@ -261,6 +292,7 @@ impl Sim {
         let lms = (0..opts.lmcache_instances)
             .map(|i| lm::LmActor::new(1001 + i as u64))
             .collect();
+        let remote = remote::RemoteWorld::new(opts.remote_instances, opts.seed, &ctx);
         let mut sim = Sim {
             rng,
             clock,
@@ -271,6 +303,7 @@ impl Sim {
             model: Model::default(),
             natives,
             lms,
+            remote,
             schedulers: Vec::new(),
             foreign: native::foreign_conn(u64::MAX - 7),
             trace: VecDeque::new(),
@@ -287,6 +320,10 @@ impl Sim {
             opts,
         };
         sim.schedulers = (0..2).map(|_| sim.new_conn()).collect();
+        if !sim.remote.actors.is_empty() {
+            let faults = sim.remote.faults.clone();
+            sim.log(format!("remote fabric faults: {faults}"));
+        }
         sim
     }
 
@@ -344,7 +381,11 @@ impl Sim {
         self.stats.expired += self.model.expire(self.now()) as u64;
         let natives = if self.natives.is_empty() { 0 } else { 55 };
         let lms = if self.lms.is_empty() { 0 } else { 25 };
-        match self.rng.weighted(&[natives * 4, lms * 4, 32, 24, 16, 1]) {
+        let remotes = if self.remote.actors.is_empty() { 0 } else { 40 };
+        match self
+            .rng
+            .weighted(&[natives * 4, lms * 4, 32, 24, 16, 1, remotes * 4])
+        {
             0 => {
                 let i = self.rng.index(self.natives.len());
                 self.native_step(i)?;
@@ -357,8 +398,15 @@ impl Sim {
             2 => self.scheduler_step()?,
             3 => self.advance_clock(),
             4 => self.maintenance()?,
-            _ => self.clear()?,
+            5 => self.clear()?,
+            _ => {
+                let i = self.rng.index(self.remote.actors.len());
+                self.remote_step(i)?;
+            }
         }
+        // The fabric's completions: data ops settle (the mover's part); deadlines and peer
+        // deaths close connections.
+        self.remote_progress()?;
         // The frontend's sweeper: closes seen, countdowns ended.
         let released = self.frontend.sweep_disconnects();
         if released > 0 {
@@ -406,13 +454,16 @@ mod tests {
     /// Seeds the CI test runs.
     const SMOKE_SEEDS: u64 = 16;
 
-    /// The bounded CI run: a few seeds of every client kind; `scripts/simulate.sh` runs many.
+    /// The bounded CI run: a few seeds of the local client kinds (the remote workers' run is
+    /// `remote::tests`, with native and LMCache workers beside them); `scripts/simulate.sh`
+    /// runs many seeds of every kind at once.
     #[test]
     fn simulator_seeds_hold_every_invariant() {
         let mut total = SimStats::default();
         for seed in 1..=SMOKE_SEEDS {
             let opts = SimOptions {
                 steps: 1_500,
+                remote_instances: 0,
                 ..SimOptions::new(seed)
             };
             match run(&opts) {

@@ -116,6 +116,11 @@ impl Model {
         self.transfers.get(&id)
     }
 
+    /// The transfer `id` whether the client still holds it or its TTL passed.
+    pub fn get_any(&self, id: u64) -> Option<&Transfer> {
+        self.transfers.get(&id).or_else(|| self.expired.get(&id))
+    }
+
     /// The client committed or aborted transfer `id`, or learned it is gone: it no longer
     /// touches the slots. Returns it if it was still held.
     pub fn finish(&mut self, id: u64) -> Option<Transfer> {
@@ -177,8 +182,15 @@ impl Model {
     /// Every invariant that relates the node's state to the promises: slots in clients' hands
     /// are still theirs, committed objects hold committed bytes, every read lock has exactly
     /// one owner, and the allocator agrees with the index.
-    /// Checks named in `skip` (`memcheck`, `slots`, `bytes`, `locks`) are not run.
-    pub fn check(&self, ctx: &NodeContext, skip: &[String]) -> Result<(), String> {
+    /// `taken_locks` are the read locks of retrieves whose bytes are moving (out of their
+    /// instances' tables, still owned). Checks named in `skip` (`memcheck`, `slots`, `bytes`,
+    /// `locks`) are not run.
+    pub fn check(
+        &self,
+        ctx: &NodeContext,
+        skip: &[String],
+        taken_locks: &[(StorageKey, u64)],
+    ) -> Result<(), String> {
         let on = |name: &str| !skip.iter().any(|s| s == name);
         let mem = ctx.storage.memcheck();
         if on("memcheck") && !mem.ok {
@@ -256,8 +268,14 @@ impl Model {
                 }
             }
         }
-        // 3. Every read lock has exactly one owner: a lookup session or a prepared retrieve.
+        // 3. Every read lock has exactly one owner: a lookup session, a prepared retrieve, or a
+        //    retrieve whose bytes are moving.
         let mut claims: Ordered<StorageKey, u64> = Ordered::new();
+        for (key, lease) in taken_locks {
+            if snapshot.get(key).is_some_and(|e| e.lease == *lease) {
+                *claims.entry(*key).or_default() += 1;
+            }
+        }
         for (_, key, lease, remaining) in ctx.sessions.held_locks() {
             if snapshot.get(&key).is_some_and(|e| e.lease == lease) {
                 *claims.entry(key).or_default() += u64::from(remaining);

@@ -31,6 +31,32 @@ impl Sim {
                 }
             }
         }
+        let mut remote: Vec<(usize, u64)> = Vec::new();
+        for (i, a) in self.remote.actors.iter().enumerate() {
+            if let Some(r) = &a.reg {
+                if !self.is_live(&r.inst) {
+                    remote.push((i, r.deadline_ms()));
+                }
+            }
+        }
+        for (i, deadline) in remote {
+            let id = self.remote.actors[i].id;
+            if self.on("reaper") && now < deadline {
+                return Err(format!(
+                    "remote instance {id} was released at {now} ms, before its liveness deadline \
+                     {deadline} ms, without UNREGISTER or disconnect"
+                ));
+            }
+            self.stats.reaped += 1;
+            self.log(format!("remote instance {id} reaped"));
+            self.remote_forget(i)?;
+            if self.remote.actors[i].dead {
+                // A new process replaces the hung one: the old connection closes.
+                self.remote_close(i, "the hung engine's connection closes")?;
+                self.remote.actors[i].dead = false;
+                self.stats.revived += 1;
+            }
+        }
         for (id, native, deadline) in released {
             if self.on("reaper") && now < deadline {
                 return Err(format!(
@@ -112,6 +138,7 @@ impl Sim {
             .iter_mut()
             .filter_map(|a| a.reg.as_mut())
             .chain(self.lms.iter_mut().filter_map(|a| a.reg.as_mut()))
+            .chain(self.remote.actors.iter_mut().filter_map(|a| a.reg.as_mut()))
             .find(|r| r.inst.id == id);
         if let Some(r) = reg {
             r.last_seen_ms = now;

@@ -181,6 +181,25 @@ impl Prompts {
 
 const STAMP_MAGIC: u64 = 0x6b76_6e6f_6465_5349; // "kvnodeSI"
 
+/// The 32-byte header of a stamp: magic, the key's fingerprint, the version and its complement.
+fn stamp_header(key: &StorageKey, version: u64) -> [u8; 32] {
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&STAMP_MAGIC.to_le_bytes());
+    h[8..16].copy_from_slice(&key.fingerprint().to_le_bytes());
+    h[16..24].copy_from_slice(&version.to_le_bytes());
+    h[24..32].copy_from_slice(&(!version).to_le_bytes());
+    h
+}
+
+/// The version a stamp's header and tail name, if they form a complete stamp for `key`.
+fn stamp_version(h: &[u8; 32], tail: [u8; 8], key: &StorageKey) -> Option<u64> {
+    let word = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    if word(0) != STAMP_MAGIC || word(1) != key.fingerprint() || word(3) != !word(2) {
+        return None;
+    }
+    (u64::from_le_bytes(tail) == word(2)).then_some(word(2))
+}
+
 /// Writes the bytes a client copies into a slot for `key`, version `version`: a header naming
 /// both, then a fill byte derived from the version. Any two versions or keys differ.
 pub fn write_stamp(ctx: &NodeContext, offset: u64, len: u64, key: &StorageKey, version: u64) {
@@ -188,17 +207,21 @@ pub fn write_stamp(ctx: &NodeContext, offset: u64, len: u64, key: &StorageKey, v
     region
         .fill_at(offset, len, (version as u8) | 1)
         .expect("grants lie inside the pool");
-    let mut h = [0u8; 32];
-    h[..8].copy_from_slice(&STAMP_MAGIC.to_le_bytes());
-    h[8..16].copy_from_slice(&key.fingerprint().to_le_bytes());
-    h[16..24].copy_from_slice(&version.to_le_bytes());
-    h[24..32].copy_from_slice(&(!version).to_le_bytes());
     region
-        .write_at(offset, &h)
+        .write_at(offset, &stamp_header(key, version))
         .expect("grants lie inside the pool");
     region
         .write_at(offset + len - 8, &version.to_le_bytes())
         .expect("grants lie inside the pool");
+}
+
+/// The bytes [`write_stamp`] writes, as a buffer (a remote engine's memory holds them).
+pub fn stamp_bytes(len: u64, key: &StorageKey, version: u64) -> Vec<u8> {
+    let mut b = vec![(version as u8) | 1; len as usize];
+    b[..32].copy_from_slice(&stamp_header(key, version));
+    let n = b.len();
+    b[n - 8..].copy_from_slice(&version.to_le_bytes());
+    b
 }
 
 /// Reads back the stamp of a slot: `Some(version)` when it holds a complete stamp for `key`.
@@ -206,20 +229,28 @@ pub fn read_stamp(ctx: &NodeContext, offset: u64, len: u64, key: &StorageKey) ->
     let region = ctx.pool.region();
     let mut h = [0u8; 32];
     region.read_at(offset, &mut h).ok()?;
-    let word = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-    if word(0) != STAMP_MAGIC || word(1) != key.fingerprint() || word(3) != !word(2) {
-        return None;
-    }
     let mut tail = [0u8; 8];
     region.read_at(offset + len - 8, &mut tail).ok()?;
-    (u64::from_le_bytes(tail) == word(2)).then_some(word(2))
+    stamp_version(&h, tail, key)
+}
+
+/// [`read_stamp`] of a buffer (what a retrieve delivered into a remote engine's memory):
+/// `Some(version)` when all of `bytes` is the stamp of `key` at that version.
+pub fn parse_stamp(bytes: &[u8], key: &StorageKey) -> Option<u64> {
+    if bytes.len() < 40 {
+        return None;
+    }
+    let h: [u8; 32] = bytes[..32].try_into().expect("32 bytes");
+    let tail: [u8; 8] = bytes[bytes.len() - 8..].try_into().expect("8 bytes");
+    let v = stamp_version(&h, tail, key)?;
+    (bytes == stamp_bytes(bytes.len() as u64, key, v).as_slice()).then_some(v)
 }
 
 /// A reply sink that keeps the last response (the simulator runs every request inline, so each
 /// request's answer is there when `dispatch` returns).
 pub struct CaptureSink {
     id: u64,
-    peer: kvnode_hw::PeerCred,
+    peer: Option<kvnode_hw::PeerCred>,
     last: Mutex<Option<Response>>,
 }
 
@@ -240,7 +271,16 @@ impl CaptureSink {
     pub fn with_peer(id: u64, peer: kvnode_hw::PeerCred) -> Arc<CaptureSink> {
         Arc::new(CaptureSink {
             id,
-            peer,
+            peer: Some(peer),
+            last: Mutex::new(None),
+        })
+    }
+
+    /// A sink for remote connection `id`: no kernel credentials (a token decided its role).
+    pub fn remote(id: u64) -> Arc<CaptureSink> {
+        Arc::new(CaptureSink {
+            id,
+            peer: None,
             last: Mutex::new(None),
         })
     }
@@ -271,6 +311,6 @@ impl ReplySink for CaptureSink {
     }
 
     fn peer(&self) -> Option<kvnode_hw::PeerCred> {
-        Some(self.peer)
+        self.peer
     }
 }

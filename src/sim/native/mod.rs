@@ -46,6 +46,22 @@ impl Conn {
         }
     }
 
+    /// A new open remote connection with id `id` whose handshake proved the client token: its
+    /// caller is [`crate::modules::Caller::remote`] with [`crate::access::Role::Client`].
+    pub fn remote(id: u64) -> Conn {
+        let conn = Conn {
+            sink: CaptureSink::remote(id),
+            registered: Arc::default(),
+        };
+        conn.registered
+            .lock()
+            .set_caller(crate::modules::Caller::remote(
+                id,
+                crate::access::Role::Client,
+            ));
+        conn
+    }
+
     /// The connection id.
     pub fn id(&self) -> u64 {
         crate::transport::ReplySink::connection_id(&*self.sink)
