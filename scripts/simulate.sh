@@ -9,7 +9,7 @@
 #   --remote N (default 3): remote engine workers (WRITE_SLOTS / READ_SLOTS / REGISTER_BUFFERS /
 #   UNREGISTER_BUFFERS over a fake fabric; each seed draws its own mix of delays, drops,
 #   reordering, errors and peer deaths); --remote-late also sends data ops late in a transfer's
-#   TTL, which reproduces a known bug (src/sim/remote/repro.rs).
+#   TTL (the case of the storage-TTL bug the pins fixed: src/sim/remote/repro.rs).
 #
 # Prints one line per failing seed (reproduce it with --seed) and a summary line
 # "SIMULATE: <seeds> seeds, <failed> failed, <steps> steps, ..." ("SIMULATE L2: ..." with --l2).

@@ -65,7 +65,7 @@ fn expired(inst: &Instance, transfer_id: u64, ttl: &str) -> Error {
         ErrorKind::UnknownTransfer,
         format!(
             "transfer {transfer_id} of instance {} expired (its locks outlived {ttl}); no byte \
-             was moved",
+             was moved and the transfer is gone",
             inst.id
         ),
     )
@@ -106,8 +106,9 @@ pub fn take_write(
         .collect();
     if ctx.storage.pin_for_move(&pinned, true).is_err() {
         // Its reservations expired (the TTL safety net freed them; their slots may hold
-        // another object already): no byte may move. The table's sweep ends it.
-        put_back_write(ctx, &inst, transfer_id, write);
+        // another object already): no byte may move, and the transfer ends here (what is
+        // left of it is freed; the expired ones' stale leases touch nothing).
+        free_write(ctx, &inst, write);
         return Err(expired(&inst, transfer_id, "write_ttl_secs"));
     }
     Ok(WriteTake {
@@ -137,8 +138,11 @@ pub fn take_read(
         .map(|(&(k, lease), &(offset, _))| (k, lease, offset))
         .collect();
     if read.keys.len() != read.slots.len() || ctx.storage.pin_for_move(&pinned, false).is_err() {
-        // Its read locks expired: the bytes may no longer be the object's.
-        put_back_read(ctx, &inst, transfer_id, read);
+        // Its read locks expired: the bytes may no longer be the object's. The transfer ends
+        // here (the locks still held are released; the expired ones' stale leases touch
+        // nothing).
+        ctx.storage.finish_read(&read.keys, 0);
+        ctx.storage.assert_consistent();
         return Err(expired(&inst, transfer_id, "read_ttl_secs"));
     }
     Ok(ReadTake {

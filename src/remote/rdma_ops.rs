@@ -106,7 +106,10 @@ pub fn write_remote(
             return DataOpOutcome::refused(&e);
         }
     };
-    let moved = match path.mover.transfer_paced(path.conn, Dir::Pull, &items, pace) {
+    let moved = match path
+        .mover
+        .transfer_paced(path.conn, Dir::Pull, &items, pace)
+    {
         Err(MoveError::NotPosted(e)) => {
             take.put_back();
             return DataOpOutcome::not_posted(&e);
@@ -154,7 +157,10 @@ pub fn read_remote(
             return DataOpOutcome::refused(&e);
         }
     };
-    let moved = match path.mover.transfer_paced(path.conn, Dir::Push, &items, pace) {
+    let moved = match path
+        .mover
+        .transfer_paced(path.conn, Dir::Push, &items, pace)
+    {
         Err(MoveError::NotPosted(e)) => {
             drop(take); // put back untouched
             return DataOpOutcome::not_posted(&e);

@@ -274,7 +274,14 @@ fn a_store_and_a_retrieve_move_every_byte_through_the_fabric() {
         bufs: &bufs,
         commit: true,
     };
-    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
+    let out = write_remote(
+        &rig.ctx,
+        &rig.caller,
+        &regions,
+        &path,
+        &op,
+        &Rig::deadline(),
+    );
     let total = CHUNKS as u64 * rig.object_bytes;
     assert!(!out.broken);
     assert_eq!(out.moved, total);
@@ -296,7 +303,14 @@ fn a_store_and_a_retrieve_move_every_byte_through_the_fabric() {
         bufs: &bufs,
         commit: true,
     };
-    let out = read_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
+    let out = read_remote(
+        &rig.ctx,
+        &rig.caller,
+        &regions,
+        &path,
+        &op,
+        &Rig::deadline(),
+    );
     assert!(!out.broken, "{:?}", out.resp);
     assert_eq!(out.resp, Response::SlotsRead { bytes: total });
     let got = rig
@@ -342,7 +356,14 @@ fn descriptors_out_of_bounds_are_refused_before_anything_is_posted() {
             bufs: &bufs,
             commit: true,
         };
-        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
+        let out = write_remote(
+            &rig.ctx,
+            &rig.caller,
+            &regions,
+            &path,
+            &op,
+            &Rig::deadline(),
+        );
         assert!(!out.broken, "{why}");
         assert_eq!(
             error_kind(&out.resp),
@@ -454,7 +475,14 @@ fn a_failed_op_frees_the_store_and_never_publishes_it() {
             bufs: &bufs,
             commit: true,
         };
-        let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
+        let out = write_remote(
+            &rig.ctx,
+            &rig.caller,
+            &regions,
+            &path,
+            &op,
+            &Rig::deadline(),
+        );
         assert!(out.broken, "{what}");
         assert_eq!(out.moved, 0);
         assert_eq!(
@@ -500,7 +528,14 @@ fn a_failed_retrieve_is_an_error_and_the_objects_stay() {
         bufs: &bufs,
         commit: true,
     };
-    let out = write_remote(&rig.ctx, &rig.caller, &regions, &path, &op, &Rig::deadline());
+    let out = write_remote(
+        &rig.ctx,
+        &rig.caller,
+        &regions,
+        &path,
+        &op,
+        &Rig::deadline(),
+    );
     assert!(matches!(out.resp, Response::SlotsWritten { .. }));
     // The engine lies about its buffer: the fake NIC refuses the access (bad rkey).
     let mut lying = regions.clone();

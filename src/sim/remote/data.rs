@@ -142,8 +142,8 @@ impl Sim {
 
     /// Whether a punctual worker gives model transfer `mid` up rather than start a data op on
     /// it: the op could still be in flight (up to the node's transfer deadline) when the
-    /// transfer's `ttl_ms` passes. A late op would find its slots freed under it by the
-    /// storage lock TTL (the bug `--remote-late` reproduces).
+    /// transfer's `ttl_ms` passes (`--remote-late` sends such late ops too: the pins keep their
+    /// slots; punctual workers keep the default runs' model of TTLs simple).
     fn too_late(&self, mid: u64, ttl_ms: u64) -> bool {
         if self.opts.remote_late {
             return false;

@@ -1,20 +1,13 @@
 //! Directed reproductions of what the remote workers found (`kvnode-sim --remote-late`).
 //!
-//! **The storage lock TTL frees slots under a fabric op in flight.** [`crate::remote::ops`]
-//! takes a transfer out of its instance's table while its bytes move, so the instance's TTL
-//! sweep (`expire_pending`) cannot free it; but storage keeps a TTL of its own on every
-//! reservation and read lock (`lock_deadline_ms`, set at PREPARE): `StorageCore::expire_locks`
-//! (run by every maintenance pass) deletes a `WriteReserved` entry past it and drops expired
-//! read locks (so does any other reader's lock on the same object), and nothing extends it
-//! while the op is in flight. A data op started late in its transfer's TTL (a slow engine; or
-//! any op whose fabric cannot drain, which the mover waits for forever) thus has its slots
-//! freed — and reallocated — while the fabric may still write them (a store: another object's
-//! bytes get overwritten) or read them (a retrieve: the engine gets another object's bytes).
-//! Seeds 4-6, 11, 13, 15 and 17-20 of `kvnode-sim --remote-late --seeds 20` find it (10 of
-//! 20).
-//! Fix suggestion: a take holds its entries beyond any TTL (e.g. `lock_deadline_ms = u64::MAX`
-//! or an `io_holds` count that `expire_locks` and `drop_expired_reads` respect) and the settle
-//! gives them a fresh deadline when it puts the transfer back.
+//! **The storage lock TTL freed slots under a fabric op in flight** (found by these workers and
+//! by review, fixed): [`crate::remote::ops`] takes a transfer out of its instance's table while
+//! its bytes move, so the instance's TTL sweep cannot free it; but storage keeps a TTL of its own
+//! on every reservation and read lock (`lock_deadline_ms`), and `StorageCore::expire_locks` (and
+//! any other reader's lock) used to expire them under the op: a late store overwrote another
+//! object's bytes, a late retrieve sent another object's bytes. The take now pins its entries
+//! (`StorageCore::pin_for_move`), which no TTL expires. Before the pins, seeds 4-6, 11, 13, 15 and
+//! 17-20 of `kvnode-sim --remote-late --seeds 20` failed (10 of 20), and both tests below failed.
 
 use super::super::world::{HIDDEN, READ_TTL_MS, WRITE_TTL_MS};
 use super::super::{Sim, SimOptions};
@@ -66,7 +59,6 @@ fn post_a_store(sim: &mut Sim) {
 }
 
 #[test]
-#[ignore = "known bug (reported): the storage lock TTL frees a taken store's slots in flight"]
 fn the_lock_ttl_never_frees_a_store_slot_the_fabric_is_writing() {
     let mut sim = one_remote_worker();
     while sim.remote.actors[0].writes.is_empty() {
@@ -77,15 +69,16 @@ fn the_lock_ttl_never_frees_a_store_slot_the_fabric_is_writing() {
     sim.clock.advance(WRITE_TTL_MS - 1_000);
     post_a_store(&mut sim);
     sim.check().expect("the op's slots are held");
-    // The op is still in flight when the TTL passes and maintenance runs.
+    // The op is still in flight when the TTL passes and maintenance runs (the model sets aside
+    // the transfers whose TTL passed, as a step does).
     sim.clock.advance(1_500);
+    sim.model.expire(sim.now());
     sim.maintenance().expect("maintenance");
     sim.check()
         .expect("the slots of a store in flight stay reserved");
 }
 
 #[test]
-#[ignore = "known bug (reported): the storage lock TTL drops a taken retrieve's locks in flight"]
 fn the_lock_ttl_never_frees_a_retrieve_slot_the_fabric_is_reading() {
     let mut sim = one_remote_worker();
     // Objects to read: stored, committed and settled, until a retrieve hits.
