@@ -375,6 +375,11 @@ fn serve_connection(
     });
     shared.registry.add(info.clone());
     shared.streams.lock().insert(id, stream.clone());
+    if shared.stop.load(Ordering::SeqCst) {
+        // The listener stopped while this handshake finished: its sweep of the streams may have
+        // missed this one; the frame loop below ends at once.
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
     tracing::info!(connection = id, %peer, name = %negotiated.client_name, role, fabric = info.fabric, "remote engine connected");
     let mut hooks = RemoteHooks {
         ctx: ctx.clone(),
