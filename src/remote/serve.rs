@@ -60,6 +60,39 @@ impl Drop for Counted<'_> {
     }
 }
 
+/// Copies `buffered` (the first bytes of a store's trailer) into the first of `slots`; returns
+/// the slot ranges still to receive, the bytes copied, and a copy's failure.
+fn copy_buffered(
+    ctx: &NodeContext,
+    slots: &[(u64, u64)],
+    buffered: &[u8],
+) -> (Vec<(u64, u64)>, usize, Option<String>) {
+    let mut copied = 0usize;
+    let mut first = 0;
+    let mut head = None;
+    while copied < buffered.len() {
+        let (off, len) = slots[first];
+        let n = (len as usize).min(buffered.len() - copied);
+        if let Err(e) = ctx
+            .pool
+            .region()
+            .write_at(off, &buffered[copied..copied + n])
+        {
+            return (Vec::new(), copied, Some(e.to_string()));
+        }
+        copied += n;
+        first += 1;
+        if (n as u64) < len {
+            head = Some((off + n as u64, len - n as u64));
+        }
+    }
+    let rest = head
+        .into_iter()
+        .chain(slots[first..].iter().copied())
+        .collect();
+    (rest, copied, None)
+}
+
 /// The hooks of one authenticated TCP connection. Invariant: the TCP fabric's connection
 /// `fconn` is only used by this connection's reader thread, one op at a time.
 pub struct RemoteHooks {
@@ -227,7 +260,8 @@ impl RemoteHooks {
                 };
             }
         };
-        let want = take.bytes();
+        let slots = take.slots();
+        let want: u64 = slots.iter().map(|s| s.1).sum();
         if trailer != want {
             take.put_back();
             let e = Error::new(
@@ -244,31 +278,10 @@ impl RemoteHooks {
                 Intercepted::Close
             };
         }
-        // Bytes that arrived with the frame go into the first slots; the fabric receives the
-        // rest straight into place.
-        let mut rest: Vec<(u64, u64)> = take.slots();
-        let buffered = reader.take_buffered(trailer).to_vec();
-        let mut copied = 0usize;
-        let mut copy_failed = None;
-        while copied < buffered.len() {
-            let (off, len) = rest[0];
-            let n = (len as usize).min(buffered.len() - copied);
-            if let Err(e) = self
-                .ctx
-                .pool
-                .region()
-                .write_at(off, &buffered[copied..copied + n])
-            {
-                copy_failed = Some(e.to_string());
-                break;
-            }
-            copied += n;
-            if n as u64 == len {
-                rest.remove(0);
-            } else {
-                rest[0] = (off + n as u64, len - n as u64);
-            }
-        }
+        // Bytes that arrived with the frame go into the first slots (straight from the
+        // reader's buffer); the fabric receives the rest straight into place.
+        let (rest, copied, copy_failed) =
+            copy_buffered(&self.ctx, &slots, reader.take_buffered(trailer));
         let moved = match copy_failed {
             Some(e) => Err(e),
             None if rest.is_empty() => Ok(trailer),

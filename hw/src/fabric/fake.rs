@@ -360,16 +360,7 @@ impl FakeFabric {
                 ));
             }
         }
-        let mut sorted: Vec<LocalRange> = batch.items.iter().map(|w| w.local).collect();
-        sorted.sort_by_key(|r| r.offset);
-        for w in sorted.windows(2) {
-            if w[0].overlaps(&w[1]) {
-                return invalid(format!(
-                    "local ranges at {} and {} overlap",
-                    w[0].offset, w[1].offset
-                ));
-            }
-        }
+        super::types::check_disjoint(batch.items)?;
         Ok(())
     }
 

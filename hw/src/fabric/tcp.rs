@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 pub use super::tcp_core::ZcCounters;
 use super::tcp_core::{is_stream_socket, Cmd, Core, Job, Mailbox, CONN_ID_MASK, PIECE_BYTES};
 use super::types::{
-    Completion, ConnId, ConnSetup, FabricKind, FabricStats, LocalRange, OpId, PendingQp, PostBatch,
-    PostError, RdmaEndpoint, RegionId, RemoteSeg,
+    Completion, ConnId, ConnSetup, FabricKind, FabricStats, OpId, PendingQp, PostBatch, PostError,
+    RdmaEndpoint, RegionId, RemoteSeg,
 };
 use super::Fabric;
 use crate::{HwError, HwResult, SharedPool};
@@ -253,16 +253,7 @@ impl TcpFabric {
                 ));
             }
         }
-        let mut sorted: Vec<LocalRange> = batch.items.iter().map(|w| w.local).collect();
-        sorted.sort_by_key(|r| r.offset);
-        for w in sorted.windows(2) {
-            if w[0].overlaps(&w[1]) {
-                return invalid(format!(
-                    "local ranges at {} and {} overlap",
-                    w[0].offset, w[1].offset
-                ));
-            }
-        }
+        super::types::check_disjoint(batch.items)?;
         Ok(())
     }
 }

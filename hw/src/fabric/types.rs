@@ -104,6 +104,20 @@ impl LocalRange {
     }
 }
 
+/// `Err` naming the first two local ranges of `items` that overlap (a batch's local ranges
+/// must be pairwise disjoint; every fabric's `post` checks it).
+pub fn check_disjoint(items: &[WorkItem]) -> Result<(), PostError> {
+    let mut sorted: Vec<LocalRange> = items.iter().map(|w| w.local).collect();
+    sorted.sort_by_key(|r| r.offset);
+    match sorted.windows(2).find(|w| w[0].overlaps(&w[1])) {
+        Some(w) => Err(PostError::Invalid(format!(
+            "local ranges at {} and {} overlap",
+            w[0].offset, w[1].offset
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The remote side of one work item.
 ///
 /// Invariant: plain data from the peer, untrusted: a fabric checks it like a NIC would (RDMA:

@@ -34,8 +34,8 @@ use super::post::{
 use super::qp::{wc_error, Cq, Qp, Wc};
 use super::{PendingInner, RdmaOptions};
 use crate::fabric::types::{
-    Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, LocalRange, OpId,
-    PendingQp, PostBatch, PostError, RdmaEndpoint, RegionId,
+    Completion, ConnId, ConnSetup, Dir, FabricError, FabricKind, FabricStats, OpId, PendingQp,
+    PostBatch, PostError, RdmaEndpoint, RegionId,
 };
 use crate::fabric::Fabric;
 use crate::{HwError, HwResult, SharedPool};
@@ -396,16 +396,7 @@ impl RdmaFabric {
             lkeys.push(lkey);
             bytes = bytes.saturating_add(item.local.len);
         }
-        let mut sorted: Vec<LocalRange> = batch.items.iter().map(|w| w.local).collect();
-        sorted.sort_by_key(|r| r.offset);
-        for w in sorted.windows(2) {
-            if w[0].overlaps(&w[1]) {
-                return invalid(format!(
-                    "local ranges at {} and {} overlap",
-                    w[0].offset, w[1].offset
-                ));
-            }
-        }
+        crate::fabric::types::check_disjoint(batch.items)?;
         Ok((chains, lkeys, bytes))
     }
 }
