@@ -121,6 +121,9 @@ impl From<kvnode_hw::HwError> for Error {
         match e {
             kvnode_hw::HwError::Invalid(m) => Error::invalid(m),
             kvnode_hw::HwError::OutOfBounds { .. } => Error::invalid(e.to_string()),
+            kvnode_hw::HwError::GpuUnavailable(_) => {
+                Error::new(ErrorKind::Unsupported, e.to_string())
+            }
             other => Error::new(ErrorKind::Io, other.to_string()),
         }
     }

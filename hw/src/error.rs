@@ -33,6 +33,12 @@ pub enum HwError {
     /// The caller passed an argument that can never work.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A GPU driver call failed (the message names the call and the driver's error).
+    #[error("GPU: {0}")]
+    Gpu(String),
+    /// No GPU can be used (no driver library, no device, driver too old, not built in).
+    #[error("no GPU: {0}")]
+    GpuUnavailable(crate::gpu::GpuUnavailable),
     /// An access `[offset, offset + len)` does not fit in the pool.
     #[error("out of bounds: offset {offset} + len {len} > pool {pool_len}")]
     OutOfBounds {

@@ -15,6 +15,8 @@
 //! * [`socket_inode`] / [`tcp_socket_addresses`] tell which socket is open at a descriptor
 //!   number another library owns (libzmq's connections, for the LMCache endpoint's access check);
 //!   [`tcp_socket_owner`] asks the kernel who owns a TCP socket (netlink `sock_diag`).
+//! * [`gpu`]: device buffers, copy streams, host registration and dma-buf export (CUDA through
+//!   cudarc with the `gpu` feature, or a simulated GPU for tests).
 //! * [`zmq_notify::set_router_notify`] turns on a ZMQ ROUTER's connect/disconnect notifications.
 
 #![cfg_attr(not(target_os = "linux"), allow(unused))]
@@ -33,6 +35,7 @@ mod data_file;
 mod error;
 pub mod fabric;
 mod fdpass;
+pub mod gpu;
 mod meminfo;
 mod netif;
 mod peer;

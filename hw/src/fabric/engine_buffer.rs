@@ -65,6 +65,11 @@ impl EngineBuffer {
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.map.as_mut_ptr()
     }
+
+    /// The mapping's base address, not derived from a Rust reference to its bytes (for DMA).
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.map.as_ptr().cast_mut()
+    }
 }
 
 /// An [`EngineBuffer`] registered for the node's RDMA READ and WRITE (engine side).
