@@ -56,6 +56,9 @@ enum Command {
     /// Tokens that authenticate remote engines (`serve --auth-token-file`).
     #[command(subcommand)]
     Token(cli::remote::TokenCommand),
+    /// GPUs as the client library sees them (`kvnode gpu probe`).
+    #[command(subcommand)]
+    Gpu(cli::gpu::GpuCommand),
 }
 
 fn main() -> ExitCode {
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
             socket, timeout, ..
         } => cli::inspect::ping(socket, timeout).map_err(Into::into),
         Command::Token(t) => cli::remote::token(t).map_err(Into::into),
+        Command::Gpu(g) => cli::gpu::gpu(g),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! The `kvnode` binary's command line (not part of the library): one module per command, and
 //! here what several commands share (access and L2 flags, logging, signals, argument parsers).
 
+pub(crate) mod gpu;
 pub(crate) mod inspect;
 pub(crate) mod lmcache;
 pub(crate) mod remote;
@@ -207,6 +208,9 @@ pub(crate) struct CliError {
 
 /// Exit status of a remote command whose authentication failed (either direction).
 pub(crate) const EXIT_AUTH_FAILED: u8 = 3;
+
+/// Exit status of `kvnode gpu probe` when no GPU can be used.
+pub(crate) const EXIT_NO_GPU: u8 = 4;
 
 impl From<String> for CliError {
     fn from(message: String) -> CliError {

@@ -16,6 +16,32 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::frame::{FrameError, FrameHeader, FrameReader, FrameSource};
 use crate::protocol::{ChunkRange, RegisterReply, RegisterRequest, Request, Response, WireSlot};
 
+/// The pool mappings of this process by (device, inode, length) of the pool file: clients of
+/// one node in one process share one mapping (and so one GPU registration of it).
+///
+/// Invariant: holds only weak references; an entry whose mapping was dropped is replaced.
+type MappingKey = (u64, u64, u64);
+static MAPPINGS: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<PoolMapping>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Maps `len` bytes of the pool file `fd`, or shares this process's live mapping of it.
+fn shared_mapping(fd: OwnedFd, len: u64) -> Result<std::sync::Arc<PoolMapping>> {
+    let st = rustix::fs::fstat(&fd).map_err(|e| Error::from(io::Error::from(e)))?;
+    let key = (st.st_dev, st.st_ino, len);
+    let mut all = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+    all.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(m) = all
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(m);
+    }
+    let m = std::sync::Arc::new(PoolMapping::from_fd(fd, len)?);
+    all.push((key, std::sync::Arc::downgrade(&m)));
+    Ok(m)
+}
+
 /// A connected Unix socket to a node. Invariant: the node's user was checked at connect.
 pub struct UnixTransport(UnixStream);
 
@@ -79,7 +105,7 @@ impl Client<UnixTransport> {
         };
         if self.pool.is_none() {
             let mapping = match (fd, reply.shm_name.as_str()) {
-                (Some(fd), _) => PoolMapping::from_fd(fd, reply.pool_bytes)?,
+                (Some(fd), _) => return self.adopt_pool(fd, reply),
                 (None, name) if !name.is_empty() => {
                     PoolMapping::open_posix_shm(name, reply.pool_bytes)?
                 }
@@ -90,15 +116,25 @@ impl Client<UnixTransport> {
                     ))
                 }
             };
-            self.pool = Some(mapping);
+            self.pool = Some(std::sync::Arc::new(mapping));
         }
         self.registration = Some(reply.clone());
+        self.pin_pool()?;
+        Ok(reply)
+    }
+
+    /// Maps the pool received as `fd` (shared with the other clients of this process that
+    /// mapped the same pool: one mapping, one GPU registration), then finishes `register`.
+    fn adopt_pool(&mut self, fd: OwnedFd, reply: RegisterReply) -> Result<RegisterReply> {
+        self.pool = Some(shared_mapping(fd, reply.pool_bytes)?);
+        self.registration = Some(reply.clone());
+        self.pin_pool()?;
         Ok(reply)
     }
 
     /// The mapped pool (after `register`).
     pub fn pool(&self) -> Option<&PoolRegion> {
-        self.pool.as_ref().map(PoolMapping::region)
+        self.pool.as_deref().map(PoolMapping::region)
     }
 
     fn check_slot(&self, slot: &WireSlot, len: usize) -> Result<&PoolRegion> {

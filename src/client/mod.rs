@@ -23,6 +23,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 mod connect;
+pub mod gpu;
 mod local;
 pub mod remote;
 pub mod remote_rdma;
@@ -37,6 +38,7 @@ use crate::protocol::frame::{
 };
 use crate::protocol::{ChunkRange, RegisterReply, Request, Response, WireLayout, WireSlot};
 
+pub use self::gpu::{GpuAttachment, GpuTransferStats, MAX_GPU_STAGING_BYTES};
 pub use self::local::UnixTransport;
 pub use self::remote::{RemoteClient, RemoteOptions, TcpTransport};
 pub use self::remote_rdma::{BufSpan, BufferId, FabricChoice};
@@ -141,7 +143,10 @@ pub struct Client<T: ClientTransport = UnixTransport> {
     next_id: u64,
     payload: AlignedVec<16>,
     reader: FrameReader,
-    pool: Option<PoolMapping>,
+    /// The GPU attachment; dropped before `pool` (its registration of the pool ends first,
+    /// although it holds its own reference to the mapping anyway).
+    gpu: Option<GpuAttachment>,
+    pool: Option<std::sync::Arc<PoolMapping>>,
     registration: Option<RegisterReply>,
 }
 
@@ -172,6 +177,7 @@ impl<T: ClientTransport> Client<T> {
             next_id: 1,
             payload: AlignedVec::new(),
             reader: FrameReader::default(),
+            gpu: None,
             pool: None,
             registration: None,
         }
