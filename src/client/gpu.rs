@@ -98,6 +98,11 @@ impl GpuAttachment {
         self.stats
     }
 
+    #[cfg(feature = "rdma")]
+    pub(super) fn stream_mut(&mut self) -> &mut GpuStream {
+        &mut self.stream
+    }
+
     fn record(&mut self, to_host: bool, r: kvnode_hw::gpu::CopyReport) {
         if to_host {
             self.stats.stores += 1;

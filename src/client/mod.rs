@@ -26,6 +26,7 @@ mod connect;
 pub mod gpu;
 mod local;
 pub mod remote;
+pub mod remote_gpu;
 pub mod remote_rdma;
 
 use kvnode_hw::PoolMapping;
@@ -41,6 +42,7 @@ use crate::protocol::{ChunkRange, RegisterReply, Request, Response, WireLayout, 
 pub use self::gpu::{GpuAttachment, GpuTransferStats, MAX_GPU_STAGING_BYTES};
 pub use self::local::UnixTransport;
 pub use self::remote::{RemoteClient, RemoteOptions, TcpTransport};
+pub use self::remote_gpu::DevicePath;
 pub use self::remote_rdma::{BufSpan, BufferId, FabricChoice};
 
 /// Builds [`ChunkRange`]s from token lists (hashing on the client, once).

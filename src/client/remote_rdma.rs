@@ -144,9 +144,9 @@ mod engine {
     /// under its id; the queue pair is torn down on drop (the engine never posts: the node
     /// moves the bytes).
     pub struct ClientRdma {
-        pub(super) buffers: BTreeMap<u32, RegisteredBuffer>,
-        pub(super) next_id: u32,
-        fabric: EngineFabric,
+        pub(in crate::client) buffers: BTreeMap<u32, super::super::remote_gpu::ClientBuffer>,
+        pub(in crate::client) next_id: u32,
+        pub(in crate::client) fabric: EngineFabric,
         conn: ConnId,
     }
 
@@ -270,7 +270,7 @@ impl RemoteClient {
 
 #[cfg(feature = "rdma")]
 impl RemoteClient {
-    fn rdma_mut(&mut self) -> Result<&mut ClientRdma> {
+    pub(super) fn rdma_mut(&mut self) -> Result<&mut ClientRdma> {
         self.check_unpoisoned()?;
         self.stream.rdma_state_mut().ok_or_else(not_rdma)
     }
@@ -306,14 +306,23 @@ impl RemoteClient {
     /// the client owns it from now on (fill it with [`RemoteClient::buffer_mut`]). Only on a
     /// connection that chose RDMA. Untested on hardware.
     pub fn register_buffer(&mut self, buf: kvnode_hw::fabric::EngineBuffer) -> Result<BufferId> {
+        let reg = self.rdma_mut()?.register(buf)?;
+        self.announce_buffer(super::remote_gpu::ClientBuffer::Host(reg))
+    }
+
+    /// Tells the node about `buf` (REGISTER_BUFFERS) under the next id and keeps it.
+    pub(super) fn announce_buffer(
+        &mut self,
+        buf: super::remote_gpu::ClientBuffer,
+    ) -> Result<BufferId> {
         let rdma = self.rdma_mut()?;
-        let reg = rdma.register(buf)?;
         let id = rdma.next_id;
+        let (addr, len, rkey) = buf.remote_view();
         let region = RemoteRegion {
             id,
-            addr: reg.addr(),
-            len: reg.len(),
-            rkey: reg.rkey(),
+            addr,
+            len,
+            rkey,
         };
         match self.call(&Request::RegisterBuffers {
             regions: vec![region],
@@ -326,42 +335,68 @@ impl RemoteClient {
             .next_id
             .checked_add(1)
             .ok_or_else(|| Error::limit("buffer ids of this connection are exhausted (u32)"))?;
-        rdma.buffers.insert(id, reg);
+        rdma.buffers.insert(id, buf);
         Ok(BufferId(id))
     }
 
     /// Unregisters `id` with the node (UNREGISTER_BUFFERS), then deregisters it and gives the
     /// memory back.
     pub fn unregister_buffer(&mut self, id: BufferId) -> Result<kvnode_hw::fabric::EngineBuffer> {
-        if !self.rdma_mut()?.buffers.contains_key(&id.0) {
-            return Err(Error::invalid(format!("buffer {} is not registered", id.0)));
+        match self.rdma_mut()?.buffers.get(&id.0) {
+            None => return Err(Error::invalid(format!("buffer {} is not registered", id.0))),
+            Some(b) if b.host().is_none() => {
+                return Err(Error::invalid(format!(
+                    "buffer {} is device memory: use unregister_device_buffer",
+                    id.0
+                )))
+            }
+            Some(_) => {}
         }
+        match self.withdraw_buffer(id)? {
+            super::remote_gpu::ClientBuffer::Host(reg) => Ok(reg.into_buffer()),
+            _ => Err(Error::internal("checked to be a host buffer")),
+        }
+    }
+
+    /// Tells the node to forget `id` (UNREGISTER_BUFFERS), then takes it out of the table.
+    pub(super) fn withdraw_buffer(
+        &mut self,
+        id: BufferId,
+    ) -> Result<super::remote_gpu::ClientBuffer> {
         self.call(&Request::UnregisterBuffers { ids: vec![id.0] })?;
-        let reg = self.rdma_mut()?.buffers.remove(&id.0).expect("checked");
-        Ok(reg.into_buffer())
+        self.rdma_mut()?
+            .buffers
+            .remove(&id.0)
+            .ok_or_else(|| Error::invalid(format!("buffer {} is not registered", id.0)))
     }
 
     /// The bytes of registered buffer `id`.
     pub fn buffer(&self, id: BufferId) -> Result<&[u8]> {
         self.check_unpoisoned()?;
         let rdma = self.stream.rdma()?;
-        rdma.buffers
-            .get(&id.0)
-            .map(|b| b.as_slice())
-            .ok_or_else(|| Error::invalid(format!("buffer {} is not registered", id.0)))
+        match rdma.buffers.get(&id.0) {
+            Some(b) => b
+                .host()
+                .map(|h| h.as_slice())
+                .ok_or_else(|| device_buffer(id)),
+            None => Err(Error::invalid(format!("buffer {} is not registered", id.0))),
+        }
     }
 
     /// The bytes of registered buffer `id`, to fill before a store.
     pub fn buffer_mut(&mut self, id: BufferId) -> Result<&mut [u8]> {
         let rdma = self.rdma_mut()?;
-        rdma.buffers
-            .get_mut(&id.0)
-            .map(|b| b.as_mut_slice())
-            .ok_or_else(|| Error::invalid(format!("buffer {} is not registered", id.0)))
+        match rdma.buffers.get_mut(&id.0) {
+            Some(b) => b
+                .host_mut()
+                .map(|h| h.as_mut_slice())
+                .ok_or_else(|| device_buffer(id)),
+            None => Err(Error::invalid(format!("buffer {} is not registered", id.0))),
+        }
     }
 
     /// Descriptors of `spans`, each `len` bytes, checked against the registered buffers.
-    fn descriptors(&self, spans: &[BufSpan], len: u64) -> Result<Vec<RemoteBuf>> {
+    pub(super) fn descriptors(&self, spans: &[BufSpan], len: u64) -> Result<Vec<RemoteBuf>> {
         let rdma = self.stream.rdma()?;
         spans
             .iter()
@@ -487,8 +522,17 @@ impl RemoteClient {
     }
 }
 
+/// The error of a host-bytes accessor on a device buffer.
 #[cfg(feature = "rdma")]
-fn span_count(n: usize, range: &ChunkRange) -> Result<()> {
+fn device_buffer(id: BufferId) -> Error {
+    Error::invalid(format!(
+        "buffer {} is device memory: its bytes are not host memory",
+        id.0
+    ))
+}
+
+#[cfg(feature = "rdma")]
+pub(super) fn span_count(n: usize, range: &ChunkRange) -> Result<()> {
     if n != range.chunk_hashes.len() {
         return Err(Error::invalid(format!(
             "{n} buffer spans for {} hashes",

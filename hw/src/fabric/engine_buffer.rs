@@ -146,6 +146,91 @@ impl RegisteredBuffer {
     }
 }
 
+/// Device memory registered for the node's RDMA READ and WRITE through dma-buf (GPUDirect
+/// RDMA, engine side): the node's work requests address it by its device address.
+///
+/// Invariant: field order drops the registration, then the dma-buf descriptor, then the device
+/// memory, so the NIC never reaches freed GPU memory. **Untested on hardware.**
+#[cfg(feature = "rdma")]
+pub struct RegisteredDeviceBuffer {
+    mr: super::rdma::EngineMr,
+    export: crate::gpu::DmaBufExport,
+    buf: crate::gpu::DeviceBuffer,
+}
+
+#[cfg(feature = "rdma")]
+impl std::fmt::Debug for RegisteredDeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredDeviceBuffer")
+            .field("len", &self.buf.len())
+            .field("window_len", &self.export.window_len)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "rdma")]
+impl RegisteredDeviceBuffer {
+    /// Exports `buf` as a dma-buf and registers it with `fabric`; on failure gives `buf` back
+    /// with the reason (the caller falls back to host staging).
+    pub fn register(
+        fabric: &super::rdma::RdmaFabric,
+        buf: crate::gpu::DeviceBuffer,
+    ) -> Result<RegisteredDeviceBuffer, (crate::gpu::DeviceBuffer, HwError)> {
+        use std::os::fd::AsFd;
+        let export = match buf.gpu().export_dmabuf(&buf) {
+            Ok(x) => x,
+            Err(e) => return Err((buf, e)),
+        };
+        let len = match usize::try_from(export.len) {
+            Ok(l) => l,
+            Err(_) => return Err((buf, HwError::Invalid("device buffer too large".into()))),
+        };
+        // SAFETY: `buf` is owned by the returned value and dropped after the registration
+        // (field order); the engine accepts that the node's NIC reads and writes it during the
+        // requests that name it.
+        let mr = unsafe {
+            fabric.register_engine_dmabuf(export.fd.as_fd(), export.offset, len, export.iova)
+        };
+        match mr {
+            Ok(mr) => Ok(RegisteredDeviceBuffer { mr, export, buf }),
+            Err(e) => Err((buf, e)),
+        }
+    }
+
+    /// The device address the node's work requests name.
+    pub fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.mr.len()
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.mr.is_empty()
+    }
+
+    /// The remote key the node's work requests carry.
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// The device memory.
+    pub fn device(&self) -> &crate::gpu::DeviceBuffer {
+        &self.buf
+    }
+
+    /// Deregisters and gives the device memory back.
+    pub fn into_device(self) -> crate::gpu::DeviceBuffer {
+        let RegisteredDeviceBuffer { mr, export, buf } = self;
+        drop(mr);
+        drop(export);
+        buf
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,9 +34,9 @@ use std::time::Duration;
 
 use crate::{HwResult, SharedPool};
 
-#[cfg(feature = "rdma")]
-pub use engine_buffer::RegisteredBuffer;
 pub use engine_buffer::{EngineBuffer, MAX_ENGINE_BUFFER_BYTES};
+#[cfg(feature = "rdma")]
+pub use engine_buffer::{RegisteredBuffer, RegisteredDeviceBuffer};
 pub use fake::FakeFabric;
 pub use fake_peer::{
     FakeOptions, FakePeer, FakeRegion, FAKE_DEFAULT_MAX_INFLIGHT_OPS, FAKE_DEFAULT_REGION_BYTES,

@@ -158,6 +158,23 @@ impl RdmaFabric {
         unsafe { EngineMr::register(&self.dev, addr, len) }
     }
 
+    /// Engine side: registers exported GPU memory (dma-buf `fd`, `len` bytes at `offset`,
+    /// addressed as `iova`) for the peer's READ and WRITE (GPUDirect RDMA).
+    ///
+    /// # Safety
+    /// The exported device memory must stay allocated until the [`EngineMr`] is dropped, and
+    /// the caller accepts that the peer's NIC may read and write it while it is registered.
+    pub unsafe fn register_engine_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> HwResult<EngineMr> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { EngineMr::register_dmabuf(&self.dev, fd, offset, len, iova) }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

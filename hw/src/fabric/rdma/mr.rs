@@ -12,7 +12,7 @@
 use std::io;
 use std::sync::Arc;
 
-use rdma_sys::{ibv_access_flags, ibv_dereg_mr, ibv_mr, ibv_reg_mr};
+use rdma_sys::{ibv_access_flags, ibv_dereg_mr, ibv_mr, ibv_reg_dmabuf_mr, ibv_reg_mr};
 
 use super::device::Device;
 use crate::{HwError, HwResult, SharedPool};
@@ -50,6 +50,42 @@ impl Mr {
         let raw = unsafe { ibv_reg_mr(dev.pd(), addr.cast(), len, access as libc::c_int) };
         if raw.is_null() {
             return Err(HwError::os("ibv_reg_mr", io::Error::last_os_error()));
+        }
+        Ok(Mr {
+            raw,
+            _dev: dev.clone(),
+        })
+    }
+
+    /// Registers `len` bytes at `offset` of the dma-buf `fd` (device memory exported by the GPU
+    /// driver), addressed by the peer as `[iova, iova + len)`, with `access`.
+    ///
+    /// # Safety
+    /// The exported memory must stay allocated until the returned `Mr` is dropped (the fd may
+    /// be closed after registration; the MR holds its own reference to the dma-buf).
+    unsafe fn register_dmabuf(
+        dev: &Arc<Device>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: u32,
+    ) -> HwResult<Mr> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the PD is live (held by `dev`); `fd` is an open dma-buf; the caller keeps the
+        // exported memory allocated.
+        let raw = unsafe {
+            ibv_reg_dmabuf_mr(
+                dev.pd(),
+                offset,
+                len,
+                iova,
+                fd.as_raw_fd(),
+                access as libc::c_int,
+            )
+        };
+        if raw.is_null() {
+            return Err(HwError::os("ibv_reg_dmabuf_mr", io::Error::last_os_error()));
         }
         Ok(Mr {
             raw,
@@ -240,6 +276,37 @@ impl EngineMr {
         Ok(EngineMr {
             mr,
             addr: addr as u64,
+            len: len as u64,
+        })
+    }
+
+    /// Registers exported device memory (GPUDirect RDMA through dma-buf) with the same access as
+    /// [`EngineMr::register`]; the node addresses it as `[iova, iova + len)`.
+    ///
+    /// # Safety
+    /// As for [`Mr::register_dmabuf`]; the caller accepts that the peer's NIC reads and writes
+    /// the device memory while it is registered.
+    pub(super) unsafe fn register_dmabuf(
+        dev: &Arc<Device>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> HwResult<Self> {
+        if len == 0 {
+            return Err(HwError::Invalid(
+                "cannot register empty device memory".into(),
+            ));
+        }
+        let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | ibv_access_flags::IBV_ACCESS_REMOTE_READ
+            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
+            .0;
+        // SAFETY: forwarded from the caller's contract.
+        let mr = unsafe { Mr::register_dmabuf(dev, fd, offset, len, iova, access)? };
+        Ok(EngineMr {
+            mr,
+            addr: iova,
             len: len as u64,
         })
     }
