@@ -11,6 +11,8 @@
 mod baseline;
 mod conn;
 mod disk;
+mod gpu;
+mod gpu_raw;
 mod l2;
 mod l2kill;
 mod lmcache;
@@ -155,6 +157,17 @@ pub struct Args {
     /// stored; for tests of deduplicated stores.
     #[arg(long)]
     run_nonce: Option<u64>,
+    /// Store from and retrieve into GPU memory through the node (one stream per instance),
+    /// next to raw copies between device memory and registered / pageable host memory of the
+    /// same size (needs the CUDA driver; see scripts/gpu-check.sh).
+    #[arg(long)]
+    gpu: bool,
+    /// CUDA device ordinal for --gpu.
+    #[arg(long, default_value_t = 0, requires = "gpu")]
+    device: u32,
+    /// Chunks per request for --gpu.
+    #[arg(long, default_value_t = 4, requires = "gpu")]
+    gpu_batch: u32,
 }
 
 /// A fresh random run nonce: std's `RandomState` (randomly keyed per process) over the pid and
@@ -303,6 +316,44 @@ fn layout(args: &Args) -> Result<LayoutSpec, String> {
     Ok(l)
 }
 
+/// The `--gpu` run: the GPU workload and its raw baselines (see `gpu`).
+fn run_gpu(
+    args: &Args,
+    layout: &LayoutSpec,
+    socket: PathBuf,
+    target: Option<conn::RemoteTarget>,
+    pool_bytes: u64,
+    duration_ms: u64,
+    spawned: Option<node::SpawnedNode>,
+) -> Result<bool, String> {
+    if args.gpu_batch == 0 {
+        return Err("--gpu-batch must be at least 1".into());
+    }
+    let (mut rep, ok) = gpu::run(&gpu::GpuRun {
+        device: args.device,
+        socket: socket.display().to_string(),
+        remote: target,
+        layout,
+        instances: args.instances,
+        batch: args.gpu_batch,
+        ops: args.ops,
+        duration: Duration::from_millis(duration_ms),
+        warmup: args.warmup,
+        pool_bytes,
+        baseline: Duration::from_secs_f64(args.baseline_secs.max(0.05)),
+        run_nonce: args.run_nonce.unwrap_or_else(random_nonce),
+        verify: !args.no_verify,
+    })?;
+    drop(spawned);
+    rep["pool_bytes"] = pool_bytes.into();
+    gpu::print_table(&rep);
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("writing {}: {e}", p.display()))?;
+    }
+    Ok(ok)
+}
+
 /// Runs the whole benchmark; returns whether every retrieved byte verified.
 fn run(args: &Args) -> Result<bool, String> {
     if args.instances == 0 {
@@ -357,6 +408,10 @@ fn run(args: &Args) -> Result<bool, String> {
             .floor()
             .max(1.0) as u64;
     let duration_ms = (args.duration.unwrap_or(5.0) * 1000.0) as u64;
+    if args.gpu {
+        drop(probe);
+        return run_gpu(args, &layout, socket, target, pool_bytes, duration_ms, spawned);
+    }
     // Registrations are named by pid (unique among live processes); keys by the run nonce.
     let run_id = u64::from(std::process::id());
     let run_nonce = args.run_nonce.unwrap_or_else(random_nonce);
