@@ -8,7 +8,7 @@
 //! object), and whole chunks are compared on the first retrieve and every 16th after (the
 //! rest would cost a synchronous device read per request); `corrupt_chunks` counts failures.
 
-use std::sync::Barrier;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvnode::client::{ChunkRangeBuilder, Client, RemoteClient};
@@ -41,10 +41,63 @@ pub struct GpuRun<'a> {
     pub verify: bool,
 }
 
+/// A reusable start line for the instances' phases that a failing instance can break, so the
+/// others return instead of waiting for it forever.
+struct StartLine {
+    n: usize,
+    state: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
+    cv: Condvar,
+}
+
+impl StartLine {
+    fn new(n: usize) -> StartLine {
+        StartLine {
+            n,
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Waits until every instance arrived; `Err` once any instance broke the line.
+    fn wait(&self) -> Result<(), String> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.2 {
+            return Err("another instance failed".into());
+        }
+        st.0 += 1;
+        if st.0 == self.n {
+            st.0 = 0;
+            st.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let gen = st.1;
+        while st.1 == gen && !st.2 {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if st.2 {
+            Err("another instance failed".into())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn break_line(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).2 = true;
+        self.cv.notify_all();
+    }
+}
+
 /// One engine's device paths, local or remote.
 trait DeviceEngine {
-    fn store(&mut self, id: u64, r: &ChunkRange, spans: &[DeviceSpan<'_>]) -> kvnode::Result<usize>;
-    fn retrieve(&mut self, id: u64, r: &ChunkRange, spans: &[DeviceSpan<'_>]) -> kvnode::Result<bool>;
+    fn store(&mut self, id: u64, r: &ChunkRange, spans: &[DeviceSpan<'_>])
+        -> kvnode::Result<usize>;
+    fn retrieve(
+        &mut self,
+        id: u64,
+        r: &ChunkRange,
+        spans: &[DeviceSpan<'_>],
+    ) -> kvnode::Result<bool>;
 }
 
 impl DeviceEngine for Client {
@@ -107,7 +160,8 @@ pub fn run(g: &GpuRun<'_>) -> Result<(serde_json::Value, bool), String> {
     let gpu = Gpu::open(g.device).map_err(|e| format!("--gpu: {e}"))?;
     let chunk = g.layout.chunk_bytes();
     let req_bytes = chunk * u64::from(g.batch);
-    let resident = (g.pool_bytes as f64 * 0.7 / (req_bytes * u64::from(g.instances)) as f64).floor() as u64;
+    let resident =
+        (g.pool_bytes as f64 * 0.7 / (req_bytes * u64::from(g.instances)) as f64).floor() as u64;
     if resident == 0 {
         return Err(format!(
             "the pool ({} MiB) cannot hold {} instances x {} chunks of {} MiB: give a larger \
@@ -128,29 +182,63 @@ pub fn run(g: &GpuRun<'_>) -> Result<(serde_json::Value, bool), String> {
         chunk,
         resident
     );
-    let barrier = Barrier::new(g.instances as usize);
+    let barrier = StartLine::new(g.instances as usize);
     let results: Vec<Result<InstanceResult, String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..g.instances)
             .map(|i| {
                 let (gpu, barrier) = (&gpu, &barrier);
-                s.spawn(move || instance(g, gpu, i, resident, barrier))
+                s.spawn(move || {
+                    let r = instance(g, gpu, i, resident, barrier);
+                    if r.is_err() {
+                        barrier.break_line();
+                    }
+                    r
+                })
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("a GPU instance panicked".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a GPU instance panicked".into()))
+            })
             .collect()
     });
+    // Report the failure that broke the start line, not the instances it stopped.
+    let errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    if let Some(e) = errors
+        .iter()
+        .find(|e| !e.contains("another instance failed"))
+        .or(errors.first())
+    {
+        return Err((*e).clone());
+    }
     let results: Vec<InstanceResult> = results.into_iter().collect::<Result<_, _>>()?;
-    let raw = crate::gpu_raw::measure(&gpu, g.instances as usize, chunk, g.batch as usize, g.baseline)?;
+    let raw = crate::gpu_raw::measure(
+        &gpu,
+        g.instances as usize,
+        chunk,
+        g.batch as usize,
+        g.baseline,
+    )?;
     let rate = |f: &dyn Fn(&InstanceResult) -> &Phase| {
         let bytes: u64 = results.iter().map(|r| f(r).bytes).sum();
-        let t = results.iter().map(|r| f(r).elapsed).max().unwrap_or_default();
+        let t = results
+            .iter()
+            .map(|r| f(r).elapsed)
+            .max()
+            .unwrap_or_default();
         bytes as f64 / t.as_secs_f64().max(1e-9) / 1e9
     };
     let store = rate(&|r| &r.store);
     let retrieve = rate(&|r| &r.retrieve);
-    let mut store_lat: Vec<f64> = results.iter().flat_map(|r| r.store.lat_us.clone()).collect();
-    let mut retr_lat: Vec<f64> = results.iter().flat_map(|r| r.retrieve.lat_us.clone()).collect();
+    let mut store_lat: Vec<f64> = results
+        .iter()
+        .flat_map(|r| r.store.lat_us.clone())
+        .collect();
+    let mut retr_lat: Vec<f64> = results
+        .iter()
+        .flat_map(|r| r.retrieve.lat_us.clone())
+        .collect();
     let corrupt: u64 = results.iter().map(|r| r.corrupt).sum();
     let misses: u64 = results.iter().map(|r| r.misses).sum();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
@@ -193,7 +281,11 @@ pub fn run(g: &GpuRun<'_>) -> Result<(serde_json::Value, bool), String> {
 }
 
 /// Connects instance `i` (local or remote), registered and attached to `gpu`.
-fn connect(g: &GpuRun<'_>, gpu: &Gpu, req: &RegisterRequest) -> Result<Box<dyn DeviceEngine>, String> {
+fn connect(
+    g: &GpuRun<'_>,
+    gpu: &Gpu,
+    req: &RegisterRequest,
+) -> Result<Box<dyn DeviceEngine>, String> {
     let e = |e: kvnode::error::Error| e.to_string();
     Ok(match &g.remote {
         Some(t) => {
@@ -216,7 +308,7 @@ fn instance(
     gpu: &Gpu,
     i: u32,
     resident: u64,
-    barrier: &Barrier,
+    barrier: &StartLine,
 ) -> Result<InstanceResult, String> {
     let id = (u64::from(std::process::id()) << 20) | (1 << 19) | u64::from(i);
     let model = format!("bench-gpu-{}", g.layout.name);
@@ -231,13 +323,7 @@ fn instance(
         use_mla: false,
         physical_slots: None,
     };
-    let mut c = match connect(g, gpu, &req) {
-        Ok(c) => c,
-        Err(e) => {
-            barrier.wait(); // the others must not wait forever
-            return Err(e);
-        }
-    };
+    let mut c = connect(g, gpu, &req)?;
     let chunk = g.layout.chunk_bytes();
     let batch = g.batch as usize;
     let e = |e: kvnode_hw::HwError| e.to_string();
@@ -257,40 +343,51 @@ fn instance(
     }
     let range_of = |op: u64| -> (ChunkRange, Vec<ChunkHash>) {
         let keys: Vec<ChunkHash> = (0..g.batch).map(|j| key(g.run_nonce, i, op, j)).collect();
-        (ChunkRangeBuilder::worker(&model, 1, 0).hashes(0, keys.clone()), keys)
+        (
+            ChunkRangeBuilder::worker(&model, 1, 0).hashes(0, keys.clone()),
+            keys,
+        )
     };
     let src_spans = src.chunks(chunk, batch).map_err(e)?;
     let dst_spans = dst.chunks(chunk, batch).map_err(e)?;
     let mut r = InstanceResult::default();
     let mut stored = 0u64;
-    let mut store_one = |c: &mut Box<dyn DeviceEngine>, timed: Option<&mut Phase>| -> Result<(), String> {
-        let (rg, keys) = range_of(stored);
-        for (j, k) in keys.iter().enumerate() {
-            src.write(j as u64 * chunk, &k[..HEADER_BYTES]).map_err(e)?;
-        }
-        let t = Instant::now();
-        let n = c.store(id, &rg, &src_spans).map_err(|e| format!("store: {e}"))?;
-        let d = t.elapsed();
-        if n != batch {
-            return Err(format!("store {stored}: the node had {} of {batch} fresh chunks already", batch - n));
-        }
-        if let Some(p) = timed {
-            p.bytes += chunk * batch as u64;
-            p.elapsed += d;
-            p.lat_us.push(d.as_secs_f64() * 1e6);
-        }
-        stored += 1;
-        Ok(())
-    };
+    let mut store_one =
+        |c: &mut Box<dyn DeviceEngine>, timed: Option<&mut Phase>| -> Result<(), String> {
+            let (rg, keys) = range_of(stored);
+            for (j, k) in keys.iter().enumerate() {
+                src.write(j as u64 * chunk, &k[..HEADER_BYTES]).map_err(e)?;
+            }
+            let t = Instant::now();
+            let n = c
+                .store(id, &rg, &src_spans)
+                .map_err(|e| format!("store: {e}"))?;
+            let d = t.elapsed();
+            if n != batch {
+                return Err(format!(
+                    "store {stored}: the node had {} of {batch} fresh chunks already",
+                    batch - n
+                ));
+            }
+            if let Some(p) = timed {
+                p.bytes += chunk * batch as u64;
+                p.elapsed += d;
+                p.lat_us.push(d.as_secs_f64() * 1e6);
+            }
+            stored += 1;
+            Ok(())
+        };
     for _ in 0..g.warmup {
         store_one(&mut c, None)?;
     }
-    barrier.wait();
+    barrier.wait()?;
     // A phase's time is the sum of its requests' times: the harness's own work between them
     // (writing key headers, verifying) is not counted.
     let t = Instant::now();
     let mut phase = Phase::default();
-    while g.ops.map_or(t.elapsed() < g.duration, |n| (phase.lat_us.len() as u64) < n) {
+    while g.ops.map_or(t.elapsed() < g.duration, |n| {
+        (phase.lat_us.len() as u64) < n
+    }) {
         store_one(&mut c, Some(&mut phase))?;
     }
     r.store = phase;
@@ -300,13 +397,20 @@ fn instance(
     let mut phase = Phase::default();
     let mut header = vec![0u8; HEADER_BYTES];
     let mut whole = vec![0u8; chunk as usize];
+    // One untimed retrieve first, as the raw copies have (first touches, lazy driver setup).
+    let (rg, _) = range_of(stored - 1);
+    c.retrieve(id, &rg, &dst_spans)
+        .map_err(|e| format!("retrieve: {e}"))?;
+    barrier.wait()?;
     let t = Instant::now();
     let mut k = 0u64;
     while g.ops.map_or(t.elapsed() < g.duration, |n| k < n) {
         let op = first + k % window;
         let (rg, keys) = range_of(op);
         let t0 = Instant::now();
-        let hit = c.retrieve(id, &rg, &dst_spans).map_err(|e| format!("retrieve: {e}"))?;
+        let hit = c
+            .retrieve(id, &rg, &dst_spans)
+            .map_err(|e| format!("retrieve: {e}"))?;
         let d = t0.elapsed();
         if !hit {
             r.misses += 1;
@@ -320,7 +424,7 @@ fn instance(
                     dst.read(off, &mut header).map_err(e)?;
                     r.checked_headers += 1;
                     let mut ok = header[..] == key[..HEADER_BYTES];
-                    if ok && k % FULL_CHECK_EVERY == 0 {
+                    if ok && k.is_multiple_of(FULL_CHECK_EVERY) {
                         dst.read(off, &mut whole).map_err(e)?;
                         r.checked_full += 1;
                         ok = whole[HEADER_BYTES..] == bodies[j][HEADER_BYTES..];

@@ -25,7 +25,13 @@ enum Kind {
 
 /// Runs `threads` streams, each copying `batch` chunks of `chunk` bytes per request for
 /// `secs` per measurement, into registered and into pageable host memory.
-pub fn measure(gpu: &Gpu, threads: usize, chunk: u64, batch: usize, secs: Duration) -> Result<RawRates, String> {
+pub fn measure(
+    gpu: &Gpu,
+    threads: usize,
+    chunk: u64,
+    batch: usize,
+    secs: Duration,
+) -> Result<RawRates, String> {
     let mut out = RawRates::default();
     for pinned in [true, false] {
         for kind in [Kind::D2h, Kind::H2d] {
@@ -103,7 +109,10 @@ fn run(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("a raw-copy thread panicked".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a raw-copy thread panicked".into()))
+            })
             .collect()
     });
     let mut moved = 0u64;

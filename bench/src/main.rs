@@ -348,8 +348,11 @@ fn run_gpu(
     rep["pool_bytes"] = pool_bytes.into();
     gpu::print_table(&rep);
     if let Some(p) = &args.json {
-        std::fs::write(p, serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     Ok(ok)
 }
@@ -410,7 +413,15 @@ fn run(args: &Args) -> Result<bool, String> {
     let duration_ms = (args.duration.unwrap_or(5.0) * 1000.0) as u64;
     if args.gpu {
         drop(probe);
-        return run_gpu(args, &layout, socket, target, pool_bytes, duration_ms, spawned);
+        return run_gpu(
+            args,
+            &layout,
+            socket,
+            target,
+            pool_bytes,
+            duration_ms,
+            spawned,
+        );
     }
     // Registrations are named by pid (unique among live processes); keys by the run nonce.
     let run_id = u64::from(std::process::id());

@@ -12,12 +12,18 @@ fn stub_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/gpu_stub/libcuda_stub.c");
     let out = Command::new("cc")
-        .args(["-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Werror", "-o"])
+        .args([
+            "-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Werror", "-o",
+        ])
         .arg(d.join("libcuda.so.1"))
         .arg(&src)
         .output()
         .expect("cc (scripts/setup.sh installs build-essential)");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::os::unix::fs::symlink("libcuda.so.1", d.join("libcuda.so")).unwrap();
     d
 }
@@ -47,15 +53,35 @@ fn the_gpu_bench_runs_and_verifies_on_the_stub_driver() {
     let dir = stub_dir("run");
     let json = dir.join("gpu.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvnode-bench"))
-        .args(["--spawn", "--pool-size", "128MiB", "--preset", "tiny", "--gpu"])
-        .args(["--instances", "2", "--ops", "40", "--warmup", "3", "--gpu-batch", "3"])
+        .args([
+            "--spawn",
+            "--pool-size",
+            "128MiB",
+            "--preset",
+            "tiny",
+            "--gpu",
+        ])
+        .args([
+            "--instances",
+            "2",
+            "--ops",
+            "40",
+            "--warmup",
+            "3",
+            "--gpu-batch",
+            "3",
+        ])
         .args(["--baseline-secs", "0.05", "--json"])
         .arg(&json)
         .env("LD_LIBRARY_PATH", &dir)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}\n{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{stderr}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     for f in FIELDS {
         assert!(!j[f].is_null(), "missing {f} in {j:#}");
@@ -65,9 +91,16 @@ fn the_gpu_bench_runs_and_verifies_on_the_stub_driver() {
     assert_eq!(j["verified"], true, "{j:#}");
     assert_eq!(j["gpu_store_requests"], 80);
     assert_eq!(j["gpu_retrieve_requests"], 80);
-    assert_eq!(j["checked_headers"], 240, "every retrieved chunk's header checked");
+    assert_eq!(
+        j["checked_headers"], 240,
+        "every retrieved chunk's header checked"
+    );
     assert!(j["checked_full_chunks"].as_u64().unwrap() >= 6);
-    for f in ["gpu_store_gbps", "raw_registered_h2d_gbps", "raw_pageable_d2h_gbps"] {
+    for f in [
+        "gpu_store_gbps",
+        "raw_registered_h2d_gbps",
+        "raw_pageable_d2h_gbps",
+    ] {
         assert!(j[f].as_f64().unwrap() > 0.0, "{f}: {j:#}");
     }
     let _ = std::fs::remove_dir_all(&dir);

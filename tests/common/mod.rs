@@ -60,6 +60,12 @@ impl Drop for TestDir {
     }
 }
 
+/// The `kvnode` binary the tests start: `$KVNODE_BIN` when set (prebuilt binaries carried to
+/// another machine, e.g. by scripts/gpu-check.sh), else the one cargo built with the tests.
+pub fn kvnode_bin() -> std::ffi::OsString {
+    std::env::var_os("KVNODE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_kvnode").into())
+}
+
 /// A running `kvnode serve` process, killed on drop; its directory (log, socket, config) is a
 /// [`TestDir`], removed after the process is gone.
 pub struct NodeProc {
@@ -149,16 +155,16 @@ impl NodeProc {
             // `ip netns exec` execs the node: the child's pid is the node's.
             (None, Some(ns)) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kvnode")]);
+                c.args(["netns", "exec", ns]).arg(kvnode_bin());
                 c
             }
-            (None, None) => Command::new(env!("CARGO_BIN_EXE_kvnode")),
+            (None, None) => Command::new(kvnode_bin()),
             (Some(n), _) => {
                 // `exec` keeps the pid: killing the child kills the node.
                 let mut c = Command::new("sh");
                 c.arg("-c")
                     .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
-                    .arg(env!("CARGO_BIN_EXE_kvnode"));
+                    .arg(kvnode_bin());
                 c
             }
         };
@@ -305,7 +311,7 @@ pub fn kvnode_until_exit(dir: &TestDir, args: &[&str]) -> Finished {
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let out_path = dir.join(format!("cmd-{n}.out"));
     let err_path = dir.join(format!("cmd-{n}.err"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvnode"))
+    let mut child = Command::new(kvnode_bin())
         .args(args)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).unwrap())

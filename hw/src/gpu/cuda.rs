@@ -274,9 +274,8 @@ impl DeviceBackend for CudaDevice {
             )));
         }
         let (base, alloc_len) = self.allocation_of(ptr, len)?;
-        let (start, wlen) =
-            super::dmabuf_window(ptr, len, base, alloc_len, super::dmabuf::GPU_PAGE_BYTES)
-                .ok_or_else(|| HwError::Invalid(format!("no dma-buf window for {ptr:#x}+{len}")))?;
+        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, super::GPU_PAGE_BYTES)
+            .ok_or_else(|| HwError::Invalid(format!("no dma-buf window for {ptr:#x}+{len}")))?;
         let mut fd: i32 = -1;
         // SAFETY: the symbol exists (info.dma_buf implies it was found); the out-pointer is a
         // live local; the window lies inside one allocation.

@@ -251,9 +251,8 @@ impl DeviceBackend for FakeDevice {
 
     fn export_dmabuf(&self, ptr: u64, len: u64) -> HwResult<DmaBufExport> {
         let (base, alloc_len) = self.allocation_of(ptr, len)?;
-        let (start, wlen) =
-            super::dmabuf_window(ptr, len, base, alloc_len, super::dmabuf::GPU_PAGE_BYTES)
-                .ok_or_else(|| unmapped(ptr, len))?;
+        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, super::GPU_PAGE_BYTES)
+            .ok_or_else(|| unmapped(ptr, len))?;
         // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
         let fd = unsafe { libc::memfd_create(c"kvnode-fake-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {

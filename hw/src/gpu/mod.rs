@@ -33,7 +33,7 @@ mod tests;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub use dmabuf::{dmabuf_window, DmaBufExport};
+pub use dmabuf::{dmabuf_window, DmaBufExport, GPU_PAGE_BYTES};
 pub use fake::{FakeGpuControl, FakeGpuCounters};
 pub use memory::{CopyItem, DeviceBuffer, DeviceSpan, HostMemory, Pinned};
 pub use stream::{CopyReport, GpuStream};
