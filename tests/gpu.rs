@@ -283,3 +283,87 @@ fn device_paths_without_an_attached_gpu_say_so() {
     assert!(e.to_string().contains("attach_gpu"), "{e}");
     assert_clean(&node);
 }
+
+/// Chunks that are not contiguous in device memory (a paged KV cache: per-layer blocks):
+/// gathered into their slots and scattered back, locally and over TCP.
+#[test]
+fn chunks_made_of_scattered_pieces_are_gathered_and_scattered() {
+    let rn = RemoteNode::start("gpu-pieces", &["--pool-size", "64MiB"]);
+    let (gpu, _) = Gpu::fake(256 * MIB, false);
+    let mut local = rn.node.client();
+    local.attach_gpu(&gpu).unwrap();
+    local.register(&reg_gpu(1)).unwrap();
+    let n = local.object_bytes().unwrap();
+    let q = n / 4; // four pieces per chunk
+    let rg = range(&tokens(6, 3));
+    let data = payloads(&rg, n as usize);
+    // Device layout: piece p of chunk c at ((p * 3 + c) * q), i.e. "layer-major".
+    let src = gpu.alloc(3 * n).unwrap();
+    for (c, d) in data.iter().enumerate() {
+        for p in 0..4 {
+            let at = (p * 3 + c as u64) * q;
+            src.write(at, &d[(p * q) as usize..((p + 1) * q) as usize])
+                .unwrap();
+        }
+    }
+    let sp = pieces(&src, q);
+    let refs: Vec<&[_]> = sp.iter().map(Vec::as_slice).collect();
+    assert_eq!(local.store_from_device_pieces(1, &rg, &refs).unwrap(), 3);
+    // The pool holds the chunks contiguous and byte-exact.
+    let mut host = rn.node.client();
+    host.register(&reg_gpu(2)).unwrap();
+    assert!(host.retrieve(2, &rg).unwrap().unwrap() == data);
+    // Scattered back (locally and over TCP) into the same layout.
+    let mut remote = rn.client();
+    remote.register(&reg_gpu(3)).unwrap();
+    remote.attach_gpu(&gpu).unwrap();
+    for (who, dst) in [
+        ("local", gpu.alloc(3 * n).unwrap()),
+        ("remote", gpu.alloc(3 * n).unwrap()),
+    ] {
+        let dp = pieces(&dst, q);
+        let refs: Vec<&[_]> = dp.iter().map(Vec::as_slice).collect();
+        let hit = if who == "local" {
+            local
+                .retrieve_to_device_pieces(1, &rg, None, &refs)
+                .unwrap()
+        } else {
+            remote
+                .retrieve_to_device_pieces(3, &rg, None, &refs)
+                .unwrap()
+        };
+        assert!(hit);
+        assert!(
+            download(&dst) == download(&src),
+            "{who}: scattered bytes differ"
+        );
+    }
+    // Pieces that do not add up to a chunk are refused before any request.
+    let short: Vec<&[_]> = sp.iter().map(|v| &v[..3]).collect();
+    let e = local.store_from_device_pieces(1, &rg, &short).unwrap_err();
+    assert!(e.to_string().contains("the layout needs"), "{e}");
+    // A remote store from pieces, read back locally.
+    let rg2 = range(&tokens(8, 3));
+    let data2 = payloads(&rg2, n as usize);
+    for (c, d) in data2.iter().enumerate() {
+        for p in 0..4 {
+            src.write(
+                (p * 3 + c as u64) * q,
+                &d[(p * q) as usize..((p + 1) * q) as usize],
+            )
+            .unwrap();
+        }
+    }
+    let sp = pieces(&src, q);
+    let refs: Vec<&[_]> = sp.iter().map(Vec::as_slice).collect();
+    assert_eq!(remote.store_from_device_pieces(3, &rg2, &refs).unwrap(), 3);
+    assert!(host.retrieve(2, &rg2).unwrap().unwrap() == data2);
+    assert_clean(&rn.node);
+}
+
+/// Four pieces per chunk, three chunks, "layer-major": piece p of chunk c at (p * 3 + c) * q.
+fn pieces(buf: &DeviceBuffer, q: u64) -> Vec<Vec<kvnode_hw::gpu::DeviceSpan<'_>>> {
+    (0..3u64)
+        .map(|c| (0..4u64).map(|p| buf.span((p * 3 + c) * q, q).unwrap()).collect())
+        .collect()
+}

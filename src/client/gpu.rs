@@ -193,23 +193,52 @@ impl<T: ClientTransport> Client<T> {
         })
     }
 
-    /// Checks one device span per hash of `range`, each `object_bytes` long.
-    fn check_spans(&self, spans: &[DeviceSpan<'_>], range: &ChunkRange) -> Result<u64> {
+    /// Checks one list of pieces per hash of `range`, each list `object_bytes` long in all.
+    fn check_pieces(&self, chunks: &[&[DeviceSpan<'_>]], range: &ChunkRange) -> Result<u64> {
         let n = self.object_bytes()?;
-        if spans.len() != range.chunk_hashes.len() {
+        if chunks.len() != range.chunk_hashes.len() {
             return Err(Error::invalid(format!(
-                "{} device spans for {} hashes",
-                spans.len(),
+                "{} device chunks for {} hashes",
+                chunks.len(),
                 range.chunk_hashes.len()
             )));
         }
-        if let Some(bad) = spans.iter().find(|s| s.len() != n) {
-            return Err(Error::invalid(format!(
-                "device span of {} bytes; the layout needs {n}",
-                bad.len()
+        let pieces: usize = chunks.iter().map(|c| c.len()).sum();
+        if pieces > MAX_GPU_PIECES {
+            return Err(Error::limit(format!(
+                "{pieces} device pieces in one request: at most {MAX_GPU_PIECES}"
             )));
         }
+        for (i, c) in chunks.iter().enumerate() {
+            let len: u64 = c.iter().map(DeviceSpan::len).sum();
+            if len != n {
+                return Err(Error::invalid(format!(
+                    "device chunk {i} has {len} bytes in {} piece(s); the layout needs {n}",
+                    c.len()
+                )));
+            }
+        }
         Ok(n)
+    }
+}
+
+/// Most device pieces (copy items) in one request (the GPU stream's own limit).
+pub const MAX_GPU_PIECES: usize = kvnode_hw::gpu::MAX_COPY_ITEMS;
+
+/// One chunk per span.
+fn whole<'a, 'b>(chunks: &'a [DeviceSpan<'b>]) -> Vec<&'a [DeviceSpan<'b>]> {
+    chunks.iter().map(std::slice::from_ref).collect()
+}
+
+/// The copy items of one chunk's `pieces`, laid back to back from `host_offset`.
+fn chunk_items<'a>(host_offset: u64, pieces: &[DeviceSpan<'a>], out: &mut Vec<CopyItem<'a>>) {
+    let mut off = host_offset;
+    for &device in pieces {
+        out.push(CopyItem {
+            host_offset: off,
+            device,
+        });
+        off += device.len();
     }
 }
 
@@ -224,31 +253,42 @@ impl Client<UnixTransport> {
         range: &ChunkRange,
         chunks: &[DeviceSpan<'_>],
     ) -> Result<usize> {
-        let n = self.check_spans(chunks, range)?;
+        self.store_from_device_pieces(instance_id, range, &whole(chunks))
+    }
+
+    /// [`Client::store_from_device`] for chunks that are not contiguous in device memory (a
+    /// paged KV cache: per-layer K and V blocks): chunk `i` is the concatenation of
+    /// `chunks[i]`'s pieces, which must add up to `object_bytes`; each piece is one copy into
+    /// its place in the slot (neighbours merged), all with one wait.
+    pub fn store_from_device_pieces(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        chunks: &[&[DeviceSpan<'_>]],
+    ) -> Result<usize> {
+        let n = self.check_pieces(chunks, range)?;
         self.attachment()?;
         self.pin_pool()?;
         let p = self.prepare_store(instance_id, range)?;
         if p.slots.is_empty() {
             return Ok(0);
         }
-        let items: Result<Vec<CopyItem>> = p
-            .slots
-            .iter()
-            .zip(&p.chunk_indices)
-            .map(|(slot, &i)| {
-                let device = *chunks
-                    .get(i as usize)
-                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
-                if slot.length != n {
-                    return Err(Error::internal("the node's slots do not match the layout"));
-                }
-                Ok(CopyItem {
-                    host_offset: slot.offset,
-                    device,
-                })
-            })
-            .collect();
-        let copied = items.and_then(|items| {
+        let mut items = Vec::new();
+        let planned: Result<()> =
+            p.slots
+                .iter()
+                .zip(&p.chunk_indices)
+                .try_for_each(|(slot, &i)| {
+                    let pieces = chunks
+                        .get(i as usize)
+                        .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
+                    if slot.length != n {
+                        return Err(Error::internal("the node's slots do not match the layout"));
+                    }
+                    chunk_items(slot.offset, pieces, &mut items);
+                    Ok(())
+                });
+        let copied = planned.and_then(|()| {
             let att = self.gpu.as_mut().expect("checked");
             let pool = att.pool.as_mut().ok_or_else(not_pinned)?;
             let r = att.stream.device_to_host(pool, &items)?;
@@ -274,7 +314,19 @@ impl Client<UnixTransport> {
         lookup_session: Option<&str>,
         out: &[DeviceSpan<'_>],
     ) -> Result<bool> {
-        let n = self.check_spans(out, range)?;
+        self.retrieve_to_device_pieces(instance_id, range, lookup_session, &whole(out))
+    }
+
+    /// [`Client::retrieve_to_device`] into chunks made of pieces (see
+    /// [`Client::store_from_device_pieces`]): each slot is scattered into its chunk's pieces.
+    pub fn retrieve_to_device_pieces(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        lookup_session: Option<&str>,
+        out: &[&[DeviceSpan<'_>]],
+    ) -> Result<bool> {
+        let n = self.check_pieces(out, range)?;
         self.attachment()?;
         self.pin_pool()?;
         let Some(p) = self.prepare_retrieve(instance_id, range, lookup_session)? else {
@@ -282,18 +334,13 @@ impl Client<UnixTransport> {
         };
         let copied = if p.slots.len() != out.len() || p.slots.iter().any(|s| s.length != n) {
             Err(Error::internal(
-                "the node's slots do not match the device spans (layout changed?)",
+                "the node's slots do not match the device chunks (layout changed?)",
             ))
         } else {
-            let items: Vec<CopyItem> = p
-                .slots
-                .iter()
-                .zip(out)
-                .map(|(s, &device)| CopyItem {
-                    host_offset: s.offset,
-                    device,
-                })
-                .collect();
+            let mut items = Vec::new();
+            for (s, pieces) in p.slots.iter().zip(out) {
+                chunk_items(s.offset, pieces, &mut items);
+            }
             let att = self.gpu.as_mut().expect("checked");
             match att.pool.as_ref() {
                 None => Err(not_pinned()),
@@ -330,19 +377,30 @@ impl RemoteClient {
         range: &ChunkRange,
         chunks: &[DeviceSpan<'_>],
     ) -> Result<usize> {
-        let n = self.check_spans(chunks, range)?;
+        self.store_from_device_pieces(instance_id, range, &whole(chunks))
+    }
+
+    /// [`RemoteClient::store_from_device`] for chunks made of pieces (see
+    /// [`Client::store_from_device_pieces`]).
+    pub fn store_from_device_pieces(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        chunks: &[&[DeviceSpan<'_>]],
+    ) -> Result<usize> {
+        let n = self.check_pieces(chunks, range)?;
         self.attachment()?;
         let p = self.prepare_store(instance_id, range)?;
         if p.slots.is_empty() {
             return Ok(0);
         }
-        let staged = self.stage_from_device(n, &p.chunk_indices, chunks);
+        let staged = if p.slots.iter().any(|s| s.length != n) {
+            Err(Error::internal("the node's slots do not match the layout"))
+        } else {
+            self.stage_from_device(n, &p.chunk_indices, chunks)
+        };
         let len = match staged {
-            Ok(len) if p.slots.iter().all(|s| s.length == n) => len,
-            Ok(_) => {
-                let _ = self.abort_store(instance_id, p.transfer_id);
-                return Err(Error::internal("the node's slots do not match the layout"));
-            }
+            Ok(len) => len,
             Err(e) => {
                 let _ = self.abort_store(instance_id, p.transfer_id);
                 return Err(e);
@@ -367,22 +425,16 @@ impl RemoteClient {
         &mut self,
         n: u64,
         indices: &[u32],
-        chunks: &[DeviceSpan<'_>],
+        chunks: &[&[DeviceSpan<'_>]],
     ) -> Result<usize> {
         let total = n * indices.len() as u64;
-        let items: Vec<CopyItem> = indices
-            .iter()
-            .enumerate()
-            .map(|(k, &i)| {
-                let device = *chunks
-                    .get(i as usize)
-                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
-                Ok(CopyItem {
-                    host_offset: k as u64 * n,
-                    device,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let mut items = Vec::new();
+        for (k, &i) in indices.iter().enumerate() {
+            let pieces = chunks
+                .get(i as usize)
+                .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
+            chunk_items(k as u64 * n, pieces, &mut items);
+        }
         let att = self.attachment()?;
         att.staging(total)?;
         let GpuAttachment {
@@ -404,7 +456,18 @@ impl RemoteClient {
         lookup_session: Option<&str>,
         out: &[DeviceSpan<'_>],
     ) -> Result<bool> {
-        let n = self.check_spans(out, range)?;
+        self.retrieve_to_device_pieces(instance_id, range, lookup_session, &whole(out))
+    }
+
+    /// [`RemoteClient::retrieve_to_device`] into chunks made of pieces.
+    pub fn retrieve_to_device_pieces(
+        &mut self,
+        instance_id: u64,
+        range: &ChunkRange,
+        lookup_session: Option<&str>,
+        out: &[&[DeviceSpan<'_>]],
+    ) -> Result<bool> {
+        let n = self.check_pieces(out, range)?;
         let total = n * out.len() as u64;
         self.attachment()?.staging(total)?;
         let att = self.gpu.as_mut().expect("checked");
@@ -417,14 +480,10 @@ impl RemoteClient {
         };
         let copied = match got {
             Ok(true) => {
-                let items: Vec<CopyItem> = out
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &device)| CopyItem {
-                        host_offset: k as u64 * n,
-                        device,
-                    })
-                    .collect();
+                let mut items = Vec::new();
+                for (k, pieces) in out.iter().enumerate() {
+                    chunk_items(k as u64 * n, pieces, &mut items);
+                }
                 let att = self.gpu.as_mut().expect("checked");
                 att.stream
                     .host_to_device(&staging, &items)
