@@ -17,6 +17,6 @@ cargo test --locked --workspace -- --test-threads "${KVNODE_TEST_THREADS:-4}"
 # (scripts/gpu-check.sh runs them on a real one).
 gpu_stub=$(mktemp -d)
 trap 'rm -rf "$gpu_stub"' EXIT
-bash scripts/gpu-stub.sh "$gpu_stub"
+bash scripts/gpu-stub.sh "$gpu_stub" -DSTUB_DMABUF
 LD_LIBRARY_PATH="$gpu_stub" KVNODE_REQUIRE_GPU=1 cargo test --locked --test gpu_hw -- --ignored
 echo "[test] all tests passed"

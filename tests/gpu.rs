@@ -364,6 +364,53 @@ fn chunks_made_of_scattered_pieces_are_gathered_and_scattered() {
 /// Four pieces per chunk, three chunks, "layer-major": piece p of chunk c at (p * 3 + c) * q.
 fn pieces(buf: &DeviceBuffer, q: u64) -> Vec<Vec<kvnode_hw::gpu::DeviceSpan<'_>>> {
     (0..3u64)
-        .map(|c| (0..4u64).map(|p| buf.span((p * 3 + c) * q, q).unwrap()).collect())
+        .map(|c| {
+            (0..4u64)
+                .map(|p| buf.span((p * 3 + c) * q, q).unwrap())
+                .collect()
+        })
         .collect()
+}
+
+/// A wait that cannot even be issued leaves the copies possibly running: the client sends
+/// neither abort nor commit (the slots stay reserved, the read locks held) until it is released.
+#[test]
+fn copies_that_could_not_be_waited_for_keep_their_slots_until_release() {
+    let node = NodeProc::start("gpu-poison", &["--pool-size", "64MiB"]);
+    let (gpu, ctl) = Gpu::fake(256 * MIB, false);
+    let mut c = node.client();
+    c.register(&reg_gpu(1)).unwrap();
+    c.attach_gpu(&gpu).unwrap();
+    let n = c.object_bytes().unwrap();
+    let rg = range(&tokens(12, 2));
+    let src = upload(&gpu, &payloads(&rg, n as usize));
+    ctl.fail_next_wait_issue();
+    let e = c
+        .store_from_device(1, &rg, &src.chunks(n, 2).unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("stay reserved"), "{e}");
+    let st = node.status();
+    assert_eq!(st["pending_writes"], 1, "the reservation is kept: {st:#}");
+    let e = c.store_from_device(1, &range(&tokens(13, 1)), &src.chunks(n, 1).unwrap());
+    assert!(e.unwrap_err().to_string().contains("unusable"));
+    // A fresh attachment works; a retrieve whose wait cannot be issued keeps its locks.
+    c.attach_gpu(&gpu).unwrap();
+    let rg2 = range(&tokens(14, 2));
+    assert_eq!(
+        c.store_from_device(1, &rg2, &src.chunks(n, 2).unwrap())
+            .unwrap(),
+        2
+    );
+    let dst = gpu.alloc(2 * n).unwrap();
+    ctl.fail_next_wait_issue();
+    assert!(c
+        .retrieve_to_device(1, &rg2, None, &dst.chunks(n, 2).unwrap())
+        .is_err());
+    assert_eq!(node.status()["pending_reads"], 1);
+    // Releasing the client releases both.
+    drop(c);
+    node.wait_status("released", |s| {
+        s["pending_writes"] == 0 && s["pending_reads"] == 0
+    });
+    assert_clean(&node);
 }

@@ -115,8 +115,13 @@ fn a_real_gpu_exports_dmabuf_when_it_says_it_can() {
         Ok(x) => {
             assert!(gpu.info().dma_buf);
             assert_eq!((x.iova, x.len, x.offset), (buf.ptr(), 64 << 20, 0));
-            assert_eq!(x.window_start % kvnode_hw::gpu::GPU_PAGE_BYTES, 0);
+            assert_eq!(x.window_start % 4096, 0);
             eprintln!("dma-buf export: window {} bytes", x.window_len);
+            // An allocation whose size is not a page multiple exports too.
+            let odd = gpu.alloc((3 << 20) + 100).unwrap();
+            let y = gpu.export_dmabuf(&odd).unwrap();
+            assert_eq!(y.window_len % 4096, 0);
+            assert!(y.window_len >= odd.len());
         }
         Err(e) => {
             assert!(

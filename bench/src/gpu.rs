@@ -3,10 +3,12 @@
 //! and registered or pageable host memory of the same request size, measured in the same run.
 //!
 //! Each request moves `--gpu-batch` chunks. Stores use fresh keys (the node evicts the oldest
-//! objects as it would in service); retrieves cycle over the most recent requests that fit in
-//! the pool. Verification: every retrieved chunk's 32-byte header must be its key (the right
-//! object), and whole chunks are compared on the first retrieve and every 16th after (the
-//! rest would cost a synchronous device read per request); `corrupt_chunks` counts failures.
+//! objects as it would in service) from four source buffers with different bodies in turn;
+//! retrieves cycle over the most recent requests that fit in the pool. Rates are bytes over each
+//! phase's wall time (the longest instance's), so the harness's small work between requests
+//! counts against the node. Verification: every retrieved chunk's 32-byte header must be its key
+//! (the right object); after the timed phase the 8 most recent requests are retrieved into a
+//! poisoned buffer and compared whole; `corrupt_chunks` counts failures.
 
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -21,8 +23,11 @@ use crate::conn::RemoteTarget;
 use crate::payload::{splitmix64, Payload, HEADER_BYTES};
 use crate::workload::LayoutSpec;
 
-/// Whole-chunk verification of one retrieve in this many.
-const FULL_CHECK_EVERY: u64 = 16;
+/// Requests verified whole (into a poisoned buffer) after the timed retrieve phase.
+const FULL_CHECKS: u64 = 8;
+
+/// Source buffers with different chunk bodies, used in turn by the stores.
+const VARIANTS: u64 = 4;
 
 /// What the GPU run needs from the command line.
 pub struct GpuRun<'a> {
@@ -327,20 +332,27 @@ fn instance(
     let chunk = g.layout.chunk_bytes();
     let batch = g.batch as usize;
     let e = |e: kvnode_hw::HwError| e.to_string();
-    let src = gpu.alloc(chunk * batch as u64).map_err(e)?;
-    let dst = gpu.alloc(chunk * batch as u64).map_err(e)?;
-    // Chunk j's body: the payload of a per-instance key; its header: the stored key.
+    // VARIANTS source buffers with different bodies, used in turn: a store that leaves bytes
+    // out leaves another variant's (or an evicted object's) bytes in the slot.
     let payload = Payload::new(chunk as usize);
-    let bodies: Vec<Vec<u8>> = (0..g.batch)
-        .map(|j| {
-            let mut b = vec![0u8; chunk as usize];
-            payload.fill(&key(g.run_nonce, i, u64::MAX, j), &mut b);
-            b
-        })
-        .collect();
-    for (j, b) in bodies.iter().enumerate() {
-        src.write(j as u64 * chunk, b).map_err(e)?;
+    let mut srcs = Vec::new();
+    let mut bodies: Vec<Vec<Vec<u8>>> = Vec::new();
+    for v in 0..VARIANTS {
+        let buf = gpu.alloc(chunk * batch as u64).map_err(e)?;
+        let bs: Vec<Vec<u8>> = (0..g.batch)
+            .map(|j| {
+                let mut b = vec![0u8; chunk as usize];
+                payload.fill(&key(g.run_nonce, i, u64::MAX - v, j), &mut b);
+                b
+            })
+            .collect();
+        for (j, b) in bs.iter().enumerate() {
+            buf.write(j as u64 * chunk, b).map_err(e)?;
+        }
+        srcs.push(buf);
+        bodies.push(bs);
     }
+    let dst = gpu.alloc(chunk * batch as u64).map_err(e)?;
     let range_of = |op: u64| -> (ChunkRange, Vec<ChunkHash>) {
         let keys: Vec<ChunkHash> = (0..g.batch).map(|j| key(g.run_nonce, i, op, j)).collect();
         (
@@ -348,19 +360,26 @@ fn instance(
             keys,
         )
     };
-    let src_spans = src.chunks(chunk, batch).map_err(e)?;
+    let src_spans: Vec<Vec<DeviceSpan>> = srcs
+        .iter()
+        .map(|b| b.chunks(chunk, batch))
+        .collect::<Result<_, _>>()
+        .map_err(e)?;
     let dst_spans = dst.chunks(chunk, batch).map_err(e)?;
     let mut r = InstanceResult::default();
     let mut stored = 0u64;
     let mut store_one =
         |c: &mut Box<dyn DeviceEngine>, timed: Option<&mut Phase>| -> Result<(), String> {
             let (rg, keys) = range_of(stored);
+            let v = (stored % VARIANTS) as usize;
             for (j, k) in keys.iter().enumerate() {
-                src.write(j as u64 * chunk, &k[..HEADER_BYTES]).map_err(e)?;
+                srcs[v]
+                    .write(j as u64 * chunk, &k[..HEADER_BYTES])
+                    .map_err(e)?;
             }
             let t = Instant::now();
             let n = c
-                .store(id, &rg, &src_spans)
+                .store(id, &rg, &src_spans[v])
                 .map_err(|e| format!("store: {e}"))?;
             let d = t.elapsed();
             if n != batch {
@@ -371,7 +390,6 @@ fn instance(
             }
             if let Some(p) = timed {
                 p.bytes += chunk * batch as u64;
-                p.elapsed += d;
                 p.lat_us.push(d.as_secs_f64() * 1e6);
             }
             stored += 1;
@@ -381,8 +399,8 @@ fn instance(
         store_one(&mut c, None)?;
     }
     barrier.wait()?;
-    // A phase's time is the sum of its requests' times: the harness's own work between them
-    // (writing key headers, verifying) is not counted.
+    // A phase's time is its wall time: the harness's small work between requests (writing the
+    // key headers, reading them back) counts against the node, never for it.
     let t = Instant::now();
     let mut phase = Phase::default();
     while g.ops.map_or(t.elapsed() < g.duration, |n| {
@@ -390,18 +408,23 @@ fn instance(
     }) {
         store_one(&mut c, Some(&mut phase))?;
     }
+    phase.elapsed = t.elapsed();
     r.store = phase;
+    if stored == 0 {
+        return Err(
+            "no request was stored: give --ops of at least 1 or a longer --duration".into(),
+        );
+    }
     // Retrieves over the most recent requests that are still resident.
     let window = resident.min(stored).max(1);
     let first = stored - window;
-    let mut phase = Phase::default();
     let mut header = vec![0u8; HEADER_BYTES];
-    let mut whole = vec![0u8; chunk as usize];
     // One untimed retrieve first, as the raw copies have (first touches, lazy driver setup).
     let (rg, _) = range_of(stored - 1);
     c.retrieve(id, &rg, &dst_spans)
         .map_err(|e| format!("retrieve: {e}"))?;
     barrier.wait()?;
+    let mut phase = Phase::default();
     let t = Instant::now();
     let mut k = 0u64;
     while g.ops.map_or(t.elapsed() < g.duration, |n| k < n) {
@@ -412,30 +435,50 @@ fn instance(
             .retrieve(id, &rg, &dst_spans)
             .map_err(|e| format!("retrieve: {e}"))?;
         let d = t0.elapsed();
+        k += 1;
         if !hit {
             r.misses += 1;
-        } else {
-            phase.bytes += chunk * batch as u64;
-            phase.elapsed += d;
-            phase.lat_us.push(d.as_secs_f64() * 1e6);
-            if g.verify {
-                for (j, key) in keys.iter().enumerate() {
-                    let off = j as u64 * chunk;
-                    dst.read(off, &mut header).map_err(e)?;
-                    r.checked_headers += 1;
-                    let mut ok = header[..] == key[..HEADER_BYTES];
-                    if ok && k.is_multiple_of(FULL_CHECK_EVERY) {
-                        dst.read(off, &mut whole).map_err(e)?;
-                        r.checked_full += 1;
-                        ok = whole[HEADER_BYTES..] == bodies[j][HEADER_BYTES..];
-                    }
-                    r.corrupt += u64::from(!ok);
-                }
+            continue;
+        }
+        phase.bytes += chunk * batch as u64;
+        phase.lat_us.push(d.as_secs_f64() * 1e6);
+        if g.verify {
+            // The right object: each chunk's header is its key (a retrieve that moved nothing
+            // leaves the previous request's keys).
+            for (j, key) in keys.iter().enumerate() {
+                dst.read(j as u64 * chunk, &mut header).map_err(e)?;
+                r.checked_headers += 1;
+                r.corrupt += u64::from(header[..] != key[..HEADER_BYTES]);
             }
         }
-        k += 1;
     }
+    phase.elapsed = t.elapsed();
     r.retrieve = phase;
+    if g.verify {
+        // Whole chunks, after the timed phase: the most recent requests, each retrieved into a
+        // poisoned buffer (bytes a retrieve leaves out keep the poison).
+        let poison = vec![0xEE_u8; chunk as usize * batch];
+        let mut whole = vec![0u8; chunk as usize];
+        for op in stored - window.min(FULL_CHECKS)..stored {
+            dst.write(0, &poison).map_err(e)?;
+            let (rg, keys) = range_of(op);
+            if !c
+                .retrieve(id, &rg, &dst_spans)
+                .map_err(|e| format!("retrieve: {e}"))?
+            {
+                r.misses += 1;
+                continue;
+            }
+            for (j, key) in keys.iter().enumerate() {
+                dst.read(j as u64 * chunk, &mut whole).map_err(e)?;
+                r.checked_full += 1;
+                let body = &bodies[(op % VARIANTS) as usize][j];
+                let ok = whole[..HEADER_BYTES] == key[..HEADER_BYTES]
+                    && whole[HEADER_BYTES..] == body[HEADER_BYTES..];
+                r.corrupt += u64::from(!ok);
+            }
+        }
+    }
     Ok(r)
 }
 

@@ -329,6 +329,9 @@ fn run_gpu(
     if args.gpu_batch == 0 {
         return Err("--gpu-batch must be at least 1".into());
     }
+    if args.ops == Some(0) {
+        return Err("--ops must be at least 1 with --gpu".into());
+    }
     let (mut rep, ok) = gpu::run(&gpu::GpuRun {
         device: args.device,
         socket: socket.display().to_string(),

@@ -161,6 +161,10 @@ impl<T: ClientTransport> Client<T> {
         self.gpu.as_ref()
     }
 
+    fn stream_poisoned(&self) -> bool {
+        self.gpu.as_ref().is_some_and(|a| a.stream.is_poisoned())
+    }
+
     /// Registers the mapped pool with the attached GPU if it is not yet.
     pub(super) fn pin_pool(&mut self) -> Result<()> {
         let (Some(att), Some(pool)) = (self.gpu.as_mut(), self.pool.as_ref()) else {
@@ -296,6 +300,11 @@ impl Client<UnixTransport> {
             Ok(())
         });
         if let Err(e) = copied {
+            if self.stream_poisoned() {
+                // Copies may still be writing the slots: neither abort (the slots would be
+                // handed out again) nor commit; the reservation ends with this client.
+                return Err(poisoned(e));
+            }
             let _ = self.abort_store(instance_id, p.transfer_id);
             return Err(e);
         }
@@ -351,12 +360,27 @@ impl Client<UnixTransport> {
                     .map_err(Error::from),
             }
         };
-        // The copies are done (or never started): the locks can go.
-        let released = self.commit_retrieve(instance_id, p.transfer_id);
-        copied?;
-        released?;
+        if let Err(e) = copied {
+            if self.stream_poisoned() {
+                // Copies may still be reading the slots: the read locks stay until this client
+                // is released.
+                return Err(poisoned(e));
+            }
+            let _ = self.commit_retrieve(instance_id, p.transfer_id);
+            return Err(e);
+        }
+        // The copies are done: the locks can go.
+        self.commit_retrieve(instance_id, p.transfer_id)?;
         Ok(true)
     }
+}
+
+/// The error of a request whose copies could not be waited for.
+fn poisoned(e: Error) -> Error {
+    e.context(
+        "the GPU stream could not wait for this request's copies: its slots stay reserved (not \
+         committed, not aborted) until this client is released; attach the GPU again or reconnect",
+    )
 }
 
 fn not_pinned() -> Error {

@@ -119,6 +119,19 @@ mod rdma {
             self.remote_view().1
         }
 
+        /// The device memory of a device entry (the registrations end first); `None` for host
+        /// buffers.
+        fn into_device(self) -> DeviceBuffer {
+            match self {
+                ClientBuffer::Device(d) => d.into_device(),
+                ClientBuffer::Staged { staging, device } => {
+                    drop(staging);
+                    device
+                }
+                ClientBuffer::Host(_) => unreachable!("only device entries are turned back"),
+            }
+        }
+
         /// The host buffer, if this is one.
         pub(crate) fn host(&self) -> Option<&RegisteredBuffer> {
             match self {
@@ -144,31 +157,46 @@ mod rdma {
         pub fn register_device_buffer(
             &mut self,
             buf: DeviceBuffer,
-        ) -> Result<(BufferId, DevicePath)> {
-            let att_gpu = self.attachment_gpu()?;
-            if buf.gpu().info() != att_gpu.info() {
-                return Err(Error::invalid(
-                    "the device buffer belongs to another GPU than the attached one",
-                ));
+        ) -> std::result::Result<(BufferId, DevicePath), (DeviceBuffer, Error)> {
+            let att_gpu = match self.attachment_gpu() {
+                Ok(g) => g,
+                Err(e) => return Err((buf, e)),
+            };
+            if !buf.gpu().same_handle(&att_gpu) {
+                let e = Error::invalid(
+                    "the device buffer belongs to another GPU handle than the attached one",
+                );
+                return Err((buf, e));
             }
-            let rdma = self.rdma_mut()?;
-            let (entry, path) = match RegisteredDeviceBuffer::register(&rdma.fabric, buf) {
+            let fabric = match self.rdma_mut() {
+                Ok(r) => r.fabric.clone(),
+                Err(e) => return Err((buf, e)),
+            };
+            let (entry, path) = match RegisteredDeviceBuffer::register(&fabric, buf) {
                 Ok(reg) => (ClientBuffer::Device(reg), DevicePath::GpuDirect),
                 Err((device, why)) => {
                     let reason = why.to_string();
                     tracing::info!(%reason, "GPUDirect RDMA unavailable: staging through host memory");
-                    let host = EngineBuffer::new(device.len() as usize)?;
-                    let reg = rdma.register(host)?;
-                    let staging = att_gpu.pin(reg).map_err(|e| {
-                        Error::from(e).context("cannot register the staging buffer with the GPU")
-                    })?;
-                    (
-                        ClientBuffer::Staged { staging, device },
-                        DevicePath::HostStaging { reason },
-                    )
+                    match staging_for(&fabric, &att_gpu, device.len()) {
+                        Ok(staging) => (
+                            ClientBuffer::Staged { staging, device },
+                            DevicePath::HostStaging { reason },
+                        ),
+                        Err(e) => return Err((device, e)),
+                    }
                 }
             };
-            Ok((self.announce_buffer(entry)?, path))
+            let view = entry.remote_view();
+            match self.announce_region(view) {
+                Ok(id) => match self.rdma_mut() {
+                    Ok(rdma) => {
+                        rdma.buffers.insert(id.0, entry);
+                        Ok((id, path))
+                    }
+                    Err(e) => Err((entry.into_device(), e)),
+                },
+                Err(e) => Err((entry.into_device(), e)),
+            }
         }
 
         /// Unregisters a device buffer with the node, then deregisters it and gives the device
@@ -275,12 +303,25 @@ mod rdma {
             Ok(())
         }
 
-        fn attachment_gpu(&self) -> Result<kvnode_hw::gpu::Gpu> {
+        pub(crate) fn attachment_gpu(&self) -> Result<kvnode_hw::gpu::Gpu> {
             self.gpu().map(|a| a.gpu().clone()).ok_or_else(no_gpu)
         }
     }
 
     use crate::client::Client;
+
+    /// A pinned, RDMA-registered host buffer of `len` bytes standing in for device memory.
+    fn staging_for(
+        fabric: &kvnode_hw::fabric::RdmaFabric,
+        gpu: &kvnode_hw::gpu::Gpu,
+        len: u64,
+    ) -> Result<Pinned<RegisteredBuffer>> {
+        let host = EngineBuffer::new(len as usize)?;
+        let reg = RegisteredBuffer::register(fabric, host)
+            .map_err(|e| Error::from(e).context("cannot register the staging buffer for RDMA"))?;
+        gpu.pin(reg)
+            .map_err(|e| Error::from(e).context("cannot register the staging buffer with the GPU"))
+    }
 
     fn no_gpu() -> Error {
         Error::new(

@@ -315,9 +315,17 @@ impl RemoteClient {
         &mut self,
         buf: super::remote_gpu::ClientBuffer,
     ) -> Result<BufferId> {
-        let rdma = self.rdma_mut()?;
-        let id = rdma.next_id;
-        let (addr, len, rkey) = buf.remote_view();
+        let id = self.announce_region(buf.remote_view())?;
+        self.rdma_mut()?.buffers.insert(id.0, buf);
+        Ok(id)
+    }
+
+    /// REGISTER_BUFFERS for a region `(addr, len, rkey)` under the next id (taken on success).
+    pub(super) fn announce_region(
+        &mut self,
+        (addr, len, rkey): (u64, u64, u32),
+    ) -> Result<BufferId> {
+        let id = self.rdma_mut()?.next_id;
         let region = RemoteRegion {
             id,
             addr,
@@ -335,7 +343,6 @@ impl RemoteClient {
             .next_id
             .checked_add(1)
             .ok_or_else(|| Error::limit("buffer ids of this connection are exhausted (u32)"))?;
-        rdma.buffers.insert(id, buf);
         Ok(BufferId(id))
     }
 

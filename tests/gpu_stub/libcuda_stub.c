@@ -100,6 +100,25 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
 CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; *c = &the_context; return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
+/* A per-thread context stack, as the driver keeps it: push makes a context current, pop
+ * restores the one before (kvnode must leave the caller's context as it found it). */
+#define STACK 16
+static __thread CUcontext stack[STACK];
+static __thread int depth;
+CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    if (!c) return INVALID_CONTEXT;
+    if (depth == STACK) return OUT_OF_MEMORY;
+    stack[depth++] = current;
+    current = c;
+    return OK;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext *out) {
+    if (!depth) return INVALID_CONTEXT;
+    if (out) *out = current;
+    current = stack[--depth];
+    return OK;
+}
+CUresult cuCtxSynchronize(void) { return need_ctx(); }
 CUresult cuStreamCreate(CUstream *s, unsigned f) { (void)f; CUresult r = need_ctx(); if (r) return r; *s = malloc(1); return OK; }
 CUresult cuStreamDestroy_v2(CUstream s) { CUresult r = need_ctx(); if (r) return r; free(s); return OK; }
 CUresult cuStreamSynchronize(CUstream s) { (void)s; return need_ctx(); }
@@ -205,9 +224,20 @@ CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr d, size_t n, in
     (void)handle; (void)d; (void)n; (void)type;
     return NOT_SUPPORTED;
 #else
-    CUresult r = dev_ok(d, n);
+    /* Like the driver: the window must be host-page aligned and inside the allocation as the
+     * driver backs it (sizes rounded up to 2 MiB), which may pass its nominal size. */
+    CUresult r = need_ctx();
     if (r) return r;
-    if (type != 1 || (d & 0xffff)) return INVALID_VALUE;
+    long page = sysconf(_SC_PAGESIZE);
+    if (type != 1 || (d % page) || (n % page)) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int ok = 0;
+    for (int i = 0; i < MAX_RANGES; i++) {
+        size_t backed = (allocs[i].len + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+        if (allocs[i].len && d >= allocs[i].start && d + n <= allocs[i].start + backed) ok = 1;
+    }
+    pthread_mutex_unlock(&lock);
+    if (!ok) return INVALID_VALUE;
     int fd = memfd_create("kvnode-stub-dmabuf", MFD_CLOEXEC);
     if (fd < 0) return OUT_OF_MEMORY;
     *(int *)handle = fd;

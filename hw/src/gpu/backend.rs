@@ -53,5 +53,14 @@ pub(crate) trait StreamBackend: Send {
     unsafe fn enqueue(&mut self, dir: Direction, host: *mut u8, dev: u64, len: u64)
         -> HwResult<()>;
     /// Waits for every enqueued copy.
-    fn synchronize(&mut self) -> HwResult<()>;
+    fn synchronize(&mut self) -> Result<(), SyncError>;
+}
+
+/// Why a stream's wait did not succeed.
+#[derive(Debug)]
+pub(crate) enum SyncError {
+    /// The wait ran and failed: the driver ended the stream's work (nothing runs any more).
+    Failed(crate::HwError),
+    /// The wait could not even be issued: copies may still be running.
+    NotWaited(crate::HwError),
 }

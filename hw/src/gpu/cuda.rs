@@ -2,8 +2,10 @@
 //!
 //! cudarc panics when `libcuda` or one of its functions is missing, so [`probe_library`] checks
 //! the library, every function this module calls and the driver version first; only then is any
-//! other driver function called. Each call binds the device's primary context to the calling
-//! thread first (streams move between threads with their engine instance).
+//! other driver function called. Each call pushes the device's primary context on the calling
+//! thread's context stack and pops it afterwards ([`Bound`]), so an engine thread's own current
+//! context (another device, the engine's runtime) is left as it was; streams move between
+//! threads with their engine instance.
 //!
 //! **Untested on hardware in this repository's CI** (no GPU there); `scripts/gpu-check.sh` runs
 //! the GPU tests and bench on a machine with one.
@@ -13,7 +15,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use cudarc::driver::{result, sys};
 
-use super::backend::{DeviceBackend, Direction, StreamBackend};
+use super::backend::{DeviceBackend, Direction, StreamBackend, SyncError};
 use super::{DmaBufExport, GpuInfo, GpuUnavailable, MIN_DRIVER_VERSION};
 use crate::{HwError, HwResult};
 
@@ -30,7 +32,9 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxSynchronize",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
@@ -173,9 +177,34 @@ impl CudaDevice {
         Ok(CudaDevice { dev, ctx, info })
     }
 
-    fn bind(&self) -> HwResult<()> {
-        // SAFETY: `ctx` is retained while `self` lives.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| gpu_err("cuCtxSetCurrent", e))
+    fn bind(&self) -> HwResult<Bound> {
+        Bound::push(self.ctx)
+    }
+}
+
+/// The device's context pushed on the calling thread's context stack; popped on drop.
+///
+/// Invariant: lives within one call on one thread (not `Send`).
+#[must_use = "the context is popped again when this is dropped: bind it to a variable"]
+pub(crate) struct Bound(std::marker::PhantomData<*const ()>);
+
+impl Bound {
+    fn push(ctx: sys::CUcontext) -> HwResult<Bound> {
+        // SAFETY: `ctx` is a retained primary context (held by the caller's device or stream).
+        let rc = unsafe { sys::cuCtxPushCurrent_v2(ctx) };
+        check(rc, "cuCtxPushCurrent")?;
+        Ok(Bound(std::marker::PhantomData))
+    }
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops exactly the context `push` pushed on this thread.
+        let rc = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuCtxPopCurrent failed");
+        }
     }
 }
 
@@ -195,7 +224,7 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn new_stream(&self) -> HwResult<Box<dyn StreamBackend>> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| gpu_err("cuStreamCreate", e))?;
         Ok(Box::new(CudaStreamBackend {
@@ -205,24 +234,24 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn alloc(&self, len: u64) -> HwResult<u64> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: context bound; the pointer is owned by the returned DeviceBuffer.
         unsafe { result::malloc_sync(len as usize) }.map_err(|e| gpu_err("cuMemAlloc", e))
     }
 
     fn free(&self, ptr: u64) {
-        let freed = self
-            .bind()
+        let freed = self.bind().and_then(|_ctx| {
             // SAFETY: `ptr` came from `alloc` and is freed once (DeviceBuffer's Drop); no copy
             // runs on it (every stream call waits for its copies).
-            .and_then(|()| unsafe { result::free_sync(ptr) }.map_err(|e| gpu_err("cuMemFree", e)));
+            unsafe { result::free_sync(ptr) }.map_err(|e| gpu_err("cuMemFree", e))
+        });
         if let Err(e) = freed {
             tracing::warn!(error = %e, "freeing device memory failed");
         }
     }
 
     fn allocation_of(&self, ptr: u64, len: u64) -> HwResult<(u64, u64)> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: live out-pointers; the driver validates `ptr`.
         let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
@@ -241,7 +270,7 @@ impl DeviceBackend for CudaDevice {
     }
 
     unsafe fn register_host(&self, ptr: usize, len: usize) -> HwResult<()> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps the range mapped until unregister_host.
         let rc = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
@@ -255,7 +284,7 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn unregister_host(&self, ptr: usize) -> HwResult<()> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: `ptr` starts a range registered by `register_host`, unregistered once.
         let rc = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
         if rc != sys::CUresult::CUDA_SUCCESS {
@@ -274,11 +303,14 @@ impl DeviceBackend for CudaDevice {
             )));
         }
         let (base, alloc_len) = self.allocation_of(ptr, len)?;
-        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, super::GPU_PAGE_BYTES)
+        let page = crate::region::base_page_size() as u64;
+        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, page)
             .ok_or_else(|| HwError::Invalid(format!("no dma-buf window for {ptr:#x}+{len}")))?;
+        let _ctx = self.bind()?;
         let mut fd: i32 = -1;
         // SAFETY: the symbol exists (info.dma_buf implies it was found); the out-pointer is a
-        // live local; the window lies inside one allocation.
+        // live local; the window starts inside one allocation and ends less than a host page past its
+        // nominal size (inside the driver's allocation granularity).
         let rc = unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut i32).cast(),
@@ -306,16 +338,23 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn write_sync(&self, ptr: u64, src: &[u8]) -> HwResult<()> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: `ptr` is inside a live allocation (checked by the caller's span); `src` is a
-        // live slice; the copy is synchronous.
+        // live slice, read before the call returns (pageable source: staged by the driver).
         let rc = unsafe { sys::cuMemcpyHtoD_v2(ptr, src.as_ptr().cast(), src.len()) };
-        check(rc, "cuMemcpyHtoD")
+        check(rc, "cuMemcpyHtoD")?;
+        // From pageable memory the call may return before the DMA into device memory finished,
+        // on the legacy stream, which kvnode's non-blocking streams do not wait for: wait here.
+        // SAFETY: a context is current (pushed above).
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
     fn read_sync(&self, ptr: u64, dst: &mut [u8]) -> HwResult<()> {
-        self.bind()?;
-        // SAFETY: as above; `dst` is an exclusive live slice.
+        let _ctx = self.bind()?;
+        // Work on other streams that wrote `ptr` is finished first (as in write_sync).
+        // SAFETY: a context is current.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+        // SAFETY: as in write_sync; `dst` is an exclusive live slice, complete on return.
         let rc = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), ptr, dst.len()) };
         check(rc, "cuMemcpyDtoH")
     }
@@ -343,9 +382,8 @@ struct CudaStreamBackend {
 unsafe impl Send for CudaStreamBackend {}
 
 impl CudaStreamBackend {
-    fn bind(&self) -> HwResult<()> {
-        // SAFETY: the context is retained while the stream lives.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| gpu_err("cuCtxSetCurrent", e))
+    fn bind(&self) -> HwResult<Bound> {
+        Bound::push(self.ctx)
     }
 }
 
@@ -357,7 +395,7 @@ impl StreamBackend for CudaStreamBackend {
         dev: u64,
         len: u64,
     ) -> HwResult<()> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let rc = match dir {
             // SAFETY: the caller keeps `[host, host + len)` mapped and untouched until the next
             // synchronize; `dev` lies in a live allocation.
@@ -372,17 +410,19 @@ impl StreamBackend for CudaStreamBackend {
         check(rc, "cuMemcpyAsync")
     }
 
-    fn synchronize(&mut self) -> HwResult<()> {
-        self.bind()?;
-        // SAFETY: the stream is live.
+    fn synchronize(&mut self) -> Result<(), SyncError> {
+        let _ctx = self.bind().map_err(SyncError::NotWaited)?;
+        // SAFETY: the stream is live. A driver error here ends the stream's work (a sticky
+        // error stops the context): nothing is running when it returns.
         unsafe { result::stream::synchronize(self.stream) }
-            .map_err(|e| gpu_err("cuStreamSynchronize", e))
+            .map_err(|e| SyncError::Failed(gpu_err("cuStreamSynchronize", e)))
     }
 }
 
 impl Drop for CudaStreamBackend {
     fn drop(&mut self) {
         let _ = self.synchronize();
+        let _ctx = self.bind();
         // SAFETY: created in new_stream, destroyed once, no copy pending (just synchronised).
         if let Err(e) = unsafe { result::stream::destroy(self.stream) } {
             tracing::warn!(error = %e, "destroying a CUDA stream failed");

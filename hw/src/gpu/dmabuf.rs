@@ -1,14 +1,17 @@
 //! dma-buf export of device memory for GPUDirect RDMA (`ibv_reg_dmabuf_mr`).
 //!
-//! The driver exports whole pages: the window handed to `cuMemGetHandleForAddressRange` must
-//! start and end on a page boundary (kvnode uses the GPU's 64 KiB page) and stay inside the
-//! allocation. The NIC registration then names the asked-for range by its offset in that window
-//! and uses the device address itself as the I/O virtual address, so the node's work requests
-//! address GPU memory exactly like host memory.
+//! `cuMemGetHandleForAddressRange` wants an address and a size aligned to the host page size:
+//! the exported window is the asked-for range with its start rounded down and its end rounded up
+//! to host pages. The start never goes below the allocation's base; the end may pass the
+//! allocation's nominal size by less than a page (the driver backs device allocations in units
+//! of at least 64 KiB, so those bytes exist and belong to the same allocation). The NIC
+//! registration then names the asked-for range by its offset in that window and uses the device
+//! address itself as the I/O virtual address, so the node's work requests address GPU memory
+//! exactly like host memory.
 
 use std::os::fd::OwnedFd;
 
-/// GPU page size used to align dma-buf windows.
+/// Granularity of device allocations (the GPU's page), for reference in tests.
 pub const GPU_PAGE_BYTES: u64 = 64 << 10;
 
 /// An exported device range.
@@ -31,10 +34,10 @@ pub struct DmaBufExport {
     pub iova: u64,
 }
 
-/// The page-aligned window `(start, len)` to export for `[ptr, ptr + len)` inside the
-/// allocation `[base, base + alloc_len)`: start rounded down and end rounded up to `page`, then
-/// clamped to the allocation. `None` if the range is empty or not inside the allocation, or
-/// `page` is not a power of two.
+/// The window `(start, len)` to export for `[ptr, ptr + len)` inside the allocation
+/// `[base, base + alloc_len)`: start rounded down and end rounded up to `page` (the host page).
+/// `None` if the range is empty or not inside the allocation, `page` is not a power of two, or
+/// rounding the start down would leave the allocation (a base off the page grid).
 pub fn dmabuf_window(
     ptr: u64,
     len: u64,
@@ -50,9 +53,11 @@ pub fn dmabuf_window(
     if ptr < base || end > alloc_end {
         return None;
     }
-    let start = (ptr & !(page - 1)).max(base);
-    let aligned_end = end.checked_add(page - 1).map(|e| e & !(page - 1))?;
-    let stop = aligned_end.min(alloc_end);
+    let start = ptr & !(page - 1);
+    if start < base {
+        return None;
+    }
+    let stop = end.checked_add(page - 1)? & !(page - 1);
     Some((start, stop - start))
 }
 
@@ -60,35 +65,33 @@ pub fn dmabuf_window(
 mod tests {
     use super::*;
 
-    const P: u64 = GPU_PAGE_BYTES;
+    const P: u64 = 4096;
 
     #[test]
-    fn windows_are_page_aligned_and_inside_the_allocation() {
+    fn windows_are_page_aligned_around_the_range() {
         let base = 0x7000_0000_0000;
-        // Whole allocation.
         assert_eq!(
-            dmabuf_window(base, 4 * P, base, 4 * P, P),
-            Some((base, 4 * P))
+            dmabuf_window(base, 16 * P, base, 16 * P, P),
+            Some((base, 16 * P))
         );
-        // A middle range rounds out to pages.
         assert_eq!(
-            dmabuf_window(base + P + 100, 10, base, 4 * P, P),
+            dmabuf_window(base + P + 100, 10, base, 16 * P, P),
             Some((base + P, P))
         );
-        // Spanning a page boundary takes both pages.
         assert_eq!(
-            dmabuf_window(base + P - 1, 2, base, 4 * P, P),
+            dmabuf_window(base + P - 1, 2, base, 16 * P, P),
             Some((base, 2 * P))
         );
-        // The end clamps to an allocation that is not a whole number of pages.
+        // An allocation whose nominal size is not a page multiple: the end still rounds up.
         assert_eq!(
-            dmabuf_window(base + P, 100, base, P + 100, P),
-            Some((base + P, 100))
+            dmabuf_window(base, 3 * P + 100, base, 3 * P + 100, P),
+            Some((base, 4 * P))
         );
-        // An allocation starting off a page boundary clamps the start.
+        // 64 KiB host pages (e.g. aarch64).
+        let big = 64 << 10;
         assert_eq!(
-            dmabuf_window(base + 4096, 10, base + 4096, P, P),
-            Some((base + 4096, P - 4096))
+            dmabuf_window(base + 5, 10, base, 4 * big, big),
+            Some((base, big))
         );
     }
 
@@ -100,10 +103,15 @@ mod tests {
         assert_eq!(dmabuf_window(base + P - 1, 2, base, P, P), None);
         assert_eq!(dmabuf_window(base, 1, base, P, 3), None);
         assert_eq!(dmabuf_window(u64::MAX, 2, base, P, P), None);
+        assert_eq!(
+            dmabuf_window(base + 100, 1, base + 50, P, P),
+            None,
+            "base off the page grid"
+        );
     }
 
-    /// Property: the window contains the range, lies in the allocation, and starts on a page
-    /// boundary unless clamped to the allocation's start.
+    /// Property: the window is page-aligned at both ends, contains the range, starts inside
+    /// the allocation and ends less than a page past it.
     #[test]
     fn windows_contain_the_range() {
         let mut x = 99u64;
@@ -111,15 +119,14 @@ mod tests {
             x = x
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            let base = 0x1_0000_0000 + (x >> 40) * 512;
-            let alloc_len = 1 + (x >> 20) % (8 * P);
+            let base = 0x1_0000_0000 + (x >> 44) * P;
+            let alloc_len = 1 + (x >> 20) % (64 * P);
             let off = (x >> 8) % alloc_len;
             let len = 1 + (x >> 3) % (alloc_len - off);
             let (s, l) = dmabuf_window(base + off, len, base, alloc_len, P).unwrap();
             assert!(s <= base + off && base + off + len <= s + l);
-            assert!(s >= base && s + l <= base + alloc_len);
-            assert!(s % P == 0 || s == base);
-            assert!((s + l) % P == 0 || s + l == base + alloc_len);
+            assert!(s >= base && s + l < base + alloc_len + P);
+            assert!(s % P == 0 && l % P == 0);
         }
     }
 }

@@ -8,7 +8,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::backend::{DeviceBackend, Direction, StreamBackend};
+use super::backend::{DeviceBackend, Direction, StreamBackend, SyncError};
 use super::{DmaBufExport, GpuInfo};
 use crate::{HwError, HwResult};
 
@@ -28,6 +28,7 @@ struct Shared {
     /// The enqueue with this sequence number fails (0: none).
     fail_enqueue_at: AtomicU64,
     fail_next_sync: AtomicBool,
+    fail_next_wait_issue: AtomicBool,
     fail_register: AtomicBool,
     memory: Mutex<Memory>,
 }
@@ -132,6 +133,12 @@ impl FakeGpuControl {
     /// The next synchronisation fails after running its copies (a sticky launch error).
     pub fn fail_next_sync(&self) {
         self.0.fail_next_sync.store(true, Ordering::SeqCst);
+    }
+
+    /// The next wait cannot even be issued (its copies stay pending: as far as the caller can
+    /// tell, still running).
+    pub fn fail_next_wait_issue(&self) {
+        self.0.fail_next_wait_issue.store(true, Ordering::SeqCst);
     }
 
     /// Host registration fails while set (e.g. RLIMIT_MEMLOCK).
@@ -251,7 +258,8 @@ impl DeviceBackend for FakeDevice {
 
     fn export_dmabuf(&self, ptr: u64, len: u64) -> HwResult<DmaBufExport> {
         let (base, alloc_len) = self.allocation_of(ptr, len)?;
-        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, super::GPU_PAGE_BYTES)
+        let page = crate::region::base_page_size() as u64;
+        let (start, wlen) = super::dmabuf_window(ptr, len, base, alloc_len, page)
             .ok_or_else(|| unmapped(ptr, len))?;
         // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
         let fd = unsafe { libc::memfd_create(c"kvnode-fake-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
@@ -334,7 +342,16 @@ impl StreamBackend for FakeStream {
         Ok(())
     }
 
-    fn synchronize(&mut self) -> HwResult<()> {
+    fn synchronize(&mut self) -> Result<(), SyncError> {
+        if self
+            .shared
+            .fail_next_wait_issue
+            .swap(false, Ordering::SeqCst)
+        {
+            return Err(SyncError::NotWaited(HwError::Gpu(
+                "cuCtxPushCurrent: CUDA_ERROR_INVALID_CONTEXT (injected)".into(),
+            )));
+        }
         self.shared.synchronizations.fetch_add(1, Ordering::SeqCst);
         let mut m = self.shared.mem();
         for p in self.pending.drain(..) {
@@ -355,9 +372,9 @@ impl StreamBackend for FakeStream {
             }
         }
         if self.shared.fail_next_sync.swap(false, Ordering::SeqCst) {
-            return Err(HwError::Gpu(
+            return Err(SyncError::Failed(HwError::Gpu(
                 "cuStreamSynchronize: CUDA_ERROR_LAUNCH_FAILED (injected)".into(),
-            ));
+            )));
         }
         Ok(())
     }
@@ -365,9 +382,9 @@ impl StreamBackend for FakeStream {
 
 impl Drop for FakeStream {
     fn drop(&mut self) {
-        // Never leave copies pending (the real stream is synchronised before destruction).
-        if !self.pending.is_empty() {
-            let _ = self.synchronize();
-        }
+        // Copies are pending only after a wait that could not be issued (injected): the caller
+        // was told they may still run; the fake drops them rather than touch memory that may
+        // be gone by now.
+        self.pending.clear();
     }
 }

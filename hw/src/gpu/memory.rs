@@ -279,7 +279,7 @@ impl<H: HostMemory> Pinned<H> {
     /// Unregisters (if this was the last reference) and gives the memory back.
     pub fn into_inner(mut self) -> H {
         let h = self.host.take().expect("present until drop");
-        self.gpu.registry().release(self.gpu.backend(), self.ptr);
+        self.gpu.registry().release(self.ptr);
         h
     }
 }
@@ -287,7 +287,7 @@ impl<H: HostMemory> Pinned<H> {
 impl<H: HostMemory> Drop for Pinned<H> {
     fn drop(&mut self) {
         if self.host.is_some() {
-            self.gpu.registry().release(self.gpu.backend(), self.ptr);
+            self.gpu.registry().release(self.ptr);
         }
     }
 }

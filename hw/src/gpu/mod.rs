@@ -128,7 +128,8 @@ pub fn probe() -> Result<Vec<GpuInfo>, GpuUnavailable> {
 }
 
 /// Process-wide registry for CUDA: a host range registered by one device handle is registered
-/// for every context (`CU_MEMHOSTREGISTER_PORTABLE`), and registering it twice fails.
+/// for every context (`CU_MEMHOSTREGISTER_PORTABLE`), and registering it twice fails; each entry
+/// keeps the registering device (its context) until the range is unregistered.
 #[cfg(feature = "gpu")]
 fn cuda_registry() -> Arc<HostRegistry> {
     static REG: std::sync::OnceLock<Arc<HostRegistry>> = std::sync::OnceLock::new();
@@ -221,8 +222,7 @@ impl Gpu {
     /// (`Invalid`, naming both).
     pub fn pin<H: HostMemory>(&self, host: H) -> HwResult<Pinned<H>> {
         let (ptr, len) = host.host_range();
-        self.registry
-            .acquire(self.backend.as_ref(), ptr as usize, len)?;
+        self.registry.acquire(&self.backend, ptr as usize, len)?;
         Ok(Pinned::new(host, self.clone(), ptr as usize))
     }
 
@@ -239,6 +239,12 @@ impl Gpu {
         self.backend.export_dmabuf(buf.ptr(), buf.len())
     }
 
+    /// Whether `other` is this handle (or a clone of it): device memory of one handle is
+    /// refused by another's streams.
+    pub fn same_handle(&self, other: &Gpu) -> bool {
+        self.id == other.id
+    }
+
     /// How many host ranges this handle's registry holds registered (for status and tests).
     pub fn registered_host_ranges(&self) -> usize {
         self.registry.len()
@@ -246,6 +252,11 @@ impl Gpu {
 
     pub(crate) fn backend(&self) -> &dyn DeviceBackend {
         self.backend.as_ref()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn backend_arc(&self) -> Arc<dyn DeviceBackend> {
+        self.backend.clone()
     }
 
     pub(crate) fn registry(&self) -> &HostRegistry {

@@ -6,7 +6,7 @@
 //! is counted here. Overlapping-but-different ranges are refused with both ranges named.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::backend::DeviceBackend;
 use crate::{HwError, HwResult};
@@ -14,6 +14,9 @@ use crate::{HwError, HwResult};
 struct Entry {
     len: usize,
     refs: u64,
+    /// The device that registered the range: kept (its context retained) until the range is
+    /// unregistered, through which it is unregistered, whichever handle lets go last.
+    owner: Arc<dyn DeviceBackend>,
 }
 
 /// Registered host ranges by start address.
@@ -39,7 +42,7 @@ impl HostRegistry {
     /// The caller guarantees the range stays mapped until the matching `release`.
     pub(crate) fn acquire(
         &self,
-        backend: &dyn DeviceBackend,
+        backend: &Arc<dyn DeviceBackend>,
         ptr: usize,
         len: usize,
     ) -> HwResult<()> {
@@ -73,12 +76,20 @@ impl HostRegistry {
         // SAFETY: the caller keeps the range mapped until the matching release, which is the
         // only place that unregisters it.
         unsafe { backend.register_host(ptr, len)? };
-        entries.insert(ptr, Entry { len, refs: 1 });
+        entries.insert(
+            ptr,
+            Entry {
+                len,
+                refs: 1,
+                owner: backend.clone(),
+            },
+        );
         Ok(())
     }
 
-    /// Drops a reference taken by `acquire(ptr, ..)`; the last one unregisters the range.
-    pub(crate) fn release(&self, backend: &dyn DeviceBackend, ptr: usize) {
+    /// Drops a reference taken by `acquire(ptr, ..)`; the last one unregisters the range
+    /// through the device that registered it.
+    pub(crate) fn release(&self, ptr: usize) {
         let mut entries = self.lock();
         let Some(e) = entries.get_mut(&ptr) else {
             debug_assert!(false, "release of an unregistered host range {ptr:#x}");
@@ -88,8 +99,8 @@ impl HostRegistry {
         assert!(e.refs >= 1);
         e.refs -= 1;
         if e.refs == 0 {
-            entries.remove(&ptr);
-            if let Err(e) = backend.unregister_host(ptr) {
+            let entry = entries.remove(&ptr).expect("present");
+            if let Err(e) = entry.owner.unregister_host(ptr) {
                 tracing::warn!(ptr, error = %e, "unregistering host memory failed");
             }
         }

@@ -1,7 +1,7 @@
 //! A copy stream: checks a request's copy items, merges neighbours, enqueues them all and
 //! waits once.
 
-use super::backend::{Direction, StreamBackend};
+use super::backend::{Direction, StreamBackend, SyncError};
 use super::plan::{coalesce, first_overlap, PlannedCopy, MAX_MERGED_COPY_BYTES};
 use super::{CopyItem, Gpu, HostMemory, MAX_COPY_ITEMS};
 use crate::{HwError, HwResult};
@@ -21,13 +21,17 @@ pub struct CopyReport {
 
 /// One stream of one GPU, used by one engine instance at a time (`&mut self`).
 ///
-/// Invariant: when a call returns (`Ok` or `Err`), no copy it enqueued is still running: every
-/// call ends with one synchronisation, also after a failed enqueue. The stream is destroyed
-/// before the device handle it holds (field order).
+/// Invariant: when a call returns `Ok`, or `Err` with [`GpuStream::is_poisoned`] false, no copy
+/// it enqueued is still running: every call ends with one synchronisation, also after a failed
+/// enqueue. If the wait could not even be issued, the stream is poisoned: its copies may still
+/// run, every later call is refused, and the caller must not hand the memory they touch to
+/// anyone (the client keeps the reservation and sends neither commit nor abort). The stream is
+/// destroyed before the device handle it holds (field order).
 pub struct GpuStream {
     backend: Box<dyn StreamBackend>,
     gpu: Gpu,
     synchronizations: u64,
+    poisoned: Option<String>,
 }
 
 impl std::fmt::Debug for GpuStream {
@@ -45,12 +49,18 @@ impl GpuStream {
             backend,
             gpu,
             synchronizations: 0,
+            poisoned: None,
         }
     }
 
     /// The GPU it runs on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Whether a wait could not be issued: copies of that call may still be running.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.is_some()
     }
 
     /// How many times this stream waited (one per successful or failed call that enqueued).
@@ -95,6 +105,11 @@ impl GpuStream {
         items: &[CopyItem<'_>],
         dir: Direction,
     ) -> HwResult<Vec<PlannedCopy>> {
+        if let Some(why) = &self.poisoned {
+            return Err(HwError::Gpu(format!(
+                "this GPU stream is unusable: an earlier wait could not be issued ({why})"
+            )));
+        }
         if items.len() > MAX_COPY_ITEMS {
             return Err(HwError::Invalid(format!(
                 "{} copy items in one call: at most {MAX_COPY_ITEMS}",
@@ -163,10 +178,17 @@ impl GpuStream {
             }
         }
         self.synchronizations += 1;
-        let synced = self.backend.synchronize();
-        match (failed, synced) {
+        match (failed, self.backend.synchronize()) {
+            (_, Err(SyncError::NotWaited(e))) => {
+                let why = e.to_string();
+                self.poisoned = Some(why.clone());
+                Err(HwError::Gpu(format!(
+                    "the copies could not be waited for ({why}): they may still be running"
+                )))
+            }
             (Some(e), _) => Err(e),
-            (None, r) => r,
+            (None, Err(SyncError::Failed(e))) => Err(e),
+            (None, Ok(())) => Ok(()),
         }
     }
 }

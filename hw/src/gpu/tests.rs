@@ -260,25 +260,26 @@ fn overlapping_registrations_are_refused_and_failures_leave_nothing() {
 fn registry_refuses_partial_overlaps_with_both_ranges_named() {
     let (gpu, ctl) = Gpu::fake(MIB, false);
     let reg = registry::HostRegistry::default();
-    reg.acquire(gpu.backend(), 0x10000, 0x4000).unwrap();
-    reg.acquire(gpu.backend(), 0x10000, 0x4000).unwrap();
+    let b = gpu.backend_arc();
+    reg.acquire(&b, 0x10000, 0x4000).unwrap();
+    reg.acquire(&b, 0x10000, 0x4000).unwrap();
     for (p, l) in [
         (0x12000, 0x4000),
         (0xf000, 0x2000),
         (0x10000, 0x2000),
         (0xc000, 0x10000),
     ] {
-        let e = reg.acquire(gpu.backend(), p, l).unwrap_err().to_string();
+        let e = reg.acquire(&b, p, l).unwrap_err().to_string();
         assert!(
             e.contains("overlaps the registered range [0x10000, 0x14000)"),
             "{e}"
         );
     }
-    reg.acquire(gpu.backend(), 0x14000, 0x1000).unwrap();
+    reg.acquire(&b, 0x14000, 0x1000).unwrap();
     assert_eq!(ctl.counters().registrations, 2);
-    reg.release(gpu.backend(), 0x10000);
-    reg.release(gpu.backend(), 0x10000);
-    reg.release(gpu.backend(), 0x14000);
+    reg.release(0x10000);
+    reg.release(0x10000);
+    reg.release(0x14000);
     assert_eq!(ctl.counters().unregistrations, 2);
     assert_eq!(reg.len(), 0);
 }
@@ -328,4 +329,33 @@ fn probing_without_a_gpu_is_a_clear_error() {
         let e = Gpu::open(4096).unwrap_err().to_string();
         assert!(e.contains("does not exist"), "{e}");
     }
+}
+
+#[test]
+fn a_wait_that_cannot_be_issued_poisons_the_stream() {
+    let (gpu, ctl) = Gpu::fake(64 * MIB, false);
+    let dev = gpu.alloc(MIB).unwrap();
+    let mut host = EngineBuffer::new(MIB as usize).unwrap();
+    let mut s = gpu.stream().unwrap();
+    let items = [CopyItem {
+        host_offset: 0,
+        device: dev.span(0, MIB).unwrap(),
+    }];
+    ctl.fail_next_wait_issue();
+    let e = s.device_to_host(&mut host, &items).unwrap_err().to_string();
+    assert!(e.contains("may still be running"), "{e}");
+    assert!(s.is_poisoned());
+    let e = s.device_to_host(&mut host, &items).unwrap_err().to_string();
+    assert!(e.contains("unusable"), "{e}");
+    assert_eq!(
+        ctl.counters().enqueued,
+        1,
+        "nothing enqueued after the poison"
+    );
+    // A wait that ran and failed does not poison.
+    let mut s2 = gpu.stream().unwrap();
+    ctl.fail_next_sync();
+    assert!(s2.device_to_host(&mut host, &items).is_err());
+    assert!(!s2.is_poisoned());
+    assert!(s2.device_to_host(&mut host, &items).is_ok());
 }
