@@ -116,7 +116,8 @@ esac
 need_pkgs=()
 # libibverbs-dev, librdmacm-dev and libclang-dev (with pkg-config): the `rdma` cargo feature (on by
 # default) generates its verbs bindings at build time and links libibverbs/librdmacm.
-for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv iproute2 util-linux libibverbs-dev librdmacm-dev libclang-dev; do
+# protobuf-compiler: the etcd client (cluster membership) generates its gRPC code with protoc.
+for p in build-essential pkg-config ca-certificates curl procps valgrind fonts-dejavu-core libzmq3-dev python3 python3-venv iproute2 util-linux libibverbs-dev librdmacm-dev libclang-dev protobuf-compiler; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need_pkgs+=("$p")
 done
 if [ "${KVNODE_SKIP_APT:-0}" != 1 ] && [ ${#need_pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null; then
@@ -124,6 +125,27 @@ if [ "${KVNODE_SKIP_APT:-0}" != 1 ] && [ ${#need_pkgs[@]} -gt 0 ] && command -v 
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq || log "apt-get update failed (offline?)"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-upgrade "${need_pkgs[@]}" \
     || log "apt-get install failed; continuing with what is present"
+fi
+
+# 1b. etcd for the cluster tests: Debian's etcd-server package, unpacked into tools/etcd under
+# the cargo target directory rather than installed (installing it would start an etcd service
+# on the host). Used when no `etcd` is on the PATH; tests find it through KVNODE_ETCD_BIN
+# (scripts/test.sh sets it) and skip, saying so, without one.
+etcd_dir="$(cd "$(dirname "$0")/.." && pwd)/${CARGO_TARGET_DIR:-target}/tools/etcd"
+case "${CARGO_TARGET_DIR:-}" in /*) etcd_dir="$CARGO_TARGET_DIR/tools/etcd" ;; esac
+if ! command -v etcd >/dev/null && [ ! -x "$etcd_dir/usr/bin/etcd" ] \
+   && [ "${KVNODE_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+  log "fetching Debian's etcd-server package into $etcd_dir (not installed: no service is started)"
+  tmp_deb=$(mktemp -d)
+  if (cd "$tmp_deb" && apt-get download etcd-server >/dev/null 2>&1) \
+     || { as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+          && (cd "$tmp_deb" && apt-get download etcd-server >/dev/null 2>&1); }; then
+    mkdir -p "$etcd_dir" && dpkg-deb -x "$tmp_deb"/etcd-server_*.deb "$etcd_dir" \
+      || log "could not unpack etcd-server; the cluster tests will be skipped"
+  else
+    log "could not download etcd-server (offline?); the cluster tests will be skipped"
+  fi
+  rm -rf "$tmp_deb"
 fi
 
 # 2. Rust toolchain (rkyv 0.8 needs Rust >= 1.81; Debian's packaged cargo is too old).

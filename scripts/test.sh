@@ -10,6 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KVNODE_HUGEPAGES=${KVNODE_HUGEPAGES:-256} bash scripts/setup.sh
 if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
+# The etcd the cluster tests start: one on the PATH, else the copy setup.sh unpacked.
+if [ -z "${KVNODE_ETCD_BIN:-}" ] && ! command -v etcd >/dev/null; then
+  case "${CARGO_TARGET_DIR:-target}" in /*) t=$CARGO_TARGET_DIR ;; *) t=$PWD/${CARGO_TARGET_DIR:-target} ;; esac
+  [ -x "$t/tools/etcd/usr/bin/etcd" ] && export KVNODE_ETCD_BIN="$t/tools/etcd/usr/bin/etcd"
+fi
 cargo build --locked --workspace --all-targets
 cargo test --locked --workspace -- --test-threads "${KVNODE_TEST_THREADS:-4}"
 # The real-GPU tests (ignored above: they need a GPU) against the stand-in CUDA driver built

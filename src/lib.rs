@@ -10,6 +10,7 @@
 pub mod access;
 pub mod client;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod fuzzing;

@@ -56,6 +56,9 @@ enum Command {
     /// Tokens that authenticate remote engines (`serve --auth-token-file`).
     #[command(subcommand)]
     Token(cli::remote::TokenCommand),
+    /// A cluster of nodes on etcd (`kvnode cluster status`).
+    #[command(subcommand)]
+    Cluster(cli::cluster::ClusterCommand),
     /// GPUs as the client library sees them (`kvnode gpu probe`).
     #[command(subcommand)]
     Gpu(cli::gpu::GpuCommand),
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         } => cli::inspect::ping(socket, timeout).map_err(Into::into),
         Command::Token(t) => cli::remote::token(t).map_err(Into::into),
         Command::Gpu(g) => cli::gpu::gpu(g),
+        Command::Cluster(c) => cli::cluster::cluster(c).map_err(Into::into),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -112,6 +112,10 @@ pub(crate) struct LmcacheArgs {
     l2: L2Args,
     #[command(flatten)]
     access: AccessArgs,
+    #[command(flatten)]
+    listen: super::cluster::ListenArgs,
+    #[command(flatten)]
+    cluster: super::cluster::ClusterArgs,
 }
 
 pub(crate) fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
@@ -166,6 +170,8 @@ pub(crate) fn lmcache_server(a: LmcacheArgs) -> Result<(), String> {
     };
     a.l2.apply(&mut cfg.l2)?;
     a.access.apply(&mut cfg.access);
+    a.listen.apply(&mut cfg);
+    a.cluster.apply(&mut cfg.cluster)?;
     cfg.segment_bind_mount |= a.segment_bind_mount;
     if let Some(g) = a.worker_disconnect_grace_seconds {
         cfg.lmcache.worker_disconnect_grace_ms = disconnect_grace_ms(g)?;

@@ -1,6 +1,7 @@
 //! The `kvnode` binary's command line (not part of the library): one module per command, and
 //! here what several commands share (access and L2 flags, logging, signals, argument parsers).
 
+pub(crate) mod cluster;
 pub(crate) mod gpu;
 pub(crate) mod inspect;
 pub(crate) mod lmcache;

@@ -75,6 +75,8 @@ pub(crate) struct ServeArgs {
     l2: L2Args,
     #[command(flatten)]
     access: AccessArgs,
+    #[command(flatten)]
+    cluster: super::cluster::ClusterArgs,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
@@ -136,6 +138,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     }
     args.l2.apply(&mut cfg.l2)?;
     args.access.apply(&mut cfg.access);
+    args.cluster.apply(&mut cfg.cluster)?;
     if cfg.reap_timeout_secs > 0.0 && cfg.reap_timeout_secs < 30.0 {
         tracing::warn!(
             reap_timeout_secs = cfg.reap_timeout_secs,

@@ -235,6 +235,39 @@ impl TcpTransport {
     }
 }
 
+/// Bytes a [`RemoteClient::read_slots_with`] receives at a time (its one buffer).
+pub const TRAILER_PIECE_BYTES: usize = 1 << 20;
+
+impl TcpTransport {
+    /// Reads `total` trailer bytes (first those `reader` holds) in pieces of at most
+    /// [`TRAILER_PIECE_BYTES`], handing each to `sink` with its offset in the trailer.
+    fn read_trailer_with(
+        &mut self,
+        reader: &mut FrameReader,
+        total: u64,
+        sink: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let mut buf = vec![0u8; TRAILER_PIECE_BYTES.min(total as usize)];
+        let mut at = 0u64;
+        while at < total {
+            let want = (total - at).min(buf.len() as u64) as usize;
+            let have = reader.take_buffered(want as u64);
+            let n = have.len();
+            buf[..n].copy_from_slice(have);
+            self.read.read_exact(&mut buf[n..want]).map_err(|e| {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("the retrieve's bytes from {} were cut: {e}", self.peer),
+                )
+            })?;
+            sink(at, &buf[..want])?;
+            at += want as u64;
+        }
+        reader.forget_armed_timeout();
+        Ok(())
+    }
+}
+
 /// Writes every slice, in order, with vectored writes.
 fn write_all_vectored(stream: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
     let mut idx = 0;
@@ -415,6 +448,66 @@ impl Client<TcpTransport> {
             }
             Response::SlotsRead { bytes } => Err(Error::internal(format!(
                 "the node sends {bytes} bytes ({} announced) for buffers of {want}; the \
+                 connection cannot be used further",
+                h.trailer_len
+            ))),
+            Response::Error { kind, message } => {
+                Err(Error::new(ErrorKind::from_code(kind), message))
+            }
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    /// READ_SLOTS whose bytes go to `sink` rather than to caller buffers: `sink(offset, bytes)`
+    /// receives the trailer (the slots of prepared retrieve `transfer_id`, in slot order,
+    /// `want` bytes in all) in pieces through one bounded buffer ([`TRAILER_PIECE_BYTES`]). An
+    /// error from `sink` ends the call after the trailer was read (the connection stays in
+    /// step) — for a node bringing a peer's chunks into its own pool. Returns the bytes.
+    pub fn read_slots_with(
+        &mut self,
+        instance_id: u64,
+        transfer_id: u64,
+        want: u64,
+        commit: bool,
+        sink: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<u64> {
+        let id = self.send(&Request::ReadSlots {
+            instance_id,
+            transfer_id,
+            data: DataPath::Inline,
+            commit,
+        })?;
+        let (h, _) = self
+            .stream
+            .read_frame(&mut self.reader, &mut self.payload)
+            .map_err(frame_err)?
+            .ok_or_else(|| Error::new(ErrorKind::Io, "node closed the connection"))?;
+        let resp = decode_response(&self.payload).map_err(frame_err)?;
+        if h.request_id != id {
+            return Err(Error::internal(format!(
+                "response id {} for request {id}",
+                h.request_id
+            )));
+        }
+        match resp {
+            Response::SlotsRead { bytes } if bytes == h.trailer_len && bytes == want => {
+                let mut failed = None;
+                self.stream
+                    .read_trailer_with(&mut self.reader, bytes, &mut |at, b| {
+                        if failed.is_none() {
+                            if let Err(e) = sink(at, b) {
+                                failed = Some(e);
+                            }
+                        }
+                        Ok(())
+                    })?;
+                match failed {
+                    Some(e) => Err(e),
+                    None => Ok(bytes),
+                }
+            }
+            Response::SlotsRead { bytes } => Err(Error::internal(format!(
+                "the node sends {bytes} bytes ({} announced) for {want} expected; the \
                  connection cannot be used further",
                 h.trailer_len
             ))),

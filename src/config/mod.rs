@@ -15,10 +15,12 @@ pub const MAX_TTL_SECS: u64 = 30 * 24 * 3600;
 /// Longest liveness tick accepted.
 pub const MAX_LIVENESS_TICK_MS: u64 = 10_000;
 
+mod cluster;
 mod limits;
 mod remote;
 mod socket_dir;
 
+pub use cluster::{etcd_endpoint, members_prefix, ClusterConfig, MAX_NODE_ID_BYTES};
 pub use limits::Limits;
 pub use remote::{parse_tcp_url, RemoteConfig, TcpEngineChoice, HEARTBEAT_MS};
 pub use socket_dir::{
@@ -357,6 +359,8 @@ pub struct NodeConfig {
     pub lmcache: crate::lmcache::frontend::LmLimits,
     /// The TCP listener for remote engines (`[remote]` in TOML).
     pub remote: RemoteConfig,
+    /// Membership in a cluster of nodes on etcd (`[cluster]` in TOML).
+    pub cluster: ClusterConfig,
 }
 
 impl Default for NodeConfig {
@@ -383,6 +387,7 @@ impl Default for NodeConfig {
             access: Default::default(),
             lmcache: Default::default(),
             remote: RemoteConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }
@@ -460,6 +465,7 @@ impl NodeConfig {
         self.access.validate()?;
         self.lmcache.validate()?;
         self.remote.validate()?;
+        self.cluster.validate(self.remote.enabled())?;
         let l = &self.limits;
         for (name, v) in [
             ("max_instances", l.max_instances),

@@ -21,9 +21,10 @@ pub const INLINE_MAX_REQUEST_BYTES: usize = 8 << 10;
 /// Whether `op` with `bytes` of payload may run on the I/O thread: cheap, bounded operations
 /// that never wait (kvnode's lookups complete synchronously, so WAIT_PREFETCH_STATUS answers at
 /// once). REGISTER, UNREGISTER, CLEAR and the rest stay on the handlers. With a disk tier
-/// (`disk_tier`), LOOKUP and PREPARE_RETRIEVE may read objects from the disk, which can take
-/// up to the tier's I/O timeout: they stay on the handlers, so the socket thread (every client's
-/// replies) never waits for a device.
+/// or a cluster (`disk_tier`: lookups may wait), LOOKUP and PREPARE_RETRIEVE may read objects
+/// from the disk or fetch them from a peer node, which can take up to the tier's I/O timeout or
+/// the peer deadline: they stay on the handlers, so the socket thread (every client's replies)
+/// never waits for a device or a peer.
 pub fn runs_inline(op: Op, bytes: usize, disk_tier: bool) -> bool {
     if bytes > INLINE_MAX_REQUEST_BYTES {
         return false;

@@ -500,7 +500,7 @@ fn accept(
         payload,
         received,
     };
-    if handler::runs_inline(op, total, s.frontend.has_disk_tier())
+    if handler::runs_inline(op, total, s.frontend.lookups_may_wait())
         && s.handlers[h].queue.lock().idle_for(&identity)
     {
         // Nothing of this connection is queued or running, and only this thread queues: the

@@ -24,7 +24,15 @@ pub struct Caller {
     /// peer's uid, [`REMOTE_OWNER_CLIENT`] / [`REMOTE_OWNER_ADMIN`] for remote engines (one
     /// token is one trust domain), `UNKNOWN_OWNER` without credentials.
     pub owner: SessionOwner,
+    /// Whether the caller is another node of this node's cluster (its handshake name starts
+    /// with [`PEER_NODE_NAME_PREFIX`]): its lookups and retrieves see this node's own cache
+    /// only, never fetched from further peers (one hop, no chains or loops). Claiming it only
+    /// takes cluster-wide hits away from the claimant.
+    pub peer_node: bool,
 }
+
+/// The handshake name prefix of a node's connections to its cluster peers.
+pub const PEER_NODE_NAME_PREFIX: &str = "kvnode-peer ";
 
 /// The session owner (and quota user) of remote engines that proved the client token (outside
 /// the range of uids, so no local user shares it).
@@ -41,6 +49,7 @@ impl Caller {
             peer,
             role: ctx.access.role(peer.as_ref()),
             owner: peer.map_or(UNKNOWN_OWNER, |p| u64::from(p.uid)),
+            peer_node: false,
         }
     }
 
@@ -56,6 +65,7 @@ impl Caller {
             } else {
                 REMOTE_OWNER_CLIENT
             },
+            peer_node: false,
         }
     }
 

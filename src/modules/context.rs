@@ -123,6 +123,8 @@ pub struct NodeContext {
     register_lock: Mutex<()>,
     user_reserved: Mutex<HashMap<super::lookup::SessionOwner, Arc<AtomicU64>>>,
     status_parts: parking_lot::RwLock<Vec<(&'static str, StatusPart)>>,
+    /// The cluster this node belongs to, once joined (set once at start-up).
+    pub cluster: std::sync::OnceLock<Arc<dyn super::cluster_link::ClusterLink>>,
 }
 
 /// Called with every released instance (after its transfers were handed back), so layers above
@@ -230,6 +232,7 @@ impl NodeContext {
             register_lock: Mutex::new(()),
             user_reserved: Mutex::new(HashMap::new()),
             status_parts: parking_lot::RwLock::new(Vec::new()),
+            cluster: std::sync::OnceLock::new(),
             pool,
             config,
         }

@@ -3,6 +3,7 @@
 //! instance registry, the shard worker pool, the event bus and the status report.
 
 pub mod caller;
+pub mod cluster_link;
 pub mod context;
 pub mod events;
 pub mod instances;

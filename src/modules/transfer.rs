@@ -245,6 +245,16 @@ fn commit_store(ctx: &NodeContext, inst: &Instance, transfer_id: u64) -> Result<
         .storage
         .finish_write_as(&w.items, layout, write_behind.is_some());
     let published = count_ok(&results);
+    if let Some(link) = ctx.cluster.get() {
+        let keys: Vec<StorageKey> = w
+            .items
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|((k, _), _)| *k)
+            .collect();
+        link.published(inst, &keys);
+    }
     if let Some(l2) = write_behind {
         // A key stored again while L2 still holds this same object is not written twice (nor
         // marked waiting); a copy under another layout is replaced by the write-behind.

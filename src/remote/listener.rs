@@ -393,7 +393,12 @@ fn serve_connection(
         registry: shared.registry.clone(),
         regions: RegionTable::new(shared.config.max_registered_regions),
         config: shared.config.clone(),
-        caller: Caller::remote(id, negotiated.role),
+        caller: Caller {
+            peer_node: negotiated
+                .client_name
+                .starts_with(crate::modules::caller::PEER_NODE_NAME_PREFIX),
+            ..Caller::remote(id, negotiated.role)
+        },
     };
     serve_frames(ctx, &mut PlainSource(&*stream), &dyn_sink, &mut hooks);
     shared.mover.teardown(fconn);

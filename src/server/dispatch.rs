@@ -165,6 +165,9 @@ pub fn dispatch(
             if let Err(e) = caller.require_attached(&inst) {
                 return reply(ctx, sink, request_id, opcode, started, Response::error(&e));
             }
+            if let Request::PrepareRetrieve { range, .. } = &req {
+                bring_in(ctx, &caller, range);
+            }
             inst.touch(ctx.now_ms());
             let job = Job {
                 request_id,
@@ -181,10 +184,24 @@ pub fn dispatch(
             }
         }
         None => {
+            if let Request::Lookup { range, .. } = &req {
+                bring_in(ctx, &caller, range);
+            }
             let resp = management::handle_inline(ctx, &caller, req)
                 .unwrap_or_else(|e| Response::error(&e));
             reply(ctx, sink, request_id, opcode, started, resp);
         }
+    }
+}
+
+/// Cluster-wide hits: before a LOOKUP or PREPARE_RETRIEVE of `range` runs, the chunks this node
+/// lacks are brought in from their owners (never for another node's calls: one hop only).
+fn bring_in(ctx: &NodeContext, caller: &Caller, range: &crate::protocol::ChunkRange) {
+    if caller.peer_node {
+        return;
+    }
+    if let Some(link) = ctx.cluster.get() {
+        link.bring_in(range);
     }
 }
 

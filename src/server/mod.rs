@@ -37,15 +37,17 @@ pub struct Node {
     socket: Option<uds::BoundSocket>,
     wake: Option<UnixListener>,
     remote: Option<crate::remote::RemoteService>,
+    cluster: Option<Arc<crate::cluster::ClusterNode>>,
 }
 
-/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor and
-/// the remote listener.
+/// What [`Node::start_bound`] hands back: the context, the threads, the wake-up descriptor,
+/// the remote listener and the cluster membership.
 type Started = (
     Arc<NodeContext>,
     Vec<JoinHandle<()>>,
     Option<UnixListener>,
     Option<crate::remote::RemoteService>,
+    Option<Arc<crate::cluster::ClusterNode>>,
 );
 
 impl Node {
@@ -84,12 +86,13 @@ impl Node {
             None => (None, None),
         };
         match Node::start_bound(config, listener, cancel) {
-            Ok((ctx, threads, wake, remote)) => Ok(Node {
+            Ok((ctx, threads, wake, remote, cluster)) => Ok(Node {
                 ctx,
                 threads,
                 socket,
                 wake,
                 remote,
+                cluster,
             }),
             Err(e) => {
                 if let Some(s) = &socket {
@@ -166,6 +169,23 @@ impl Node {
             .map_err(|e| e.context("cannot start the remote listener"))?;
         // Published before the socket is served: a client's first STATUS sees it.
         publish_transports(&ctx, remote.as_ref());
+        // The cluster needs the listener (its peers reach this node there; validation made
+        // sure there is one).
+        let listen = remote
+            .as_ref()
+            .map(crate::remote::RemoteService::local_addr);
+        let cluster = match listen.filter(|_| ctx.config.cluster.enabled()) {
+            Some(addr) => match crate::cluster::ClusterNode::start(&ctx, addr) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    if let Some(r) = remote {
+                        r.shutdown();
+                    }
+                    return Err(e.context("cannot join the cluster"));
+                }
+            },
+            None => None,
+        };
         let mut threads = ShardPool::spawn(&ctx)?;
         threads.extend(crate::l2::writer::spawn(&ctx)?);
         threads.extend(crate::l2::loader::spawn(&ctx)?);
@@ -186,7 +206,7 @@ impl Node {
             reap_timeout_secs = ctx.config.reap_timeout_secs,
             "kvnode serving"
         );
-        Ok((ctx, threads, wake, remote))
+        Ok((ctx, threads, wake, remote, cluster))
     }
 
     /// The remote listener's address, when the node listens for remote engines.
@@ -220,6 +240,10 @@ impl Node {
     /// stopped answering are left behind after a bounded wait.
     pub fn shutdown(mut self) {
         self.ctx.shutting_down.store(true, Ordering::SeqCst);
+        if let Some(cluster) = self.cluster.take() {
+            // First: peers stop asking this node (its lease is revoked) before it stops serving.
+            cluster.stop();
+        }
         if let Some(remote) = self.remote.take() {
             remote.shutdown();
         }

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod gpu_stub;
 pub mod lm;
 pub mod netns;

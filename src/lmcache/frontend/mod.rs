@@ -336,9 +336,10 @@ impl LmFrontend {
         f
     }
 
-    /// Whether the node has a disk tier (lookups and retrieves may then wait for a device).
-    pub fn has_disk_tier(&self) -> bool {
-        self.ctx.l2.is_some()
+    /// Whether lookups and retrieves may wait: for a device (a disk tier) or for the node's
+    /// cluster peers (a peer fetch, up to the peer deadline).
+    pub fn lookups_may_wait(&self) -> bool {
+        self.ctx.l2.is_some() || self.ctx.cluster.get().is_some()
     }
 
     /// The budgets in force.

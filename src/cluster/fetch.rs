@@ -1,0 +1,421 @@
+//! Peer fetch: before a LOOKUP or retrieve is answered, the chunks this node lacks are brought
+//! in from their owners and published in this node's pool, so local engines (native and LMCache
+//! clients alike) get cluster-wide hits with no change on their side.
+//!
+//! Per request: the chunks missing locally are grouped by owner (placement); each owner is
+//! asked once, all owners in parallel, for its chunks as one batch: a LOOKUP of the batch (the
+//! owner locks the prefix it holds), then per rank a PREPARE_RETRIEVE of that prefix adopting
+//! those locks and a READ_SLOTS that streams the bytes. The bytes land in slots this node
+//! reserved for them (reservations of the node's own I/O, which never expire) and are
+//! published only after every byte arrived and the owner's layout matched this node's; any
+//! failure aborts the reservations (nothing half-written is ever published) and drops the
+//! connection (the owner then releases its locks and its instance). A peer that is dead,
+//! unreachable or slower than the peer deadline is a miss, never an error.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::members::View;
+use super::peers::Taken;
+use super::ClusterNode;
+use crate::error::{Error, ErrorKind, Result};
+use crate::modules::NodeContext;
+use crate::protocol::ChunkRange;
+use crate::storage::{pack_kv_rank, Grant, Layout, NamespaceId, StorageKey};
+
+/// Why a chunk a node looked for was not brought in (status `cluster.fetch_misses`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissCause {
+    /// The owner does not hold it.
+    NotHeld,
+    /// This node owns it and does not hold it.
+    OwnedHere,
+    /// The owner could not be reached or its call failed.
+    Unreachable,
+    /// The owner did not answer within the peer deadline.
+    Timeout,
+    /// The owner's objects have another layout.
+    Layout,
+    /// No room in this node's pool.
+    LocalFull,
+    /// Beyond `cluster.max_fetch_bytes` for one request.
+    Budget,
+}
+
+/// One owner's share of a request: the request's chunk indices it owns, in order.
+struct Batch<'a> {
+    peer: &'a str,
+    endpoint: &'a str,
+    chunks: Vec<usize>,
+}
+
+/// Reservations in this node's pool for fetched bytes: aborted on drop unless published.
+struct Reserved<'a> {
+    ctx: &'a NodeContext,
+    items: Vec<(StorageKey, Grant)>,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if !self.items.is_empty() {
+            self.ctx.storage.abort_write(&self.items);
+            self.ctx.storage.assert_consistent();
+        }
+    }
+}
+
+/// The keys of `hashes` for `rank` under `namespace`.
+fn rank_keys(
+    namespace: NamespaceId,
+    world_size: u32,
+    rank: u32,
+    hashes: &[crate::hashing::ChunkHash],
+) -> Vec<StorageKey> {
+    hashes
+        .iter()
+        .map(|h| StorageKey {
+            chunk_hash: *h,
+            kv_rank: pack_kv_rank(world_size, rank),
+            object_group: 0,
+            namespace,
+        })
+        .collect()
+}
+
+impl ClusterNode {
+    /// See [`crate::modules::cluster_link::ClusterLink::bring_in`].
+    pub(super) fn bring_in_range(&self, ctx: &NodeContext, range: &ChunkRange) {
+        if range.world_size == 0 || range.chunk_hashes.is_empty() {
+            return;
+        }
+        if range.chunk_hashes.len() > ctx.config.limits.max_chunks_per_request {
+            return; // the request itself is refused with the limit's error
+        }
+        let view = self.view();
+        if view.members.len() < 2 {
+            return;
+        }
+        let Some(layout) = ctx.layouts.get(&range.model, range.world_size) else {
+            // Nothing could check a peer's bytes against a layout, and no local engine of this
+            // model could read them: LMCache answers such a lookup 0.
+            self.counters
+                .fetch_no_layout
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let missing = self.missing_chunks(ctx, range);
+        if missing.is_empty() {
+            return;
+        }
+        let batches = self.batches(&view, range, &missing, &layout);
+        if batches.is_empty() {
+            return;
+        }
+        self.counters.fetch_requests.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + self.cfg.peer_timeout();
+        let run = |b: &Batch<'_>| self.fetch_batch(ctx, range, &layout, b, deadline);
+        if batches.len() == 1 {
+            run(&batches[0]);
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = batches.iter().map(|b| s.spawn(move || run(b))).collect();
+                for h in handles {
+                    let _ = h.join();
+                }
+            });
+        }
+    }
+
+    /// The chunk indices of `range` of which this node lacks some rank in L1.
+    fn missing_chunks(&self, ctx: &NodeContext, range: &ChunkRange) -> Vec<usize> {
+        let Some(ns) = ctx.namespaces.lookup(&range.model, &range.cache_salt) else {
+            return (0..range.chunk_hashes.len()).collect();
+        };
+        range
+            .chunk_hashes
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| {
+                (0..range.world_size).any(|r| {
+                    let k = StorageKey {
+                        chunk_hash: **h,
+                        kv_rank: pack_kv_rank(range.world_size, r),
+                        object_group: 0,
+                        namespace: ns,
+                    };
+                    !ctx.storage.contains_ready(&k)
+                })
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Groups `missing` by owner: up to the first chunk this node owns itself (a miss: nothing
+    /// after it can extend the prefix) and within the fetch byte budget.
+    fn batches<'v>(
+        &self,
+        view: &'v View,
+        range: &ChunkRange,
+        missing: &[usize],
+        layout: &Layout,
+    ) -> Vec<Batch<'v>> {
+        let per_chunk = layout
+            .object_bytes()
+            .saturating_mul(u64::from(range.world_size));
+        let budget = (self.cfg.max_fetch_bytes / per_chunk.max(1)) as usize;
+        let mut by_owner: BTreeMap<&str, Batch<'v>> = BTreeMap::new();
+        for (n, &i) in missing.iter().enumerate() {
+            if n >= budget {
+                self.miss(MissCause::Budget, missing.len() - n);
+                break;
+            }
+            let key = super::placement::placement_key(
+                &range.model,
+                &range.cache_salt,
+                &range.chunk_hashes[i],
+            );
+            let Some(owner) = view.owner(key) else { break };
+            if owner.local {
+                self.miss(MissCause::OwnedHere, 1);
+                break;
+            }
+            by_owner
+                .entry(owner.desc.node_id.as_str())
+                .or_insert_with(|| Batch {
+                    peer: owner.desc.node_id.as_str(),
+                    endpoint: owner.desc.endpoints[0].as_str(),
+                    chunks: Vec::new(),
+                })
+                .chunks
+                .push(i);
+        }
+        by_owner.into_values().collect()
+    }
+
+    /// Counts `n` chunks missed for `cause`.
+    pub(super) fn miss(&self, cause: MissCause, n: usize) {
+        let c = &self.counters;
+        let counter = match cause {
+            MissCause::NotHeld => &c.miss_not_held,
+            MissCause::OwnedHere => &c.miss_owned_here,
+            MissCause::Unreachable => &c.miss_unreachable,
+            MissCause::Timeout => &c.miss_timeout,
+            MissCause::Layout => &c.miss_layout,
+            MissCause::LocalFull => &c.miss_local_full,
+            MissCause::Budget => &c.miss_budget,
+        };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Fetches one owner's batch; every failure is a counted miss.
+    fn fetch_batch(
+        &self,
+        ctx: &NodeContext,
+        range: &ChunkRange,
+        layout: &Layout,
+        b: &Batch<'_>,
+        deadline: Instant,
+    ) {
+        let mut taken = match self.peers.take(b.peer, b.endpoint, deadline) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(peer = b.peer, error = %e, "peer fetch: no connection");
+                self.miss(cause_of(&e), b.chunks.len());
+                return;
+            }
+        };
+        match self.fetch_with(ctx, range, layout, b, &mut taken, deadline) {
+            Ok(got) => {
+                if got < b.chunks.len() {
+                    self.miss(MissCause::NotHeld, b.chunks.len() - got);
+                }
+                self.peers.put(taken);
+            }
+            Err(e) => {
+                tracing::info!(peer = b.peer, error = %e, "peer fetch failed: a miss");
+                self.miss(cause_of(&e), b.chunks.len());
+                // Dropping the connection closes it: the peer releases what it holds for us.
+                drop(taken);
+                self.peers.closed(b.peer);
+            }
+        }
+    }
+
+    /// The calls of one batch on connection `t`; returns the chunks published here.
+    fn fetch_with(
+        &self,
+        ctx: &NodeContext,
+        range: &ChunkRange,
+        layout: &Layout,
+        b: &Batch<'_>,
+        t: &mut Taken,
+        deadline: Instant,
+    ) -> Result<usize> {
+        let hashes: Vec<_> = b.chunks.iter().map(|&i| range.chunk_hashes[i]).collect();
+        let inst = t
+            .conn
+            .instance(&range.model, range.world_size, layout, self.peers.ids())?;
+        let session = format!(
+            "kvnode-peer:{}:{}",
+            self.local_id,
+            self.counters.fetch_requests.load(Ordering::Relaxed)
+        );
+        let sub = ChunkRange {
+            model: range.model.clone(),
+            world_size: range.world_size,
+            worker_id: None,
+            cache_salt: range.cache_salt.clone(),
+            first_chunk: 0,
+            chunk_hashes: hashes,
+        };
+        let held = t.conn.client.lookup(&session, &sub, 1)? as usize;
+        if held == 0 {
+            return Ok(0);
+        }
+        let held = held.min(sub.chunk_hashes.len());
+        let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
+        let mut published = usize::MAX;
+        for rank in 0..range.world_size {
+            if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Io,
+                    "timed out: the peer deadline passed",
+                ));
+            }
+            let n = self.fetch_rank(ctx, t, inst, &session, &sub, held, rank, layout, namespace)?;
+            published = published.min(n);
+        }
+        Ok(published.min(held))
+    }
+
+    /// Retrieves rank `rank` of the first `held` chunks of `sub` from the peer into this node's
+    /// pool; returns the chunks published (0 when the peer lost them meanwhile).
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_rank(
+        &self,
+        ctx: &NodeContext,
+        t: &mut Taken,
+        inst: u64,
+        session: &str,
+        sub: &ChunkRange,
+        held: usize,
+        rank: u32,
+        layout: &Layout,
+        namespace: NamespaceId,
+    ) -> Result<usize> {
+        let hashes = &sub.chunk_hashes[..held];
+        let rr = ChunkRange {
+            worker_id: Some(rank),
+            chunk_hashes: hashes.to_vec(),
+            ..sub.clone()
+        };
+        let Some(prep) = t.conn.client.prepare_retrieve(inst, &rr, Some(session))? else {
+            return Ok(0);
+        };
+        let object_bytes = layout.object_bytes();
+        let same_layout = prep.layout.shape == layout.shape
+            && prep.layout.dtype == layout.dtype.name()
+            && prep.slots.len() == held
+            && prep.slots.iter().all(|s| s.length == object_bytes);
+        if !same_layout {
+            let _ = t.conn.client.commit_retrieve(inst, prep.transfer_id);
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the peer's objects of {} have layout {:?} {}; this node's is {:?} {}",
+                    sub.model,
+                    prep.layout.shape,
+                    prep.layout.dtype,
+                    layout.shape,
+                    layout.dtype.name()
+                ),
+            ));
+        }
+        let keys = rank_keys(namespace, sub.world_size, rank, hashes);
+        let grants = ctx.storage.reserve_write_untimed(&keys, object_bytes);
+        // Where each chunk's bytes go: its reserved slot, or nowhere (already here, being
+        // written by someone else, or no room: received and dropped).
+        let mut targets: Vec<Option<u64>> = Vec::with_capacity(held);
+        let mut reserved = Reserved {
+            ctx,
+            items: Vec::new(),
+        };
+        let mut full = 0;
+        for (k, g) in keys.iter().zip(grants) {
+            match g {
+                Ok(g) => {
+                    debug_assert_eq!(g.slot.len, object_bytes);
+                    targets.push(Some(g.slot.offset));
+                    reserved.items.push((*k, g));
+                }
+                Err(crate::storage::KeyError::OutOfMemory) => {
+                    full += 1;
+                    targets.push(None);
+                }
+                Err(_) => targets.push(None),
+            }
+        }
+        if full > 0 {
+            self.miss(MissCause::LocalFull, full);
+        }
+        let region = ctx.pool.region();
+        let total = object_bytes * held as u64;
+        let got = t.conn.client.read_slots_with(
+            inst,
+            prep.transfer_id,
+            total,
+            true,
+            &mut |at, bytes| {
+                // `bytes` may span chunk boundaries.
+                let mut done = 0usize;
+                while done < bytes.len() {
+                    let pos = at + done as u64;
+                    let chunk = (pos / object_bytes) as usize;
+                    let within = pos % object_bytes;
+                    let n = ((object_bytes - within) as usize).min(bytes.len() - done);
+                    if let Some(off) = targets[chunk] {
+                        region
+                            .write_at(off + within, &bytes[done..done + n])
+                            .map_err(|e| Error::internal(format!("pool write: {e}")))?;
+                    }
+                    done += n;
+                }
+                Ok(())
+            },
+        )?;
+        debug_assert_eq!(got, total);
+        let items = std::mem::take(&mut reserved.items);
+        let published = ctx
+            .storage
+            .finish_write_as(&items, layout.fingerprint(), false)
+            .iter()
+            .filter(|r| r.is_ok())
+            .count();
+        ctx.storage.assert_consistent();
+        let bytes = published as u64 * object_bytes;
+        self.counters
+            .fetched_objects
+            .fetch_add(published as u64, Ordering::Relaxed);
+        self.counters
+            .fetched_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        Ok(held)
+    }
+}
+
+/// The miss cause of a failed peer call: another layout (`Unsupported`), a deadline (an I/O
+/// error that says it timed out or would block: a socket timeout), else unreachable.
+pub(super) fn cause_of(e: &Error) -> MissCause {
+    let text = e.context.to_ascii_lowercase();
+    match e.kind {
+        ErrorKind::Unsupported => MissCause::Layout,
+        _ if text.contains("timed out")
+            || text.contains("would block")
+            || text.contains("temporarily unavailable") =>
+        {
+            MissCause::Timeout
+        }
+        _ => MissCause::Unreachable,
+    }
+}

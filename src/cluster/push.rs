@@ -1,0 +1,295 @@
+//! Placement of stores: a store lands on the engine's own node first (its copy stays local,
+//! zero-copy); once published, the chunks another member owns are pushed to that owner in the
+//! background, so any node finds them where placement says they are.
+//!
+//! Write amplification: each stored chunk crosses the network once unless this node owns it
+//! (a share `w_self / sum(w)` of keys), so about `(n-1)/n` of the stored bytes with n equal
+//! members, and the cluster holds up to two copies of such a chunk (the writer's, evictable like
+//! any cached object, and the owner's). Pushes never delay a store: they wait in a queue bounded
+//! in bytes (`cluster.max_push_queue_bytes`); beyond it a push is dropped and counted (the chunk
+//! stays cached here; only other nodes miss it).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::ClusterNode;
+use crate::error::{Error, Result};
+use crate::hashing::ChunkHash;
+use crate::modules::instances::Instance;
+use crate::modules::NodeContext;
+use crate::protocol::ChunkRange;
+use crate::storage::{Layout, StorageKey};
+
+/// Bytes one push call moves at most (its chunks are copied out of the pool under read locks
+/// into one buffer of this size at most).
+pub const MAX_PUSH_BATCH_BYTES: u64 = 32 << 20;
+
+/// One chunk (one rank) to push.
+#[derive(Clone)]
+pub struct PushItem {
+    /// The owner's id and endpoint.
+    pub owner: String,
+    /// The owner's fabric endpoint.
+    pub endpoint: String,
+    /// Model and cache salt.
+    pub model: String,
+    /// Cache salt.
+    pub salt: String,
+    /// KV world size and this object's rank.
+    pub world_size: u32,
+    /// The rank.
+    pub rank: u32,
+    /// The layout the object was stored under.
+    pub layout: Layout,
+    /// The local key.
+    pub key: StorageKey,
+}
+
+impl PushItem {
+    fn same_batch(&self, o: &PushItem) -> bool {
+        self.owner == o.owner
+            && self.model == o.model
+            && self.salt == o.salt
+            && self.world_size == o.world_size
+            && self.rank == o.rank
+            && self.layout.fingerprint() == o.layout.fingerprint()
+    }
+}
+
+/// The queue of pushes. Invariant: `inner.1` is the sum of the queued items' object sizes, at
+/// most `max_bytes`; `inner.2` counts the batches taken and not yet [`PushQueue::done`].
+pub struct PushQueue {
+    inner: Mutex<(VecDeque<PushItem>, u64, u64)>,
+    ready: Condvar,
+    max_bytes: u64,
+}
+
+impl PushQueue {
+    /// An empty queue of at most `max_bytes`.
+    pub fn new(max_bytes: u64) -> PushQueue {
+        PushQueue {
+            inner: Mutex::new((VecDeque::new(), 0, 0)),
+            ready: Condvar::new(),
+            max_bytes,
+        }
+    }
+
+    /// Queues `item`; `false` (dropped) when it does not fit.
+    pub fn offer(&self, item: PushItem) -> bool {
+        let size = item.layout.object_bytes();
+        let mut q = self.inner.lock();
+        if q.1 + size > self.max_bytes {
+            return false;
+        }
+        q.1 += size;
+        q.0.push_back(item);
+        drop(q);
+        self.ready.notify_one();
+        true
+    }
+
+    /// The next batch (same owner, namespace, rank and layout; at most
+    /// [`MAX_PUSH_BATCH_BYTES`]), waiting up to `wait` for one.
+    pub fn next_batch(&self, wait: Duration) -> Vec<PushItem> {
+        let mut q = self.inner.lock();
+        if q.0.is_empty() {
+            self.ready.wait_for(&mut q, wait);
+        }
+        let Some(first) = q.0.pop_front() else {
+            return Vec::new();
+        };
+        let mut bytes = first.layout.object_bytes();
+        let mut batch = vec![first];
+        let mut i = 0;
+        while i < q.0.len() {
+            let size = q.0[i].layout.object_bytes();
+            if batch[0].same_batch(&q.0[i]) && bytes + size <= MAX_PUSH_BATCH_BYTES {
+                bytes += size;
+                batch.push(q.0.remove(i).expect("index checked"));
+            } else {
+                i += 1;
+            }
+        }
+        q.1 -= bytes;
+        q.2 += 1;
+        batch
+    }
+
+    /// Marks a batch [`PushQueue::next_batch`] handed out as finished (pushed or failed).
+    pub fn done(&self) {
+        let mut q = self.inner.lock();
+        debug_assert!(q.2 > 0);
+        q.2 = q.2.saturating_sub(1);
+    }
+
+    /// Bytes queued.
+    pub fn bytes(&self) -> u64 {
+        self.inner.lock().1
+    }
+
+    /// Batches being pushed now.
+    pub fn in_flight(&self) -> u64 {
+        self.inner.lock().2
+    }
+}
+
+impl ClusterNode {
+    /// See [`crate::modules::cluster_link::ClusterLink::published`].
+    pub(super) fn queue_pushes(&self, ctx: &NodeContext, inst: &Instance, keys: &[StorageKey]) {
+        if !self.cfg.push || keys.is_empty() {
+            return;
+        }
+        let view = self.view();
+        if view.members.len() < 2 {
+            return;
+        }
+        for k in keys {
+            let Some((model, salt)) = ctx.namespaces.name(k.namespace) else {
+                continue;
+            };
+            let key = super::placement::placement_key(&model, &salt, &k.chunk_hash);
+            let Some(owner) = view.owner(key) else { return };
+            if owner.local {
+                continue;
+            }
+            let item = PushItem {
+                owner: owner.desc.node_id.clone(),
+                endpoint: owner.desc.endpoints[0].clone(),
+                model,
+                salt,
+                world_size: k.kv_rank >> 24,
+                rank: (k.kv_rank >> 16) & 0xff,
+                layout: inst.layout.clone(),
+                key: *k,
+            };
+            if self.pushes.offer(item) {
+                self.counters.push_queued.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.counters.push_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Pushes one batch: copies the chunks still cached out of the pool (under read locks),
+    /// then stores those the owner lacks there (prepare + bytes + commit in two calls).
+    pub(super) fn push_batch(&self, ctx: &NodeContext, batch: &[PushItem]) -> Result<u64> {
+        let first = &batch[0];
+        let object_bytes = first.layout.object_bytes();
+        let keys: Vec<StorageKey> = batch.iter().map(|b| b.key).collect();
+        let grants = ctx.storage.reserve_read(&keys, 0);
+        let mut hashes: Vec<ChunkHash> = Vec::new();
+        let mut data: Vec<Vec<u8>> = Vec::new();
+        let mut locked = Vec::new();
+        for (k, g) in keys.iter().zip(grants) {
+            let Ok(g) = g else { continue }; // evicted or cleared meanwhile: nothing to push
+            locked.push((*k, g.lease));
+            if g.slot.len != object_bytes {
+                continue;
+            }
+            let mut buf = vec![0u8; object_bytes as usize];
+            if ctx.pool.region().read_at(g.slot.offset, &mut buf).is_ok() {
+                hashes.push(k.chunk_hash);
+                data.push(buf);
+            }
+        }
+        ctx.storage.finish_read(&locked, 0);
+        if hashes.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Instant::now() + self.cfg.peer_timeout();
+        let mut t = self.peers.take(&first.owner, &first.endpoint, deadline)?;
+        let result = (|| {
+            let inst = t.conn.instance(
+                &first.model,
+                first.world_size,
+                &first.layout,
+                self.peers.ids(),
+            )?;
+            let range = ChunkRange {
+                model: first.model.clone(),
+                world_size: first.world_size,
+                worker_id: Some(first.rank),
+                cache_salt: first.salt.clone(),
+                first_chunk: 0,
+                chunk_hashes: hashes,
+            };
+            let p = t.conn.client.prepare_store(inst, &range)?;
+            if p.transfer_id == 0 {
+                return Ok(0); // the owner has them all
+            }
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(p.slots.len());
+            for (slot, &i) in p.slots.iter().zip(&p.chunk_indices) {
+                let d = data
+                    .get(i as usize)
+                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
+                if slot.length != d.len() as u64 {
+                    let _ = t.conn.client.abort_store(inst, p.transfer_id);
+                    return Err(Error::new(
+                        crate::error::ErrorKind::Unsupported,
+                        format!(
+                            "the owner's slot holds {} bytes, the object {}",
+                            slot.length,
+                            d.len()
+                        ),
+                    ));
+                }
+                parts.push(d);
+            }
+            let (bytes, _) = t
+                .conn
+                .client
+                .write_slots(inst, p.transfer_id, &parts, true)?;
+            Ok(bytes)
+        })();
+        match result {
+            Ok(bytes) => {
+                self.peers.put(t);
+                Ok(bytes)
+            }
+            Err(e) => {
+                drop(t);
+                self.peers.closed(&first.owner);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Starts the pusher thread (ends when the node stops or is dropped).
+pub fn spawn(node: Weak<ClusterNode>) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("kvnode-push".into())
+        .spawn(move || loop {
+            let Some(n) = node.upgrade() else { return };
+            if n.stopping() {
+                return;
+            }
+            let batch = n.pushes.next_batch(Duration::from_millis(100));
+            if batch.is_empty() {
+                continue;
+            }
+            if let Some(ctx) = n.ctx.upgrade() {
+                push_one(&n, &ctx, &batch);
+            }
+            n.pushes.done();
+        })
+}
+
+fn push_one(n: &Arc<ClusterNode>, ctx: &NodeContext, batch: &[PushItem]) {
+    match n.push_batch(ctx, batch) {
+        Ok(bytes) => {
+            n.counters.pushed_batches.fetch_add(1, Ordering::Relaxed);
+            n.counters.pushed_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        Err(e) => {
+            n.counters
+                .push_failed
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            tracing::info!(peer = %batch[0].owner, error = %e, chunks = batch.len(), "push to the owner failed (the chunks stay cached here)");
+        }
+    }
+}
