@@ -203,3 +203,188 @@ fn a_joining_node_receives_its_share_of_new_stores() {
     assert_eq!(reader.retrieve(2, &r).unwrap().unwrap(), data);
     c.nodes.push(joiner);
 }
+
+/// Unmodified LMCache clients (the Rust DEALER checker speaking LMCache's protocol) on three
+/// `lmcache-server` nodes: a prefix stored through one is retrieved byte-identical through the
+/// others, from their own shared-memory segments.
+#[test]
+fn lmcache_clients_get_cluster_wide_hits_through_lmcache_server() {
+    use common::lm::{self, get, Dealer};
+    use kvnode::lmcache::wire::{self, Op};
+    let Some(etcd) = start_or_skip("cllm") else {
+        return;
+    };
+    let tokens_dir = TestDir::new("cllm-tok");
+    let token = new_token(&tokens_dir, "peer.token");
+    let nodes: Vec<lm::LmNode> = (0..3)
+        .map(|i| {
+            lm::start(
+                &format!("cllm{i}"),
+                "",
+                &[
+                    "--listen",
+                    "tcp://127.0.0.1:0",
+                    "--auth-token-file",
+                    token.to_str().unwrap(),
+                    "--etcd",
+                    &etcd.url,
+                    "--cluster",
+                    "cllm",
+                    "--node-id",
+                    &format!("lm{i}"),
+                ],
+            )
+        })
+        .collect();
+    let wait = |n: &lm::LmNode, what: &str, pred: &dyn Fn(&serde_json::Value) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = lm::status(n);
+            if pred(&s) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: {:#}", s["cluster"]);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    for n in &nodes {
+        wait(n, "3 members", &|s| {
+            s["cluster"]["members"]
+                .as_array()
+                .is_some_and(|m| m.len() == 3)
+        });
+    }
+    let segment =
+        |n: &lm::LmNode| kvnode_hw::PoolMapping::open_posix_shm(&n.shm, 64 << 20).unwrap();
+    // Store 8 chunks (16 tokens each) through node 0, bytes written into its segment.
+    let toks: Vec<u32> = (0..128).map(|i| i * 7 + 3).collect();
+    let mut w = Dealer::connect(nodes[0].port);
+    lm::register(&mut w, 1);
+    let offsets = lm::prepare_store(&mut w, 1, &toks, 128, "st");
+    assert_eq!(offsets.len(), 8);
+    let seg0 = segment(&nodes[0]);
+    let chunk = |i: usize| -> Vec<u8> { (0..2048).map(|b| (b * 31 + i * 17 + 5) as u8).collect() };
+    for (i, off) in offsets.iter().enumerate() {
+        seg0.region().write_at(*off, &chunk(i)).unwrap();
+    }
+    assert_eq!(
+        lm::commit_store(&mut w, 1, &toks, 128, "st"),
+        Some(rmpv::Value::Boolean(true))
+    );
+    wait(&nodes[0], "pushes drained", &|s| {
+        num(s, &["cluster", "push_queue_bytes"]) == 0 && num(s, &["cluster", "push_in_flight"]) == 0
+    });
+    for (i, n) in nodes.iter().enumerate().skip(1) {
+        let mut r = Dealer::connect(n.port);
+        lm::register(&mut r, 10 + i as u64);
+        lm::lookup(&mut r, &toks, "rq");
+        assert_eq!(
+            lm::query(&mut r, "rq"),
+            8,
+            "node {i}: {:#}",
+            lm::status(n)["cluster"]
+        );
+        let key = lm::key(&toks, 0, 128, Some(0), "rq");
+        let p = r
+            .call(
+                Op::PrepareRetrieve,
+                vec![key.clone(), wire::encode_uint(10 + i as u64)],
+            )
+            .unwrap();
+        assert_eq!(get(&p, "success").as_bool(), Some(true), "{p}");
+        let slots = get(get(&p, "context"), "slots").as_array().unwrap().clone();
+        assert_eq!(slots.len(), 8);
+        let seg = segment(n);
+        for (c, s) in slots.iter().enumerate() {
+            let mut back = vec![0u8; 2048];
+            seg.region()
+                .read_at(get(s, "offset").as_u64().unwrap(), &mut back)
+                .unwrap();
+            assert_eq!(back, chunk(c), "node {i} chunk {c}");
+        }
+        assert_eq!(
+            r.call(
+                Op::CommitRetrieve,
+                vec![key, wire::encode_uint(10 + i as u64)]
+            ),
+            Some(rmpv::Value::Boolean(true))
+        );
+    }
+}
+
+/// A peer that stops answering (SIGSTOP: its sockets stay open) costs a lookup at most the peer
+/// deadline and is a miss; nothing stays reserved on the asking node, and once the peer runs
+/// again it has released everything the abandoned call held there.
+#[test]
+fn a_silent_peer_is_a_miss_within_the_deadline_and_leaks_nothing_on_either_side() {
+    let Some(c) = cluster("clstop", 2) else {
+        return;
+    };
+    let mut writer = client(&c.nodes[0], 1);
+    let len = writer.object_bytes().unwrap() as usize;
+    let r = range(&tokens(41, 16));
+    let data = payloads(&r, len);
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    writer.store(1, &r, &refs).unwrap();
+    wait_pushes(&c.nodes[0]);
+    let mut reader = client(&c.nodes[1], 2);
+    let before = c.nodes[1].status();
+    let used_before = num(&before, &["used_bytes"]);
+    // Node 0 freezes.
+    let pid = c.nodes[0].child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let started = Instant::now();
+    let mut lookup = r.clone();
+    lookup.worker_id = None;
+    let hits = reader.lookup("req", &lookup, 1).unwrap() as usize;
+    let took = started.elapsed();
+    // Node 1 has what it owns (pushed to it); the rest, node 0's, are misses.
+    assert!(hits < 16, "hits {hits} with the owner frozen");
+    assert!(took < Duration::from_secs(10), "the lookup took {took:?}");
+    let st = c.nodes[1].status();
+    assert!(
+        num(&st, &["cluster", "fetch_misses", "timeout"])
+            + num(&st, &["cluster", "fetch_misses", "unreachable"])
+            > 0,
+        "{:#}",
+        st["cluster"]
+    );
+    reader.free_lookup_locks("req", 0, 16).ok();
+    reader.end_session("req").ok();
+    // Nothing reserved for the abandoned fetch on the asking node.
+    let after = c.nodes[1].status();
+    assert_eq!(num(&after, &["objects", "write_reserved"]), 0, "{after:#}");
+    assert!(num(&after, &["used_bytes"]) >= used_before);
+    let mc = reader.memcheck().unwrap();
+    assert!(mc.0, "{mc:?}");
+    // Node 0 runs again: it has dropped the connection and everything it held for it.
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let s0 = c.nodes[0].wait_status("peer connection released", |s| {
+        num(s, &["objects", "read_locked"]) == 0 && num(s, &["pending_reads"]) == 0
+    });
+    assert!(s0["memcheck_ok"].as_bool().unwrap_or(true));
+    // And serves again.
+    let mut again = client(&c.nodes[1], 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match again.retrieve(3, &r).unwrap() {
+            Some(back) => {
+                assert_eq!(back, data);
+                break;
+            }
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+            None => panic!(
+                "node 1 never fetched from node 0 again: {:#}",
+                c.nodes[1].status()["cluster"]
+            ),
+        }
+    }
+}

@@ -256,10 +256,11 @@ impl ClusterNode {
         let inst = t
             .conn
             .instance(&range.model, range.world_size, layout, self.peers.ids())?;
+        // Unique per call: two fetches at once never share (or replace) a session.
         let session = format!(
             "kvnode-peer:{}:{}",
             self.local_id,
-            self.counters.fetch_requests.load(Ordering::Relaxed)
+            self.peers.ids().fetch_add(1, Ordering::Relaxed)
         );
         let sub = ChunkRange {
             model: range.model.clone(),

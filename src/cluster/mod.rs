@@ -118,6 +118,8 @@ pub struct ClusterNode {
     pub counters: ClusterCounters,
     stopping: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The view revision whose members the peer pools were last trimmed to.
+    trimmed_at: std::sync::atomic::AtomicI64,
 }
 
 /// This node's id: the configured one, else `<hostname>-<port>` (characters outside
@@ -208,6 +210,7 @@ impl ClusterNode {
             counters: ClusterCounters::default(),
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
+            trimmed_at: std::sync::atomic::AtomicI64::new(0),
             membership: membership.clone(),
             local_id: local_id.clone(),
             endpoint: endpoint.clone(),
@@ -262,9 +265,19 @@ impl ClusterNode {
         Ok(node)
     }
 
-    /// The current view of the live members.
+    /// The current view of the live members; the first call after it changed closes the
+    /// connections to members that left it.
     pub fn view(&self) -> Arc<View> {
-        self.membership.view.read().clone()
+        let view = self.membership.view.read().clone();
+        if self.trimmed_at.swap(view.revision, Ordering::Relaxed) != view.revision {
+            let ids: Vec<&str> = view
+                .members
+                .iter()
+                .map(|m| m.desc.node_id.as_str())
+                .collect();
+            self.peers.retain(&ids);
+        }
+        view
     }
 
     /// This node's id.

@@ -109,11 +109,17 @@ fn register_request(
     })
 }
 
+/// How long a peer that could not be connected to is skipped (its calls are misses at once,
+/// not one connect timeout each, until etcd drops it from the view or it answers again).
+pub const PEER_DOWN_BACKOFF: Duration = Duration::from_secs(1);
+
 /// The pool of one peer.
 struct PeerPool {
     endpoint: String,
     idle: Vec<PeerConn>,
     open: usize,
+    /// Set when a connect failed: no new connection is tried before this instant.
+    down_until: Option<Instant>,
 }
 
 /// Connections to every peer, created on demand.
@@ -168,18 +174,28 @@ impl Peers {
                 endpoint: endpoint.to_owned(),
                 idle: Vec::new(),
                 open: 0,
+                down_until: None,
             });
             if pool.endpoint != endpoint {
                 // The peer restarted elsewhere: its old connections are stale.
                 pool.endpoint = endpoint.to_owned();
                 pool.open -= pool.idle.len();
                 pool.idle.clear();
+                pool.down_until = None;
             }
             if let Some(conn) = pool.idle.pop() {
                 return Ok(Taken {
                     peer: peer.to_owned(),
                     conn,
                 });
+            }
+            if let Some(until) = pool.down_until {
+                if Instant::now() < until {
+                    return Err(Error::new(
+                        ErrorKind::Io,
+                        format!("peer {peer} at {endpoint} could not be reached a moment ago"),
+                    ));
+                }
             }
             if pool.open < self.per_peer {
                 pool.open += 1;
@@ -190,7 +206,13 @@ impl Peers {
                         conn,
                     }),
                     Err(e) => {
-                        self.closed(peer);
+                        let mut pools = self.pools.lock();
+                        if let Some(p) = pools.get_mut(peer) {
+                            p.open = p.open.saturating_sub(1);
+                            p.down_until = Some(Instant::now() + PEER_DOWN_BACKOFF);
+                        }
+                        drop(pools);
+                        self.freed.notify_one();
                         Err(e)
                     }
                 };
