@@ -176,31 +176,56 @@ fn a_killed_node_turns_its_chunks_into_misses_and_the_others_keep_serving() {
 }
 
 #[test]
-fn a_joining_node_receives_its_share_of_new_stores() {
+fn a_joining_node_receives_its_share_of_cached_and_new_chunks() {
     let Some(mut c) = cluster("cljoin", 2) else {
         return;
     };
+    let mut writer = client(&c.nodes[0], 1);
+    let len = writer.object_bytes().unwrap() as usize;
+    // Cached before the join.
+    let old = range(&tokens(31, 30));
+    let old_data = payloads(&old, len);
+    let refs: Vec<&[u8]> = old_data.iter().map(Vec::as_slice).collect();
+    writer.store(1, &old, &refs).unwrap();
+    wait_pushes(&c.nodes[0]);
     let joiner = node("cljoin9", &c._etcd, "cljoin", &c.token, "n9");
     for n in c.nodes.iter().chain(std::iter::once(&joiner)) {
         wait_members(n, 3);
     }
-    let mut writer = client(&c.nodes[0], 1);
-    let len = writer.object_bytes().unwrap() as usize;
-    let r = range(&tokens(31, 30));
-    let data = payloads(&r, len);
-    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-    writer.store(1, &r, &refs).unwrap();
-    wait_pushes(&c.nodes[0]);
-    // About a third of 30 chunks is the joiner's; it holds them without anyone asking.
+    // The others hand it the chunks it now owns (about a third), without anyone asking.
+    let st = joiner.wait_status("hand-off", |s| num(s, &["objects", "ready"]) >= 3);
+    for n in &c.nodes {
+        wait_pushes(n);
+    }
     let held = num(&joiner.status(), &["objects", "ready"]);
     assert!(
         (3..=20).contains(&held),
-        "the joiner holds {held} of 30 chunks: {:#}",
-        joiner.status()
+        "the joiner holds {held} of 30 cached chunks: {st:#}"
     );
-    // And serves the whole prefix to its own engines.
+    let queued: u64 = c
+        .nodes
+        .iter()
+        .map(|n| num(&n.status(), &["cluster", "handoff_queued"]))
+        .sum();
+    assert!(
+        queued >= held,
+        "hand-off queued {queued}, joiner holds {held}"
+    );
+    // New stores: its share goes to it as well.
+    let new = range(&tokens(32, 30));
+    let new_data = payloads(&new, len);
+    let refs: Vec<&[u8]> = new_data.iter().map(Vec::as_slice).collect();
+    writer.store(1, &new, &refs).unwrap();
+    wait_pushes(&c.nodes[0]);
+    let more = num(&joiner.status(), &["objects", "ready"]) - held;
+    assert!(
+        (3..=20).contains(&more),
+        "the joiner got {more} of 30 new chunks"
+    );
+    // And it serves both prefixes to its own engines, byte-identical.
     let mut reader = client(&joiner, 2);
-    assert_eq!(reader.retrieve(2, &r).unwrap().unwrap(), data);
+    assert_eq!(reader.retrieve(2, &old).unwrap().unwrap(), old_data);
+    assert_eq!(reader.retrieve(2, &new).unwrap().unwrap(), new_data);
     c.nodes.push(joiner);
 }
 

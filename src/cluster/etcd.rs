@@ -195,7 +195,11 @@ async fn session(
     let lease = within("lease grant", limit, client.lease_grant(ttl, None))
         .await?
         .id();
-    let mut published = describe();
+    let describe_leased = || Descriptor {
+        lease,
+        ..describe()
+    };
+    let mut published = describe_leased();
     let value = serde_json::to_vec(&published).map_err(|e| e.to_string())?;
     within(
         "put descriptor",
@@ -285,7 +289,7 @@ async fn session(
                 }
             }
             _ = refresh.tick() => {
-                let now = describe();
+                let now = describe_leased();
                 if now != published {
                     let value = serde_json::to_vec(&now).map_err(|e| e.to_string())?;
                     within(

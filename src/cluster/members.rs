@@ -41,6 +41,10 @@ pub struct Descriptor {
     pub lmcache: bool,
     /// Unix milliseconds when the node started.
     pub started_unix_ms: u64,
+    /// The etcd lease the descriptor is published under: a new one each time the node
+    /// (re)joins, so peers tell a rejoin after a partition from a descriptor refresh.
+    #[serde(default)]
+    pub lease: i64,
 }
 
 impl Descriptor {
@@ -153,6 +157,7 @@ mod tests {
             version: "0".into(),
             lmcache: false,
             started_unix_ms: 0,
+            lease: 1,
         }
     }
 

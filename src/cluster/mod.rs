@@ -12,6 +12,7 @@
 
 pub mod etcd;
 pub mod fetch;
+pub mod handoff;
 pub mod members;
 pub mod peers;
 pub mod placement;
@@ -76,6 +77,10 @@ pub struct ClusterCounters {
     pub pushed_batches: AtomicU64,
     /// Bytes the owners received from pushes (the chunks they lacked).
     pub pushed_bytes: AtomicU64,
+    /// Objects queued for a joining member that now owns them.
+    pub handoff_queued: AtomicU64,
+    /// Objects a joining member owns that could not be handed off (layout no longer known).
+    pub handoff_skipped: AtomicU64,
 }
 
 impl ClusterCounters {
@@ -100,6 +105,8 @@ impl ClusterCounters {
             "push_failed": g(&self.push_failed),
             "pushed_batches": g(&self.pushed_batches),
             "pushed_bytes": g(&self.pushed_bytes),
+            "handoff_queued": g(&self.handoff_queued),
+            "handoff_skipped": g(&self.handoff_skipped),
         })
     }
 }
@@ -114,6 +121,7 @@ pub struct ClusterNode {
     membership: Arc<Membership>,
     peers: Peers,
     pushes: PushQueue,
+    layouts: handoff::LayoutCache,
     /// Counters.
     pub counters: ClusterCounters,
     stopping: AtomicBool,
@@ -207,6 +215,7 @@ impl ClusterNode {
                 cfg.peer_timeout(),
             ),
             pushes: PushQueue::new(cfg.max_push_queue_bytes),
+            layouts: handoff::LayoutCache::default(),
             counters: ClusterCounters::default(),
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -243,6 +252,7 @@ impl ClusterNode {
                     version: env!("CARGO_PKG_VERSION").into(),
                     lmcache,
                     started_unix_ms: started,
+                    lease: 0,
                 }
             })
         };

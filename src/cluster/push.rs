@@ -143,6 +143,7 @@ impl ClusterNode {
         if !self.cfg.push || keys.is_empty() {
             return;
         }
+        self.layouts.learn(&inst.layout);
         let view = self.view();
         if view.members.len() < 2 {
             return;
@@ -263,20 +264,43 @@ impl ClusterNode {
 pub fn spawn(node: Weak<ClusterNode>) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("kvnode-push".into())
-        .spawn(move || loop {
-            let Some(n) = node.upgrade() else { return };
-            if n.stopping() {
-                return;
+        .spawn(move || {
+            let mut known: Option<std::collections::HashSet<(String, i64)>> = None;
+            loop {
+                let Some(n) = node.upgrade() else { return };
+                if n.stopping() {
+                    return;
+                }
+                // Members that appeared since the last turn receive their share.
+                let view = n.view();
+                let ids = super::handoff::remote_members(&view);
+                let joined: std::collections::HashSet<String> = match &known {
+                    Some(k) => ids.difference(k).map(|(id, _)| id.clone()).collect(),
+                    None => ids.iter().map(|(id, _)| id.clone()).collect(),
+                };
+                if !joined.is_empty() {
+                    if let Some(ctx) = n.ctx.upgrade() {
+                        n.hand_off(&ctx, &view, &joined);
+                    }
+                }
+                known = Some(ids);
+                push_turn(&n);
             }
-            let batch = n.pushes.next_batch(Duration::from_millis(100));
-            if batch.is_empty() {
-                continue;
-            }
-            if let Some(ctx) = n.ctx.upgrade() {
-                push_one(&n, &ctx, &batch);
-            }
-            n.pushes.done();
         })
+}
+
+/// One turn of the pusher: pushes the next batch, if one comes within 100 ms.
+fn push_turn(n: &Arc<ClusterNode>) {
+    {
+        let batch = n.pushes.next_batch(Duration::from_millis(100));
+        if batch.is_empty() {
+            return;
+        }
+        if let Some(ctx) = n.ctx.upgrade() {
+            push_one(n, &ctx, &batch);
+        }
+        n.pushes.done();
+    }
 }
 
 fn push_one(n: &Arc<ClusterNode>, ctx: &NodeContext, batch: &[PushItem]) {

@@ -48,10 +48,16 @@ pub fn start_or_skip(test: &str) -> Option<Etcd> {
 impl Etcd {
     /// Starts etcd on free loopback ports and waits until it answers.
     pub fn start(tag: &str) -> Etcd {
+        Etcd::start_on(tag, "127.0.0.1")
+    }
+
+    /// Starts etcd serving clients at `ip` (free port; peers on loopback) and waits until it
+    /// answers.
+    pub fn start_on(tag: &str, ip: &str) -> Etcd {
         let dir = TestDir::new(&format!("etcd-{tag}"));
         let port = free_port();
         let peer = free_port();
-        let url = format!("http://127.0.0.1:{port}");
+        let url = format!("http://{ip}:{port}");
         let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
         let child = Command::new(etcd_bin())
             .arg("--name")
@@ -79,7 +85,7 @@ impl Etcd {
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", etcd.port)).is_err() {
+        while std::net::TcpStream::connect((ip, etcd.port)).is_err() {
             assert!(Instant::now() < deadline, "etcd did not start");
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -215,6 +215,30 @@ impl StorageCore {
         locked
     }
 
+    /// Up to `max` objects that are `Ready`, not doomed and not temporary and for which `pick`
+    /// holds, with their slot length and layout fingerprint; one index shard at a time, each
+    /// locked only while it is scanned (so the result is not one consistent snapshot). O(objects):
+    /// background work only (the cluster's hand-off to a joining member).
+    pub fn scan_ready(
+        &self,
+        max: usize,
+        mut pick: impl FnMut(&StorageKey) -> bool,
+    ) -> Vec<(StorageKey, u64, u64)> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            for (k, e) in &shard.map {
+                if out.len() >= max {
+                    return out;
+                }
+                if e.state == ObjectState::Ready && !e.doomed && !e.temporary && pick(k) {
+                    out.push((*k, e.slot.len, e.layout));
+                }
+            }
+        }
+        out
+    }
+
     /// Whether every key is `Ready` and not doomed (no lock taken).
     pub fn contains_ready(&self, key: &StorageKey) -> bool {
         let shard = self.shard(key).lock();
