@@ -413,3 +413,94 @@ fn a_silent_peer_is_a_miss_within_the_deadline_and_leaks_nothing_on_either_side(
         }
     }
 }
+
+/// A remote engine with no node of its own talks to the cluster directly: each chunk goes to
+/// its owner, reads come from the owners in parallel, a dead member is a miss (never an error),
+/// and after a join a chunk the new owner lacks is read from the member that held it before.
+#[test]
+fn the_cluster_client_routes_to_owners_survives_a_death_and_follows_a_join() {
+    use kvnode::cluster::ClusterClient;
+    use kvnode::transport::tcp::auth::Token;
+    let Some(etcd) = start_or_skip("clcli") else {
+        return;
+    };
+    let tokens_dir = TestDir::new("clcli-tok");
+    let token_file = new_token(&tokens_dir, "peer.token");
+    // No pushes or hand-offs: where a chunk is, is where the client put it.
+    let start = |tag: &str, id: &str| {
+        NodeProc::start_with_config(
+            tag,
+            "[cluster]\npush = false\n",
+            &[
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--auth-token-file",
+                token_file.to_str().unwrap(),
+                "--etcd",
+                &etcd.url,
+                "--cluster",
+                "clcli",
+                "--node-id",
+                id,
+            ],
+        )
+    };
+    let mut nodes: Vec<NodeProc> = (0..3)
+        .map(|i| start(&format!("clcli{i}"), &format!("c{i}")))
+        .collect();
+    for n in &nodes {
+        wait_members(n, 3);
+    }
+    let token = Token::from_file(&token_file).unwrap();
+    let mut cc = ClusterClient::connect(
+        std::slice::from_ref(&etcd.url),
+        "clcli",
+        Some(token),
+        common::remote::options(),
+    )
+    .unwrap();
+    assert_eq!(cc.members().len(), 3);
+    let len = cc.register(&reg(7)).unwrap() as usize;
+    let r = range(&tokens(61, 30));
+    let data = payloads(&r, len);
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    assert_eq!(cc.store(7, &r, &refs).unwrap(), 30);
+    // Spread over the owners, each chunk once.
+    let held: Vec<u64> = nodes
+        .iter()
+        .map(|n| num(&n.status(), &["objects", "ready"]))
+        .collect();
+    assert_eq!(held.iter().sum::<u64>(), 30, "{held:?}");
+    assert!(held.iter().all(|&h| h > 0), "{held:?}");
+    let mut lookup = r.clone();
+    lookup.worker_id = None;
+    assert_eq!(cc.lookup("q1", &lookup).unwrap(), 30);
+    assert_eq!(cc.retrieve(7, &r).unwrap().unwrap(), data);
+    // A member dies: its chunks are misses, nothing errs or hangs.
+    let mut dead = nodes.remove(2);
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+    let started = Instant::now();
+    assert!(cc.retrieve(7, &r).unwrap().is_none());
+    assert!(cc.lookup("q2", &lookup).unwrap() < 30);
+    assert!(started.elapsed() < Duration::from_secs(15));
+    // Once it has left the view, stores land on the survivors and are whole again.
+    for n in &nodes {
+        wait_members(n, 2);
+    }
+    cc.refresh().unwrap();
+    assert_eq!(cc.members().len(), 2);
+    cc.store(7, &r, &refs).unwrap();
+    assert_eq!(cc.retrieve(7, &r).unwrap().unwrap(), data);
+    // A member joins: keys move to it (about a third); it lacks them (no hand-off here), so the
+    // client reads them from their previous owners.
+    let joiner = start("clcli9", "c9");
+    for n in nodes.iter().chain(std::iter::once(&joiner)) {
+        wait_members(n, 3);
+    }
+    cc.refresh().unwrap();
+    assert_eq!(cc.members().len(), 3);
+    assert_eq!(cc.retrieve(7, &r).unwrap().unwrap(), data);
+    assert_eq!(num(&joiner.status(), &["objects", "ready"]), 0);
+    drop(dead);
+}

@@ -10,6 +10,7 @@
 //! so a peer gets no more trust than a remote engine of the same token, and every one of them
 //! has a deadline: a dead or slow peer is a miss, never an error or a hang.
 
+pub mod client;
 pub mod etcd;
 pub mod fetch;
 pub mod handoff;
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+pub use self::client::ClusterClient;
 use self::etcd::{EtcdState, Membership};
 use self::members::{Descriptor, View, CLUSTER_PROTOCOL_VERSION};
 use self::peers::Peers;
