@@ -4,6 +4,9 @@
 //! the `etcd` binary is missing.
 
 mod common;
+#[path = "metrics/expo.rs"]
+#[allow(dead_code)]
+mod expo;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -28,8 +31,28 @@ fn node(tag: &str, etcd: &Etcd, cluster: &str, token: &std::path::Path, id: &str
             cluster,
             "--node-id",
             id,
+            "--metrics-addr",
+            "127.0.0.1:0",
         ],
     )
+}
+
+/// The metrics address node `n` logged.
+fn metrics_addr(n: &NodeProc) -> std::net::SocketAddr {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(a) = n
+            .log()
+            .lines()
+            .find_map(|l| l.split("Prometheus metrics at http://").nth(1))
+            .and_then(|r| r.split('/').next())
+            .and_then(|a| a.parse().ok())
+        {
+            return a;
+        }
+        assert!(Instant::now() < deadline, "no metrics address logged");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Waits until `n` sees exactly `members` live members.
@@ -107,6 +130,18 @@ fn a_prefix_stored_on_one_node_is_retrieved_byte_identical_on_every_other() {
         let mc = reader.memcheck().unwrap();
         assert!(mc.0, "{mc:?}");
     }
+    // Metrics count the same: members, fetched objects and bytes, misses by cause.
+    let e = expo::scrape(metrics_addr(&c.nodes[1]));
+    assert_eq!(e.value("kvnode_cluster_members", &[]), 3.0);
+    assert_eq!(e.value("kvnode_cluster_etcd_connected", &[]), 1.0);
+    let fetched = e.value("kvnode_cluster_fetched_objects_total", &[]);
+    assert_eq!(
+        fetched,
+        num(&c.nodes[1].status(), &["cluster", "fetched_objects"]) as f64
+    );
+    assert!(e
+        .get("kvnode_cluster_fetch_misses_total", &[("cause", "timeout")])
+        .is_some());
     // A retrieve with no LOOKUP before it is served cluster-wide too.
     let r2 = range(&tokens(12, 5));
     let d2 = payloads(&r2, len);

@@ -165,11 +165,82 @@ impl Collector for NodeCollector {
         if let Some(lm) = &self.lm {
             self.encode_lmcache(&mut out, lm)?;
         }
-        if let Some(remote) = self.ctx.status_parts().remove("remote") {
+        let mut parts = self.ctx.status_parts();
+        if let Some(remote) = parts.remove("remote") {
             encode_remote(&mut out, &remote)?;
+        }
+        if let Some(cluster) = parts.remove("cluster") {
+            encode_cluster(&mut out, &cluster)?;
         }
         Ok(())
     }
+}
+
+/// The cluster's counters, from its status part (present when the node is a member).
+fn encode_cluster(out: &mut Out, c: &serde_json::Value) -> Fmt {
+    let n = |path: &[&str]| path.iter().fold(c, |v, k| &v[*k]).as_u64().unwrap_or(0);
+    out.gauge(
+        "kvnode_cluster_members",
+        "Live members of the cluster in this node's view (itself included)",
+        c["members"].as_array().map_or(0, |m| m.len() as u64),
+    )?;
+    out.gauge(
+        "kvnode_cluster_etcd_connected",
+        "1 while the node's etcd session is up (0: serving its own cache and the last view)",
+        u64::from(c["etcd"]["state"] == "connected"),
+    )?;
+    out.counter(
+        "kvnode_cluster_fetch_requests",
+        "Lookups and retrieves that asked peers for chunks",
+        n(&["fetch_requests"]),
+    )?;
+    out.counter(
+        "kvnode_cluster_fetched_objects",
+        "Objects brought in from peers and published in this pool",
+        n(&["fetched_objects"]),
+    )?;
+    out.counter(
+        "kvnode_cluster_fetched_bytes",
+        "Bytes brought in from peers",
+        n(&["fetched_bytes"]),
+    )?;
+    let causes = [
+        "not_held",
+        "owned_here",
+        "unreachable",
+        "timeout",
+        "layout",
+        "local_full",
+        "budget",
+    ];
+    let rows: Vec<_> = causes
+        .iter()
+        .map(|&k| ([("cause", k)], n(&["fetch_misses", k])))
+        .collect();
+    out.counters(
+        "kvnode_cluster_fetch_misses",
+        "Chunks a peer fetch did not bring in, by cause",
+        &rows,
+    )?;
+    out.counters(
+        "kvnode_cluster_pushes",
+        "Objects pushed to their owners: queued, dropped (queue full), failed",
+        &[
+            ([("outcome", "queued")], n(&["push_queued"])),
+            ([("outcome", "dropped")], n(&["push_dropped"])),
+            ([("outcome", "failed")], n(&["push_failed"])),
+        ],
+    )?;
+    out.counter(
+        "kvnode_cluster_pushed_bytes",
+        "Bytes owners received from this node's pushes",
+        n(&["pushed_bytes"]),
+    )?;
+    out.gauge(
+        "kvnode_cluster_push_queue_bytes",
+        "Bytes waiting to be pushed",
+        n(&["push_queue_bytes"]),
+    )
 }
 
 /// The remote listener's counters, from its status part (present when it listens).
