@@ -9,6 +9,7 @@
 //! those measurements).
 
 mod baseline;
+mod cluster;
 mod conn;
 mod disk;
 mod gpu;
@@ -67,7 +68,7 @@ pub struct Args {
     #[arg(long, requires = "spawn")]
     node_bin: Option<PathBuf>,
     /// Socket of a running node.
-    #[arg(long, required_unless_present_any = ["spawn", "remote", "raw_peer"])]
+    #[arg(long, required_unless_present_any = ["spawn", "remote", "raw_peer", "etcd"])]
     socket: Option<PathBuf>,
     /// A node over TCP (`tcp://HOST:PORT`) instead of its socket: every workload goes through
     /// the remote client (the node moves the bytes). With --spawn, the spawned node listens on
@@ -75,22 +76,34 @@ pub struct Args {
     #[arg(long, value_name = "URL", conflicts_with = "socket")]
     remote: Option<String>,
     /// The client token's file for --remote (none: the node must run --insecure-no-auth).
-    #[arg(long, value_name = "FILE", requires = "remote")]
+    #[arg(long, value_name = "FILE")]
     token_file: Option<PathBuf>,
     /// Fabric of --remote: tcp, or rdma (refused: RDMA is not offered by this build/node yet).
     #[arg(long, value_enum, default_value = "tcp", requires = "remote")]
     fabric: remote::FabricArg,
     /// The raw peer (`kvnode-bench --raw-peer`) beside the --remote node, for the raw TCP
     /// baselines (default: one started here when the node is on loopback).
-    #[arg(long, value_name = "HOST:PORT", requires = "remote")]
+    #[arg(long, value_name = "HOST:PORT", required = false)]
     raw_peer_addr: Option<String>,
     /// Seconds per direction of the raw TCP stream baseline (half before the load, half after).
-    #[arg(long, default_value_t = 2.0, requires = "remote")]
+    #[arg(long, default_value_t = 2.0)]
     raw_secs: f64,
     /// Process id of the --remote node on this host (same pid namespace), for its CPU per GB
     /// moved (known without this flag when --spawn started it).
     #[arg(long, requires = "remote")]
     node_pid: Option<u32>,
+    /// Run the workloads through a cluster of nodes whose members etcd at URL lists (with
+    /// --cluster and --token-file): per-member and total store, cross-node and local retrieve
+    /// GB/s, peer vs local hits, against the raw TCP stream measured in the same run.
+    #[arg(long, value_delimiter = ',', value_name = "URL", conflicts_with_all = ["socket", "remote", "spawn"])]
+    etcd: Vec<String>,
+    /// The cluster's name (with --etcd).
+    #[arg(long, value_name = "NAME", requires = "etcd")]
+    cluster: Option<String>,
+    /// An admin token of the members (with --etcd): their `cluster` status counters (peer
+    /// fetches, pushes) are read with it; without it, peer vs local hits are not reported.
+    #[arg(long, value_name = "FILE", requires = "etcd")]
+    admin_token_file: Option<PathBuf>,
     /// Serve as the raw peer on ADDR:PORT (port 0: any; prints `LISTENING ADDR:PORT`) until
     /// killed: a sink, source and echo for another kvnode-bench's --remote baselines.
     #[arg(long, value_name = "ADDR:PORT", exclusive = true)]
@@ -248,6 +261,7 @@ fn main() {
         Some(Mode::Soak(a)) => soak::run(a),
         Some(Mode::Lmcache(a)) => lmcache::run(a),
         Some(Mode::SoakWorker(a)) => std::process::exit(soak_worker::run(a)),
+        None if !args.etcd.is_empty() => cluster::run(&args),
         None => run(&args),
     };
     match outcome {

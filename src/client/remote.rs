@@ -245,11 +245,22 @@ impl TcpTransport {
         &mut self,
         reader: &mut FrameReader,
         total: u64,
+        deadline: Option<Instant>,
         sink: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<()> {
         let mut buf = vec![0u8; TRAILER_PIECE_BYTES.min(total as usize)];
         let mut at = 0u64;
         while at < total {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Error::new(
+                    ErrorKind::Io,
+                    format!(
+                        "timed out: the retrieve's bytes from {} did not arrive before the \
+                         deadline ({at} of {total}); the connection cannot be used further",
+                        self.peer
+                    ),
+                ));
+            }
             let want = (total - at).min(buf.len() as u64) as usize;
             let have = reader.take_buffered(want as u64);
             let n = have.len();
@@ -462,13 +473,16 @@ impl Client<TcpTransport> {
     /// receives the trailer (the slots of prepared retrieve `transfer_id`, in slot order,
     /// `want` bytes in all) in pieces through one bounded buffer ([`TRAILER_PIECE_BYTES`]). An
     /// error from `sink` ends the call after the trailer was read (the connection stays in
-    /// step) — for a node bringing a peer's chunks into its own pool. Returns the bytes.
+    /// step) — for a node bringing a peer's chunks into its own pool. Past `deadline` (checked
+    /// between pieces; each read is bounded by the connection's timeout) the call fails and the
+    /// connection must be dropped. Returns the bytes.
     pub fn read_slots_with(
         &mut self,
         instance_id: u64,
         transfer_id: u64,
         want: u64,
         commit: bool,
+        deadline: Option<Instant>,
         sink: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<u64> {
         let id = self.send(&Request::ReadSlots {
@@ -492,15 +506,19 @@ impl Client<TcpTransport> {
         match resp {
             Response::SlotsRead { bytes } if bytes == h.trailer_len && bytes == want => {
                 let mut failed = None;
-                self.stream
-                    .read_trailer_with(&mut self.reader, bytes, &mut |at, b| {
+                self.stream.read_trailer_with(
+                    &mut self.reader,
+                    bytes,
+                    deadline,
+                    &mut |at, b| {
                         if failed.is_none() {
                             if let Err(e) = sink(at, b) {
                                 failed = Some(e);
                             }
                         }
                         Ok(())
-                    })?;
+                    },
+                )?;
                 match failed {
                     Some(e) => Err(e),
                     None => Ok(bytes),

@@ -147,7 +147,14 @@ impl ClusterClient {
     /// there. The layout (object size) is checked on the first member at once.
     pub fn register(&mut self, req: &RegisterRequest) -> Result<u64> {
         self.registrations.insert(req.instance_id, req.clone());
-        let first = self.view.members[0].desc.node_id.clone();
+        let first = self
+            .view
+            .members
+            .first()
+            .ok_or_else(|| Error::new(ErrorKind::Io, "the cluster has no member in etcd"))?
+            .desc
+            .node_id
+            .clone();
         let c = self.conn(&first, Some(req.instance_id))?;
         c.client.object_bytes()
     }

@@ -23,7 +23,7 @@ use crate::config::ClusterConfig;
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 /// How often the descriptor's usage figures are refreshed in etcd (only when they changed).
-const REFRESH_EVERY: Duration = Duration::from_secs(2);
+const REFRESH_EVERY: Duration = Duration::from_secs(5);
 /// How often the loop checks the stop flag.
 const STOP_POLL: Duration = Duration::from_millis(100);
 

@@ -89,7 +89,11 @@ impl ClusterNode {
         if range.world_size == 0 || range.chunk_hashes.is_empty() {
             return;
         }
-        if range.chunk_hashes.len() > ctx.config.limits.max_chunks_per_request {
+        let objects = range
+            .chunk_hashes
+            .len()
+            .saturating_mul(range.world_size as usize);
+        if objects > ctx.config.limits.max_chunks_per_request {
             return; // the request itself is refused with the limit's error
         }
         let view = self.view();
@@ -108,7 +112,20 @@ impl ClusterNode {
         if missing.is_empty() {
             return;
         }
-        let batches = self.batches(&view, range, &missing, &layout);
+        if !super::peers::shareable(&layout) {
+            self.miss(MissCause::Layout, missing.len());
+            return;
+        }
+        // The bytes this request may hold in reservations: its share of the node-wide budget.
+        let per_chunk = layout
+            .object_bytes()
+            .saturating_mul(u64::from(range.world_size));
+        let want = per_chunk.saturating_mul(missing.len() as u64);
+        let budget = FetchBudgetGuard {
+            budget: &self.fetch_budget,
+            bytes: self.fetch_budget.take(want),
+        };
+        let batches = self.batches(&view, range, &missing, per_chunk, budget.bytes);
         if batches.is_empty() {
             return;
         }
@@ -119,12 +136,23 @@ impl ClusterNode {
             run(&batches[0]);
         } else {
             std::thread::scope(|s| {
-                let handles: Vec<_> = batches.iter().map(|b| s.spawn(move || run(b))).collect();
+                let mut handles = Vec::new();
+                for b in &batches {
+                    // A thread that cannot be made: that owner's batch runs here, in turn.
+                    match std::thread::Builder::new()
+                        .name("kvnode-fetch".into())
+                        .spawn_scoped(s, move || run(b))
+                    {
+                        Ok(h) => handles.push(h),
+                        Err(_) => run(b),
+                    }
+                }
                 for h in handles {
                     let _ = h.join();
                 }
             });
         }
+        drop(budget);
     }
 
     /// The chunk indices of `range` of which this node lacks some rank in L1.
@@ -158,12 +186,10 @@ impl ClusterNode {
         view: &'v View,
         range: &ChunkRange,
         missing: &[usize],
-        layout: &Layout,
+        per_chunk: u64,
+        budget_bytes: u64,
     ) -> Vec<Batch<'v>> {
-        let per_chunk = layout
-            .object_bytes()
-            .saturating_mul(u64::from(range.world_size));
-        let budget = (self.cfg.max_fetch_bytes / per_chunk.max(1)) as usize;
+        let budget = (budget_bytes / per_chunk.max(1)) as usize;
         let mut by_owner: BTreeMap<&str, Batch<'v>> = BTreeMap::new();
         for (n, &i) in missing.iter().enumerate() {
             if n >= budget {
@@ -235,9 +261,8 @@ impl ClusterNode {
             Err(e) => {
                 tracing::info!(peer = b.peer, error = %e, "peer fetch failed: a miss");
                 self.miss(cause_of(&e), b.chunks.len());
-                // Dropping the connection closes it: the peer releases what it holds for us.
-                drop(taken);
-                self.peers.closed(b.peer);
+                // Closing the connection makes the peer release what it holds for us.
+                self.peers.close(taken);
             }
         }
     }
@@ -253,15 +278,11 @@ impl ClusterNode {
         deadline: Instant,
     ) -> Result<usize> {
         let hashes: Vec<_> = b.chunks.iter().map(|&i| range.chunk_hashes[i]).collect();
+        bound(t, deadline, self.cfg.peer_timeout())?;
         let inst = t
             .conn
             .instance(&range.model, range.world_size, layout, self.peers.ids())?;
-        // Unique per call: two fetches at once never share (or replace) a session.
-        let session = format!(
-            "kvnode-peer:{}:{}",
-            self.local_id,
-            self.peers.ids().fetch_add(1, Ordering::Relaxed)
-        );
+        let session = t.conn.session.clone();
         let sub = ChunkRange {
             model: range.model.clone(),
             world_size: range.world_size,
@@ -270,6 +291,7 @@ impl ClusterNode {
             first_chunk: 0,
             chunk_hashes: hashes,
         };
+        bound(t, deadline, self.cfg.peer_timeout())?;
         let held = t.conn.client.lookup(&session, &sub, 1)? as usize;
         if held == 0 {
             return Ok(0);
@@ -278,13 +300,9 @@ impl ClusterNode {
         let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
         let mut published = usize::MAX;
         for rank in 0..range.world_size {
-            if Instant::now() >= deadline {
-                return Err(Error::new(
-                    ErrorKind::Io,
-                    "timed out: the peer deadline passed",
-                ));
-            }
-            let n = self.fetch_rank(ctx, t, inst, &session, &sub, held, rank, layout, namespace)?;
+            let n = self.fetch_rank(
+                ctx, t, inst, &session, &sub, held, rank, layout, namespace, deadline,
+            )?;
             published = published.min(n);
         }
         Ok(published.min(held))
@@ -304,8 +322,10 @@ impl ClusterNode {
         rank: u32,
         layout: &Layout,
         namespace: NamespaceId,
+        deadline: Instant,
     ) -> Result<usize> {
         let hashes = &sub.chunk_hashes[..held];
+        bound(t, deadline, self.cfg.peer_timeout())?;
         let rr = ChunkRange {
             worker_id: Some(rank),
             chunk_hashes: hashes.to_vec(),
@@ -360,6 +380,13 @@ impl ClusterNode {
         if full > 0 {
             self.miss(MissCause::LocalFull, full);
         }
+        bound(t, deadline, self.cfg.peer_timeout())?;
+        if reserved.items.is_empty() {
+            // Nothing to receive into (all here already, or no room): release the peer's locks
+            // without moving a byte.
+            t.conn.client.commit_retrieve(inst, prep.transfer_id)?;
+            return Ok(0);
+        }
         let region = ctx.pool.region();
         let total = object_bytes * held as u64;
         let got = t.conn.client.read_slots_with(
@@ -367,6 +394,7 @@ impl ClusterNode {
             prep.transfer_id,
             total,
             true,
+            Some(deadline),
             &mut |at, bytes| {
                 // `bytes` may span chunk boundaries.
                 let mut done = 0usize;
@@ -401,7 +429,63 @@ impl ClusterNode {
         self.counters
             .fetched_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        Ok(held)
+        Ok(published)
+    }
+}
+
+/// Bounds the connection's next reply by what is left of `deadline` (at most `per_call`).
+fn bound(t: &mut Taken, deadline: Instant, per_call: std::time::Duration) -> Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(Error::new(
+            ErrorKind::Io,
+            "timed out: the peer deadline passed",
+        ));
+    }
+    t.conn.client.set_timeout(Some(left.min(per_call)))
+}
+
+/// Bytes of reservations peer fetches may hold at once, node-wide (`cluster.max_fetch_bytes`).
+/// Invariant: `used <= max`.
+pub struct FetchBudget {
+    used: parking_lot::Mutex<u64>,
+    max: u64,
+}
+
+impl FetchBudget {
+    /// A budget of `max` bytes.
+    pub fn new(max: u64) -> FetchBudget {
+        FetchBudget {
+            used: parking_lot::Mutex::new(0),
+            max,
+        }
+    }
+
+    /// Takes up to `want` bytes (what is left when less); returns the bytes taken.
+    fn take(&self, want: u64) -> u64 {
+        let mut used = self.used.lock();
+        let got = want.min(self.max - *used);
+        *used += got;
+        got
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> u64 {
+        *self.used.lock()
+    }
+}
+
+/// Gives a request's share of the budget back when it ends.
+struct FetchBudgetGuard<'a> {
+    budget: &'a FetchBudget,
+    bytes: u64,
+}
+
+impl Drop for FetchBudgetGuard<'_> {
+    fn drop(&mut self) {
+        let mut used = self.budget.used.lock();
+        debug_assert!(*used >= self.bytes);
+        *used = used.saturating_sub(self.bytes);
     }
 }
 

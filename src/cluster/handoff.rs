@@ -66,61 +66,54 @@ pub fn remote_members(view: &View) -> HashSet<(String, i64)> {
 }
 
 impl ClusterNode {
-    /// Queues pushes of the objects the members in `joined` now own.
+    /// Queues pushes of the objects the members in `joined` now own: one index shard at a
+    /// time (copied out under its lock, placed after), at most [`MAX_HANDOFF_OBJECTS`] looked
+    /// at in all.
     pub(super) fn hand_off(&self, ctx: &NodeContext, view: &View, joined: &HashSet<String>) {
         if joined.is_empty() || !self.cfg.push {
             return;
         }
         let mut names: HashMap<NamespaceId, Option<(String, String)>> = HashMap::new();
-        let mut owners: Vec<(crate::storage::StorageKey, String)> = Vec::new();
-        let picked = ctx.storage.scan_ready(MAX_HANDOFF_OBJECTS, |k| {
-            let name = names
-                .entry(k.namespace)
-                .or_insert_with(|| ctx.namespaces.name(k.namespace));
-            let Some((model, salt)) = name else {
-                return false;
-            };
-            let key = super::placement::placement_key(model, salt, &k.chunk_hash);
-            match view.owner(key) {
-                Some(o) if joined.contains(&o.desc.node_id) => {
-                    owners.push((*k, o.desc.node_id.clone()));
-                    true
+        let (mut queued, mut skipped, mut seen) = (0u64, 0u64, 0usize);
+        for shard in 0..ctx.storage.index_shards() {
+            if seen >= MAX_HANDOFF_OBJECTS || self.stopping() {
+                break;
+            }
+            let objects = ctx
+                .storage
+                .scan_ready_shard(shard, MAX_HANDOFF_OBJECTS - seen);
+            seen += objects.len();
+            for (k, len, fp) in objects {
+                let name = names
+                    .entry(k.namespace)
+                    .or_insert_with(|| ctx.namespaces.name(k.namespace));
+                let Some((model, salt)) = name.as_ref() else {
+                    continue;
+                };
+                let key = super::placement::placement_key(model, salt, &k.chunk_hash);
+                let Some(owner) = view.owner(key).filter(|o| joined.contains(&o.desc.node_id))
+                else {
+                    continue;
+                };
+                let Some(layout) = self.layouts.get(fp).filter(|l| l.object_bytes() == len) else {
+                    skipped += 1;
+                    continue;
+                };
+                let item = PushItem {
+                    owner: owner.desc.node_id.clone(),
+                    endpoint: owner.desc.endpoints[0].clone(),
+                    model: model.clone(),
+                    salt: salt.clone(),
+                    world_size: k.kv_rank >> 24,
+                    rank: (k.kv_rank >> 16) & 0xff,
+                    layout,
+                    key: k,
+                };
+                if self.pushes.offer(item) {
+                    queued += 1;
+                } else {
+                    self.counters.push_dropped.fetch_add(1, Ordering::Relaxed);
                 }
-                _ => false,
-            }
-        });
-        let owner_of: HashMap<_, _> = owners.into_iter().collect();
-        let (mut queued, mut skipped) = (0u64, 0u64);
-        for (k, len, fp) in picked {
-            let (Some(owner), Some(Some((model, salt))), Some(layout)) = (
-                owner_of.get(&k),
-                names.get(&k.namespace),
-                self.layouts.get(fp),
-            ) else {
-                skipped += 1;
-                continue;
-            };
-            if layout.object_bytes() != len {
-                skipped += 1;
-                continue;
-            }
-            let Some(member) = view.get(owner) else {
-                continue;
-            };
-            let item = PushItem {
-                owner: owner.clone(),
-                endpoint: member.desc.endpoints[0].clone(),
-                model: model.clone(),
-                salt: salt.clone(),
-                world_size: k.kv_rank >> 24,
-                rank: (k.kv_rank >> 16) & 0xff,
-                layout,
-                key: k,
-            };
-            if self.pushes.offer(item) {
-                queued += 1;
-            } else {
-                self.counters.push_dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
         self.counters

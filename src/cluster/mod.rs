@@ -124,6 +124,7 @@ pub struct ClusterNode {
     peers: Peers,
     pushes: PushQueue,
     layouts: handoff::LayoutCache,
+    fetch_budget: fetch::FetchBudget,
     /// Counters.
     pub counters: ClusterCounters,
     stopping: AtomicBool,
@@ -218,6 +219,7 @@ impl ClusterNode {
             ),
             pushes: PushQueue::new(cfg.max_push_queue_bytes),
             layouts: handoff::LayoutCache::default(),
+            fetch_budget: fetch::FetchBudget::new(cfg.max_fetch_bytes),
             counters: ClusterCounters::default(),
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -361,6 +363,7 @@ impl ClusterNode {
         c["view_revision"] = view.revision.into();
         c["push_queue_bytes"] = self.pushes.bytes().into();
         c["push_in_flight"] = self.pushes.in_flight().into();
+        c["fetch_bytes_in_flight"] = self.fetch_budget.used().into();
         c["peer_connections"] = self
             .peers
             .open()

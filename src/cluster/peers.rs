@@ -26,11 +26,21 @@ pub struct PeerConn {
     pub client: RemoteClient,
     /// Instance registered per (model, world size, layout fingerprint).
     instances: HashMap<(String, u32, u64), u64>,
+    /// The lookup session this connection's fetches use: one name per connection (it serves
+    /// one call at a time), so each LOOKUP replaces, and releases, the previous one's session
+    /// on the peer instead of leaving one per fetch until its idle expiry.
+    pub session: String,
 }
 
-/// Distinct layouts one connection registers at most (beyond: the oldest registration is
-/// forgotten here; the peer keeps it until the connection closes).
-const MAX_LAYOUTS_PER_CONN: usize = 64;
+/// Distinct layouts one connection registers at most, below the peer's
+/// `max_instances_per_connection` (64 by default); a connection that needs more is closed (the
+/// peer releases its instances) and a new one made.
+const MAX_LAYOUTS_PER_CONN: usize = 16;
+
+/// Whether `layout` can be registered on a peer (an engine-driven shape).
+pub fn shareable(layout: &Layout) -> bool {
+    register_request("m", 1, layout, 1).is_ok()
+}
 
 impl PeerConn {
     /// The instance this connection registered for `(model, world_size)` with `layout`,
@@ -46,6 +56,15 @@ impl PeerConn {
         if let Some(&id) = self.instances.get(&key) {
             return Ok(id);
         }
+        if self.instances.len() >= MAX_LAYOUTS_PER_CONN {
+            return Err(Error::new(
+                ErrorKind::LimitExceeded,
+                format!(
+                    "this peer connection registered {MAX_LAYOUTS_PER_CONN} layouts: it is \
+                     closed and a new one made"
+                ),
+            ));
+        }
         let req = register_request(
             model,
             world_size,
@@ -60,9 +79,6 @@ impl PeerConn {
                 reply.object_bytes,
                 layout.object_bytes()
             )));
-        }
-        if self.instances.len() >= MAX_LAYOUTS_PER_CONN {
-            self.instances.clear();
         }
         self.instances.insert(key, req.instance_id);
         Ok(req.instance_id)
@@ -113,11 +129,14 @@ fn register_request(
 /// not one connect timeout each, until etcd drops it from the view or it answers again).
 pub const PEER_DOWN_BACKOFF: Duration = Duration::from_secs(1);
 
-/// The pool of one peer.
+/// The pool of one peer. Invariant: `open` counts the connections of generation `gen` idle
+/// here or taken out; a taken connection of an older generation (its pool was dropped and made
+/// again meanwhile) is never counted nor given back.
 struct PeerPool {
     endpoint: String,
     idle: Vec<PeerConn>,
     open: usize,
+    gen: u64,
     /// Set when a connect failed: no new connection is tried before this instant.
     down_until: Option<Instant>,
 }
@@ -129,7 +148,9 @@ pub struct Peers {
     per_peer: usize,
     timeout: Duration,
     pools: Mutex<HashMap<String, PeerPool>>,
+    /// Woken (all waiters) whenever a connection is given back or closed.
     freed: Condvar,
+    next_gen: AtomicU64,
     /// Instance ids this node registers on its peers (random start: two nodes never pick the
     /// same ids on a third; engine-chosen ids are small in practice).
     ids: AtomicU64,
@@ -141,6 +162,7 @@ pub struct Taken {
     pub peer: String,
     /// The connection.
     pub conn: PeerConn,
+    gen: u64,
 }
 
 impl Peers {
@@ -156,6 +178,7 @@ impl Peers {
             timeout,
             pools: Mutex::new(HashMap::new()),
             freed: Condvar::new(),
+            next_gen: AtomicU64::new(1),
             ids: AtomicU64::new(u64::from_le_bytes(seed) | (1 << 63)),
         }
     }
@@ -174,19 +197,24 @@ impl Peers {
                 endpoint: endpoint.to_owned(),
                 idle: Vec::new(),
                 open: 0,
+                gen: self.next_gen.fetch_add(1, Ordering::Relaxed),
                 down_until: None,
             });
             if pool.endpoint != endpoint {
-                // The peer restarted elsewhere: its old connections are stale.
+                // The peer restarted elsewhere: every old connection is stale (a new
+                // generation: those taken out are not given back).
                 pool.endpoint = endpoint.to_owned();
-                pool.open -= pool.idle.len();
                 pool.idle.clear();
+                pool.open = 0;
+                pool.gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
                 pool.down_until = None;
             }
+            let gen = pool.gen;
             if let Some(conn) = pool.idle.pop() {
                 return Ok(Taken {
                     peer: peer.to_owned(),
                     conn,
+                    gen,
                 });
             }
             if let Some(until) = pool.down_until {
@@ -204,15 +232,16 @@ impl Peers {
                     Ok(conn) => Ok(Taken {
                         peer: peer.to_owned(),
                         conn,
+                        gen,
                     }),
                     Err(e) => {
                         let mut pools = self.pools.lock();
-                        if let Some(p) = pools.get_mut(peer) {
+                        if let Some(p) = pools.get_mut(peer).filter(|p| p.gen == gen) {
                             p.open = p.open.saturating_sub(1);
                             p.down_until = Some(Instant::now() + PEER_DOWN_BACKOFF);
                         }
                         drop(pools);
-                        self.freed.notify_one();
+                        self.freed.notify_all();
                         Err(e)
                     }
                 };
@@ -248,28 +277,36 @@ impl Peers {
         Ok(PeerConn {
             client,
             instances: HashMap::new(),
+            session: format!(
+                "kvnode-peer:{}:{}",
+                self.local_id,
+                self.ids.fetch_add(1, Ordering::Relaxed)
+            ),
         })
     }
 
-    /// Gives a connection back after a call that left it in step.
+    /// Gives a connection back after a call that left it in step (dropped instead when its
+    /// pool was replaced meanwhile).
     pub fn put(&self, t: Taken) {
         let mut pools = self.pools.lock();
-        match pools.get_mut(&t.peer) {
+        match pools.get_mut(&t.peer).filter(|p| p.gen == t.gen) {
             Some(p) => p.idle.push(t.conn),
             None => return,
         }
         drop(pools);
-        self.freed.notify_one();
+        self.freed.notify_all();
     }
 
-    /// Forgets a connection that was dropped (failed call).
-    pub fn closed(&self, peer: &str) {
+    /// Closes a connection after a failed call (the peer then releases what it held for it).
+    pub fn close(&self, t: Taken) {
+        let Taken { peer, conn, gen } = t;
+        drop(conn);
         let mut pools = self.pools.lock();
-        if let Some(p) = pools.get_mut(peer) {
+        if let Some(p) = pools.get_mut(&peer).filter(|p| p.gen == gen) {
             p.open = p.open.saturating_sub(1);
         }
         drop(pools);
-        self.freed.notify_one();
+        self.freed.notify_all();
     }
 
     /// Drops the pools of peers no longer in `live` (their connections close).

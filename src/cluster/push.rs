@@ -201,8 +201,18 @@ impl ClusterNode {
         if hashes.is_empty() {
             return Ok(0);
         }
-        let deadline = Instant::now() + self.cfg.peer_timeout();
+        if !super::peers::shareable(&first.layout) {
+            return Ok(0);
+        }
+        // Bytes move at 50 MB/s at least: the deadline grows with the batch.
+        let deadline = Instant::now()
+            + self.cfg.peer_timeout()
+            + Duration::from_millis(data.len() as u64 * object_bytes / 50_000);
         let mut t = self.peers.take(&first.owner, &first.endpoint, deadline)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        t.conn
+            .client
+            .set_timeout(Some(left.max(Duration::from_millis(1))))?;
         let result = (|| {
             let inst = t.conn.instance(
                 &first.model,
@@ -252,8 +262,7 @@ impl ClusterNode {
                 Ok(bytes)
             }
             Err(e) => {
-                drop(t);
-                self.peers.closed(&first.owner);
+                self.peers.close(t);
                 Err(e)
             }
         }

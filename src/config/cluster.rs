@@ -50,7 +50,8 @@ pub struct ClusterConfig {
     /// Bytes of stored chunks waiting to be pushed at most (beyond: the push is dropped and
     /// counted; the chunk stays in this node's cache).
     pub max_push_queue_bytes: u64,
-    /// Bytes one peer fetch may bring in at most (the rest of the prefix is a miss).
+    /// Bytes all peer fetches in flight may hold in reservations at once, node-wide (a request
+    /// gets what is left; beyond it the rest of its prefix is a miss).
     pub max_fetch_bytes: u64,
     /// Connections kept open to each peer (one fetch or push uses one at a time).
     pub connections_per_peer: usize,

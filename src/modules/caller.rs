@@ -39,6 +39,12 @@ pub const PEER_NODE_NAME_PREFIX: &str = "kvnode-peer ";
 pub const REMOTE_OWNER_CLIENT: SessionOwner = 1 << 32;
 /// The session owner (and quota user) of remote engines that proved the admin token.
 pub const REMOTE_OWNER_ADMIN: SessionOwner = (1 << 32) + 1;
+/// The session owner (and quota user) of other nodes of the cluster (connections whose
+/// handshake name starts with [`PEER_NODE_NAME_PREFIX`]): their instances, sessions and
+/// reservations never count against the remote engines' quotas. The token is the trust
+/// boundary: a client of the same token that claims the name only moves itself into the peers'
+/// bucket (and loses cluster-wide hits).
+pub const REMOTE_OWNER_PEER: SessionOwner = (1 << 32) + 2;
 
 impl Caller {
     /// The caller of connection `connection` whose peer is `peer`, with its role under `ctx`'s
@@ -92,6 +98,7 @@ impl Caller {
             (Some(p), _) => p.uid.to_string(),
             (None, REMOTE_OWNER_CLIENT) => "remote (client token)".to_owned(),
             (None, REMOTE_OWNER_ADMIN) => "remote (admin token)".to_owned(),
+            (None, REMOTE_OWNER_PEER) => "cluster peer".to_owned(),
             (None, _) => "unknown".to_owned(),
         }
     }

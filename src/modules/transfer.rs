@@ -340,18 +340,30 @@ fn prepare_retrieve(
     // An object stored by an instance of another layout under the same model (e.g. other
     // physical slots per chunk) is not this reader's: its slot has another size, and copying
     // this instance's layout out of it would read past it. Such a retrieve is a miss.
+    // Nor is one of the same size under another shape or dtype (the object carries the
+    // fingerprint of the layout it was committed or loaded under; 0 = unknown): its bytes mean
+    // something else (a cluster peer asking with its own layout relies on this check).
     let object_bytes = inst.layout.object_bytes();
-    let foreign = results
+    let fingerprint = inst.layout.fingerprint();
+    let foreign = keys
         .iter()
-        .flatten()
-        .filter(|g| g.slot.len != object_bytes)
+        .zip(&results)
+        .filter_map(|(k, r)| r.as_ref().ok().map(|g| (k, g)))
+        .filter(|(k, g)| {
+            g.slot.len != object_bytes
+                || ctx
+                    .storage
+                    .ready_object(k)
+                    .is_some_and(|(_, fp)| fp != 0 && fp != fingerprint)
+        })
         .count();
     if foreign > 0 {
         tracing::warn!(
             instance = inst.id,
             objects = foreign,
             expected_bytes = object_bytes,
-            "PREPARE_RETRIEVE found objects of another layout (size) under this model: a miss"
+            "PREPARE_RETRIEVE found objects of another layout (size, shape or dtype) under this \
+             model: a miss"
         );
     }
     if found.len() < keys.len() || foreign > 0 {

@@ -393,11 +393,20 @@ fn serve_connection(
         registry: shared.registry.clone(),
         regions: RegionTable::new(shared.config.max_registered_regions),
         config: shared.config.clone(),
-        caller: Caller {
-            peer_node: negotiated
+        caller: {
+            let base = Caller::remote(id, negotiated.role);
+            if negotiated
                 .client_name
-                .starts_with(crate::modules::caller::PEER_NODE_NAME_PREFIX),
-            ..Caller::remote(id, negotiated.role)
+                .starts_with(crate::modules::caller::PEER_NODE_NAME_PREFIX)
+            {
+                Caller {
+                    peer_node: true,
+                    owner: crate::modules::caller::REMOTE_OWNER_PEER,
+                    ..base
+                }
+            } else {
+                base
+            }
         },
     };
     serve_frames(ctx, &mut PlainSource(&*stream), &dyn_sink, &mut hooks);

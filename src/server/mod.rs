@@ -169,8 +169,14 @@ impl Node {
             .map_err(|e| e.context("cannot start the remote listener"))?;
         // Published before the socket is served: a client's first STATUS sees it.
         publish_transports(&ctx, remote.as_ref());
-        // The cluster needs the listener (its peers reach this node there; validation made
-        // sure there is one).
+        let mut threads = ShardPool::spawn(&ctx)?;
+        threads.extend(crate::l2::writer::spawn(&ctx)?);
+        threads.extend(crate::l2::loader::spawn(&ctx)?);
+        threads.extend(Liveness::spawn(&ctx)?);
+        threads.push(maintenance::spawn(&ctx)?);
+        // Once the workers run, before engines are accepted (a failure leaves no membership behind):
+        // the cluster needs the listener (its peers reach this node there; validation made sure
+        // there is one).
         let listen = remote
             .as_ref()
             .map(crate::remote::RemoteService::local_addr);
@@ -178,19 +184,17 @@ impl Node {
             Some(addr) => match crate::cluster::ClusterNode::start(&ctx, addr) {
                 Ok(c) => Some(c),
                 Err(e) => {
+                    ctx.shutting_down.store(true, Ordering::SeqCst);
                     if let Some(r) = remote {
                         r.shutdown();
                     }
+                    ctx.shards.stop();
+                    ctx.liveness.stop();
                     return Err(e.context("cannot join the cluster"));
                 }
             },
             None => None,
         };
-        let mut threads = ShardPool::spawn(&ctx)?;
-        threads.extend(crate::l2::writer::spawn(&ctx)?);
-        threads.extend(crate::l2::loader::spawn(&ctx)?);
-        threads.extend(Liveness::spawn(&ctx)?);
-        threads.push(maintenance::spawn(&ctx)?);
         if let Some(listener) = listener {
             let actx = ctx.clone();
             threads.push(

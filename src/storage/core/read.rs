@@ -215,28 +215,27 @@ impl StorageCore {
         locked
     }
 
-    /// Up to `max` objects that are `Ready`, not doomed and not temporary and for which `pick`
-    /// holds, with their slot length and layout fingerprint; one index shard at a time, each
-    /// locked only while it is scanned (so the result is not one consistent snapshot). O(objects):
-    /// background work only (the cluster's hand-off to a joining member).
-    pub fn scan_ready(
-        &self,
-        max: usize,
-        mut pick: impl FnMut(&StorageKey) -> bool,
-    ) -> Vec<(StorageKey, u64, u64)> {
-        let mut out = Vec::new();
-        for shard in self.shards.iter() {
-            let shard = shard.lock();
-            for (k, e) in &shard.map {
-                if out.len() >= max {
-                    return out;
-                }
-                if e.state == ObjectState::Ready && !e.doomed && !e.temporary && pick(k) {
-                    out.push((*k, e.slot.len, e.layout));
-                }
-            }
-        }
-        out
+    /// Index shards, for [`StorageCore::scan_ready_shard`].
+    pub fn index_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Up to `max` objects of index shard `shard` that are `Ready`, not doomed and not
+    /// temporary, with their slot length and layout fingerprint; the shard is locked only while
+    /// they are copied out (the caller decides about them after). O(shard size): background
+    /// work only (the cluster's hand-off to a joining member).
+    pub fn scan_ready_shard(&self, shard: usize, max: usize) -> Vec<(StorageKey, u64, u64)> {
+        let Some(shard) = self.shards.get(shard) else {
+            return Vec::new();
+        };
+        let shard = shard.lock();
+        shard
+            .map
+            .iter()
+            .filter(|(_, e)| e.state == ObjectState::Ready && !e.doomed && !e.temporary)
+            .take(max)
+            .map(|(k, e)| (*k, e.slot.len, e.layout))
+            .collect()
     }
 
     /// Whether every key is `Ready` and not doomed (no lock taken).
