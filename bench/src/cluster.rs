@@ -76,9 +76,15 @@ fn options() -> RemoteOptions {
 fn prefixes(layout: &LayoutSpec, nonce: u64, m: usize, e: usize, count: usize) -> Vec<ChunkRange> {
     (0..count)
         .map(|p| {
-            let seed = nonce ^ ((m as u64) << 40) ^ ((e as u64) << 24) ^ p as u64;
-            let tokens: Vec<u32> = (0..PREFIX_CHUNKS as u32 * layout.chunk_tokens)
-                .map(|t| (seed.wrapping_mul(0x9E37_79B9) as u32).wrapping_add(t.wrapping_mul(7)))
+            // Every (member, engine, prefix) its own tokens: all 64 bits of the seed mixed in.
+            let seed = crate::payload::splitmix64(
+                nonce
+                    ^ crate::payload::splitmix64(
+                        ((m as u64) << 40) ^ ((e as u64) << 20) ^ p as u64,
+                    ),
+            );
+            let tokens: Vec<u32> = (0..PREFIX_CHUNKS as u64 * u64::from(layout.chunk_tokens))
+                .map(|t| crate::payload::splitmix64(seed ^ t) as u32)
                 .collect();
             ChunkRangeBuilder::worker(&format!("bench-{}", layout.name), 1, 0)
                 .tokens(&tokens, layout.chunk_tokens)
