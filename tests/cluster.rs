@@ -539,3 +539,101 @@ fn the_cluster_client_routes_to_owners_survives_a_death_and_follows_a_join() {
     assert_eq!(num(&joiner.status(), &["objects", "ready"]), 0);
     drop(dead);
 }
+
+/// Bad cluster flags and an unreachable etcd get clear errors naming the value, never a node
+/// that starts half-configured or a command that hangs.
+#[test]
+fn cluster_flags_and_an_unreachable_etcd_are_refused_with_clear_errors() {
+    use common::{assert_no_kind_prefix, kvnode_until_exit};
+    let dir = TestDir::new("clflags");
+    let sock = dir.join("n.sock");
+    let sock = sock.to_str().unwrap();
+    let token = new_token(&dir, "t");
+    let token = token.to_str().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "serve",
+                "--socket",
+                sock,
+                "--pool-size",
+                "64MiB",
+                "--etcd",
+                "http://127.0.0.1:1",
+            ],
+            "--cluster",
+        ),
+        (
+            &[
+                "serve",
+                "--socket",
+                sock,
+                "--pool-size",
+                "64MiB",
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--cluster",
+                "c",
+            ],
+            "--listen",
+        ),
+        (
+            &[
+                "serve",
+                "--socket",
+                sock,
+                "--pool-size",
+                "64MiB",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--auth-token-file",
+                token,
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--cluster",
+                "bad/name",
+            ],
+            "bad/name",
+        ),
+        (
+            &[
+                "serve",
+                "--socket",
+                sock,
+                "--pool-size",
+                "64MiB",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--auth-token-file",
+                token,
+                "--etcd",
+                "https://e:2379",
+                "--cluster",
+                "c",
+            ],
+            "TLS",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = kvnode_until_exit(&dir, args);
+        assert!(out.failed(), "{args:?} did not fail: {}", out.stderr);
+        assert!(out.stderr.contains(needle), "{args:?}: {}", out.stderr);
+        assert_no_kind_prefix(&out.stderr);
+    }
+    // Nothing listens on port 1: the status command fails within its timeout, naming etcd.
+    let out = kvnode_until_exit(
+        &dir,
+        &[
+            "cluster",
+            "status",
+            "--etcd",
+            "http://127.0.0.1:1",
+            "--cluster",
+            "c",
+            "--timeout",
+            "2",
+        ],
+    );
+    assert!(out.failed(), "{}", out.stderr);
+    assert!(out.stderr.contains("etcd"), "{}", out.stderr);
+}
