@@ -116,6 +116,12 @@ fn nodes_on_both_sides_of_a_veth_link_share_chunks_and_survive_the_link_dying() 
     assert!(lost["cluster"]["etcd"]["reason"].as_str().is_some());
     let mc = rd.memcheck().unwrap();
     assert!(mc.0, "{mc:?}");
+    // The partition outlasts the lease: the host drops the node from its view.
+    host.wait_status("the far node left the view", |s| {
+        s["cluster"]["members"]
+            .as_array()
+            .is_some_and(|m| m.len() == 1)
+    });
     // The link returns: the node rejoins (a new lease) and is a member on both sides again.
     ns.set_link(true);
     for n in [&host, &inside] {

@@ -315,10 +315,10 @@ pub fn run(args: &crate::Args) -> Result<bool, String> {
         total[0].add(&stored[i]);
         total[1].add(&cold[i]);
         total[2].add(&warm[i]);
-        let fetched_cold =
-            counter(&mid[i], "fetched_objects") - counter(&before[i], "fetched_objects");
-        let fetched_warm =
-            counter(&after[i], "fetched_objects") - counter(&mid[i], "fetched_objects");
+        let fetched_cold = counter(&mid[i], "fetched_objects")
+            .saturating_sub(counter(&before[i], "fetched_objects"));
+        let fetched_warm = counter(&after[i], "fetched_objects")
+            .saturating_sub(counter(&mid[i], "fetched_objects"));
         rows.push(json!({
             "node_id": m.id,
             "endpoint": m.endpoint,
@@ -338,6 +338,11 @@ pub fn run(args: &crate::Args) -> Result<bool, String> {
         .map(|r| r["peer_fetched_objects"].as_u64().unwrap_or(0))
         .sum();
     let retrieved = total[1].chunks + total[2].chunks;
+    // Hits are split only when every member's counters were read at every sample.
+    let counted = admin.is_some()
+        && [&before, &mid, &after]
+            .iter()
+            .all(|v| v.iter().all(Option::is_some));
     let corrupt = total[1].corrupt + total[2].corrupt;
     let verified = !args.no_verify && corrupt == 0;
     let recv = raw.recv.gbps;
@@ -352,8 +357,8 @@ pub fn run(args: &crate::Args) -> Result<bool, String> {
         "total_store_gbps": sum(&stored),
         "total_cross_retrieve_gbps": sum(&cold),
         "total_local_retrieve_gbps": sum(&warm),
-        "peer_hits": if admin.is_some() { json!(peer_hits) } else { Value::Null },
-        "local_hits": if admin.is_some() { json!(retrieved.saturating_sub(peer_hits)) } else { Value::Null },
+        "peer_hits": if counted { json!(peer_hits) } else { Value::Null },
+        "local_hits": if counted { json!(retrieved.saturating_sub(peer_hits)) } else { Value::Null },
         "misses": total[1].misses + total[2].misses,
         "raw_tcp": raw,
         "raw_tcp_recv_gbps": recv,

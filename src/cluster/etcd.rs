@@ -156,8 +156,13 @@ pub fn spawn(
 /// Reconnects until stopped; each session publishes the descriptor and follows the prefix.
 async fn run(cfg: ClusterConfig, local_id: String, describe: DescribeSelf, m: Arc<Membership>) {
     let mut retry = RETRY_MIN;
+    // The lease of the last session: reused when it is still alive, so a session that ended
+    // on a watch or stream error (not a partition longer than the TTL) does not look like a
+    // rejoin to the peers (which would hand this node its share again).
+    let mut lease: Option<i64> = None;
     while !m.stop.load(Ordering::SeqCst) {
-        match session(&cfg, &local_id, &describe, &m).await {
+        let mut joined = false;
+        match session(&cfg, &local_id, &describe, &m, &mut lease, &mut joined).await {
             Ok(()) => break,
             Err(reason) => {
                 tracing::warn!(
@@ -170,6 +175,10 @@ async fn run(cfg: ClusterConfig, local_id: String, describe: DescribeSelf, m: Ar
                     since_unix_ms: unix_ms(),
                 };
             }
+        }
+        if joined {
+            // It was up: try again soon (the lease may still be alive).
+            retry = RETRY_MIN;
         }
         let until = tokio::time::Instant::now() + retry;
         while tokio::time::Instant::now() < until && !m.stop.load(Ordering::SeqCst) {
@@ -186,15 +195,32 @@ async fn session(
     local_id: &str,
     describe: &DescribeSelf,
     m: &Membership,
+    last_lease: &mut Option<i64>,
+    joined: &mut bool,
 ) -> Result<(), String> {
     let limit = cfg.etcd_timeout();
     let prefix = cfg.members_prefix();
     let key = format!("{prefix}{local_id}");
     let mut client = connect(cfg).await?;
     let ttl = i64::try_from(cfg.lease_ttl_secs).unwrap_or(i64::MAX);
-    let lease = within("lease grant", limit, client.lease_grant(ttl, None))
-        .await?
-        .id();
+    let alive = match *last_lease {
+        Some(id) => within(
+            "lease time-to-live",
+            limit,
+            client.lease_time_to_live(id, None),
+        )
+        .await
+        .is_ok_and(|r| r.ttl() > 0)
+        .then_some(id),
+        None => None,
+    };
+    let lease = match alive {
+        Some(id) => id,
+        None => within("lease grant", limit, client.lease_grant(ttl, None))
+            .await?
+            .id(),
+    };
+    *last_lease = Some(lease);
     let describe_leased = || Descriptor {
         lease,
         ..describe()
@@ -230,6 +256,7 @@ async fn session(
     let (mut keeper, mut alive) =
         within("lease keep-alive", limit, client.lease_keep_alive(lease)).await?;
     *m.state.lock() = EtcdState::Connected { lease };
+    *joined = true;
     m.registrations.fetch_add(1, Ordering::Relaxed);
     tracing::info!(cluster = %cfg.name, node = local_id, lease, members = members.len(), "joined the cluster");
     // Keep-alives at a third of the TTL: two can be lost before the lease expires.
@@ -264,6 +291,9 @@ async fn session(
                 };
                 if resp.canceled() {
                     return Err(format!("the watch was cancelled: {}", resp.cancel_reason()));
+                }
+                if resp.events().is_empty() {
+                    continue; // the watch's creation, or a progress notice
                 }
                 let mut rev = 0;
                 for e in resp.events() {

@@ -267,7 +267,8 @@ impl ClusterNode {
         }
     }
 
-    /// The calls of one batch on connection `t`; returns the chunks published here.
+    /// The calls of one batch on connection `t`; returns the chunks accounted for (see
+    /// [`ClusterNode::fetch_rank`]).
     fn fetch_with(
         &self,
         ctx: &NodeContext,
@@ -309,7 +310,8 @@ impl ClusterNode {
     }
 
     /// Retrieves rank `rank` of the first `held` chunks of `sub` from the peer into this node's
-    /// pool; returns the chunks published (0 when the peer lost them meanwhile).
+    /// pool; returns how many of them are accounted for (published, here already, or counted as
+    /// no room), 0 when the peer lost them meanwhile; the caller counts the rest `not_held`.
     #[allow(clippy::too_many_arguments)]
     fn fetch_rank(
         &self,
@@ -385,7 +387,7 @@ impl ClusterNode {
             // Nothing to receive into (all here already, or no room): release the peer's locks
             // without moving a byte.
             t.conn.client.commit_retrieve(inst, prep.transfer_id)?;
-            return Ok(0);
+            return Ok(held);
         }
         let region = ctx.pool.region();
         let total = object_bytes * held as u64;
@@ -415,6 +417,7 @@ impl ClusterNode {
         )?;
         debug_assert_eq!(got, total);
         let items = std::mem::take(&mut reserved.items);
+        let reserved_count = items.len();
         let published = ctx
             .storage
             .finish_write_as(&items, layout.fingerprint(), false)
@@ -429,7 +432,9 @@ impl ClusterNode {
         self.counters
             .fetched_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        Ok(published)
+        // Accounted for: what was published, what was here (or being written) already, and
+        // what found no room (counted `local_full` above); not what could not be published.
+        Ok(held - (reserved_count - published))
     }
 }
 
@@ -502,5 +507,45 @@ pub(super) fn cause_of(e: &Error) -> MissCause {
             MissCause::Timeout
         }
         _ => MissCause::Unreachable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fetch_budget_hands_out_what_is_left_and_takes_it_back() {
+        let b = FetchBudget::new(100);
+        let g1 = FetchBudgetGuard {
+            budget: &b,
+            bytes: b.take(70),
+        };
+        assert_eq!(g1.bytes, 70);
+        let g2 = FetchBudgetGuard {
+            budget: &b,
+            bytes: b.take(70),
+        };
+        assert_eq!(g2.bytes, 30, "only what is left");
+        assert_eq!(b.take(1), 0);
+        drop(g1);
+        assert_eq!(b.used(), 30);
+        drop(g2);
+        assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn miss_causes_follow_the_error() {
+        let t = Error::new(ErrorKind::Io, "timed out: the peer deadline passed");
+        assert_eq!(cause_of(&t), MissCause::Timeout);
+        let w = Error::new(
+            ErrorKind::Io,
+            "Resource temporarily unavailable (os error 11)",
+        );
+        assert_eq!(cause_of(&w), MissCause::Timeout);
+        let l = Error::new(ErrorKind::Unsupported, "another layout");
+        assert_eq!(cause_of(&l), MissCause::Layout);
+        let r = Error::new(ErrorKind::Io, "Connection refused (os error 111)");
+        assert_eq!(cause_of(&r), MissCause::Unreachable);
     }
 }

@@ -127,3 +127,25 @@ impl ClusterNode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::Dtype;
+
+    #[test]
+    fn the_layout_cache_is_bounded_and_forgets_the_oldest() {
+        let c = LayoutCache::default();
+        let layouts: Vec<Layout> = (1..=(MAX_CACHED_LAYOUTS as u32 + 1))
+            .map(|h| Layout::engine_driven(1, 16, h, Dtype::Float32, false).unwrap())
+            .collect();
+        for l in &layouts {
+            c.learn(l);
+            c.learn(l); // twice: no duplicate
+        }
+        assert!(c.get(layouts[0].fingerprint()).is_none(), "the oldest went");
+        for l in &layouts[1..] {
+            assert_eq!(c.get(l.fingerprint()).unwrap().shape, l.shape);
+        }
+    }
+}

@@ -176,6 +176,27 @@ mod tests {
         assert!(Descriptor::parse("/p/members/n1", &v).is_err());
     }
 
+    proptest::proptest! {
+        /// Whatever etcd holds under the prefix, parsing never panics; what it accepts names
+        /// the key's node and has a parseable endpoint.
+        #[test]
+        fn any_bytes_parse_or_fail_cleanly(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600)) {
+            if let Ok(d) = Descriptor::parse("/p/members/n1", &bytes) {
+                proptest::prop_assert_eq!(d.node_id, "n1");
+                proptest::prop_assert!(!d.endpoints.is_empty());
+            }
+        }
+
+        /// Mutated valid descriptors never panic either.
+        #[test]
+        fn mutated_descriptors_parse_or_fail_cleanly(at in 0usize..400, byte in proptest::prelude::any::<u8>()) {
+            let mut v = serde_json::to_vec(&desc("n1", 1 << 30)).unwrap();
+            let i = at % v.len();
+            v[i] = byte;
+            let _ = Descriptor::parse("/p/members/n1", &v);
+        }
+    }
+
     #[test]
     fn views_drop_other_versions_and_mark_the_local_node() {
         let mut old = desc("z", 1);

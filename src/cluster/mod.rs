@@ -260,8 +260,15 @@ impl ClusterNode {
                 }
             })
         };
-        let t1 = etcd::spawn(cfg.clone(), local_id.clone(), describe, membership)?;
-        let t2 = push::spawn(Arc::downgrade(&node))?;
+        let t1 = etcd::spawn(cfg.clone(), local_id.clone(), describe, membership.clone())?;
+        let t2 = match push::spawn(Arc::downgrade(&node)) {
+            Ok(t) => t,
+            Err(e) => {
+                // The membership thread must not keep advertising a node that did not start.
+                membership.stop.store(true, Ordering::SeqCst);
+                return Err(e.into());
+            }
+        };
         node.threads.lock().extend([t1, t2]);
         let link: Arc<dyn ClusterLink> = node.clone();
         if ctx.cluster.set(link).is_err() {

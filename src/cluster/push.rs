@@ -18,7 +18,6 @@ use parking_lot::{Condvar, Mutex};
 
 use super::ClusterNode;
 use crate::error::{Error, Result};
-use crate::hashing::ChunkHash;
 use crate::modules::instances::Instance;
 use crate::modules::NodeContext;
 use crate::protocol::ChunkRange;
@@ -175,45 +174,45 @@ impl ClusterNode {
         }
     }
 
-    /// Pushes one batch: copies the chunks still cached out of the pool (under read locks),
-    /// then stores those the owner lacks there (prepare + bytes + commit in two calls).
+    /// Pushes one batch: asks the owner which chunks it lacks (PREPARE_STORE), copies those out
+    /// of the pool under read locks (one buffer per chunk, at most [`MAX_PUSH_BATCH_BYTES`] in
+    /// all) and sends them with the commit. A batch whose owner left the view (or moved) is
+    /// dropped, counted; chunks evicted here meanwhile end the push (the owner's reservation is
+    /// aborted). Returns the bytes the owner received.
     pub(super) fn push_batch(&self, ctx: &NodeContext, batch: &[PushItem]) -> Result<u64> {
         let first = &batch[0];
-        let object_bytes = first.layout.object_bytes();
-        let keys: Vec<StorageKey> = batch.iter().map(|b| b.key).collect();
-        let grants = ctx.storage.reserve_read(&keys, 0);
-        let mut hashes: Vec<ChunkHash> = Vec::new();
-        let mut data: Vec<Vec<u8>> = Vec::new();
-        let mut locked = Vec::new();
-        for (k, g) in keys.iter().zip(grants) {
-            let Ok(g) = g else { continue }; // evicted or cleared meanwhile: nothing to push
-            locked.push((*k, g.lease));
-            if g.slot.len != object_bytes {
-                continue;
-            }
-            let mut buf = vec![0u8; object_bytes as usize];
-            if ctx.pool.region().read_at(g.slot.offset, &mut buf).is_ok() {
-                hashes.push(k.chunk_hash);
-                data.push(buf);
-            }
-        }
-        ctx.storage.finish_read(&locked, 0);
-        if hashes.is_empty() {
-            return Ok(0);
-        }
         if !super::peers::shareable(&first.layout) {
             return Ok(0);
+        }
+        let view = self.view();
+        let current = view
+            .get(&first.owner)
+            .is_some_and(|m| m.desc.endpoints[0] == first.endpoint);
+        if !current {
+            self.counters
+                .push_dropped
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            return Ok(0);
+        }
+        let object_bytes = first.layout.object_bytes();
+        let keys: Vec<StorageKey> = batch
+            .iter()
+            .map(|b| b.key)
+            .filter(|k| ctx.storage.contains_ready(k))
+            .collect();
+        if keys.is_empty() {
+            return Ok(0); // evicted or cleared meanwhile: nothing to push
         }
         // Bytes move at 50 MB/s at least: the deadline grows with the batch.
         let deadline = Instant::now()
             + self.cfg.peer_timeout()
-            + Duration::from_millis(data.len() as u64 * object_bytes / 50_000);
+            + Duration::from_millis(keys.len() as u64 * object_bytes / 50_000);
         let mut t = self.peers.take(&first.owner, &first.endpoint, deadline)?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        t.conn
-            .client
-            .set_timeout(Some(left.max(Duration::from_millis(1))))?;
         let result = (|| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            t.conn
+                .client
+                .set_timeout(Some(left.max(Duration::from_millis(1))))?;
             let inst = t.conn.instance(
                 &first.model,
                 first.world_size,
@@ -226,30 +225,60 @@ impl ClusterNode {
                 worker_id: Some(first.rank),
                 cache_salt: first.salt.clone(),
                 first_chunk: 0,
-                chunk_hashes: hashes,
+                chunk_hashes: keys.iter().map(|k| k.chunk_hash).collect(),
             };
             let p = t.conn.client.prepare_store(inst, &range)?;
             if p.transfer_id == 0 {
                 return Ok(0); // the owner has them all
             }
-            let mut parts: Vec<&[u8]> = Vec::with_capacity(p.slots.len());
+            let abort = |t: &mut super::peers::Taken, why: Error| {
+                let _ = t.conn.client.abort_store(inst, p.transfer_id);
+                Err(why)
+            };
+            let mut wanted = Vec::with_capacity(p.chunk_indices.len());
             for (slot, &i) in p.slots.iter().zip(&p.chunk_indices) {
-                let d = data
-                    .get(i as usize)
-                    .ok_or_else(|| Error::internal(format!("chunk index {i} out of range")))?;
-                if slot.length != d.len() as u64 {
-                    let _ = t.conn.client.abort_store(inst, p.transfer_id);
-                    return Err(Error::new(
-                        crate::error::ErrorKind::Unsupported,
-                        format!(
-                            "the owner's slot holds {} bytes, the object {}",
-                            slot.length,
-                            d.len()
+                let Some(k) = keys.get(i as usize) else {
+                    return abort(
+                        &mut t,
+                        Error::internal(format!("chunk index {i} out of range")),
+                    );
+                };
+                if slot.length != object_bytes {
+                    return abort(
+                        &mut t,
+                        Error::new(
+                            crate::error::ErrorKind::Unsupported,
+                            format!(
+                                "the owner's slot holds {} bytes, the object {object_bytes}",
+                                slot.length
+                            ),
                         ),
-                    ));
+                    );
                 }
-                parts.push(d);
+                wanted.push(*k);
             }
+            // Copied out under read locks, released before the bytes go out.
+            let grants = ctx.storage.reserve_read(&wanted, 0);
+            let mut locked = Vec::with_capacity(wanted.len());
+            let mut data: Vec<Vec<u8>> = Vec::with_capacity(wanted.len());
+            for (k, g) in wanted.iter().zip(grants) {
+                let Ok(g) = g else { break };
+                locked.push((*k, g.lease));
+                let mut buf = vec![0u8; object_bytes as usize];
+                if g.slot.len != object_bytes
+                    || ctx.pool.region().read_at(g.slot.offset, &mut buf).is_err()
+                {
+                    break;
+                }
+                data.push(buf);
+            }
+            ctx.storage.finish_read(&locked, 0);
+            if data.len() != wanted.len() {
+                // Evicted (or replaced) here since the owner was asked: no push this time.
+                let _ = t.conn.client.abort_store(inst, p.transfer_id);
+                return Ok(0);
+            }
+            let parts: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
             let (bytes, _) = t
                 .conn
                 .client
@@ -324,5 +353,78 @@ fn push_one(n: &Arc<ClusterNode>, ctx: &NodeContext, batch: &[PushItem]) {
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
             tracing::info!(peer = %batch[0].owner, error = %e, chunks = batch.len(), "push to the owner failed (the chunks stay cached here)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{Dtype, NamespaceId};
+
+    fn item(owner: &str, rank: u32, n: u8, layout: &Layout) -> PushItem {
+        PushItem {
+            owner: owner.into(),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            model: "m".into(),
+            salt: String::new(),
+            world_size: 2,
+            rank,
+            layout: layout.clone(),
+            key: StorageKey {
+                chunk_hash: [n; 32],
+                kv_rank: crate::storage::pack_kv_rank(2, rank),
+                object_group: 0,
+                namespace: NamespaceId(1),
+            },
+        }
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_bytes_and_batches_by_owner_rank_and_layout() {
+        let l = Layout::engine_driven(2, 16, 64, Dtype::Float32, false).unwrap();
+        let other = Layout::engine_driven(2, 16, 64, Dtype::Float16, false).unwrap();
+        let size = l.object_bytes();
+        let q = PushQueue::new(4 * size);
+        assert!(q.offer(item("a", 0, 1, &l)));
+        assert!(q.offer(item("b", 0, 2, &l)));
+        assert!(q.offer(item("a", 1, 3, &l)));
+        assert!(q.offer(item("a", 0, 4, &l)));
+        // Full: the fifth is refused, nothing else changes.
+        assert!(!q.offer(item("a", 0, 5, &l)));
+        assert_eq!(q.bytes(), 4 * size);
+        let b = q.next_batch(Duration::ZERO);
+        let keys: Vec<u8> = b.iter().map(|i| i.key.chunk_hash[0]).collect();
+        assert_eq!(keys, [1, 4], "same owner, rank and layout, in order");
+        assert_eq!(q.in_flight(), 1);
+        assert_eq!(q.bytes(), 2 * size);
+        q.done();
+        assert_eq!(q.in_flight(), 0);
+        assert!(q.offer(item("a", 0, 6, &other)));
+        let b = q.next_batch(Duration::ZERO);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].key.chunk_hash[0], 2);
+        q.done();
+        let b = q.next_batch(Duration::ZERO);
+        assert_eq!(b.len(), 1, "another rank is another batch");
+        q.done();
+        let b = q.next_batch(Duration::ZERO);
+        assert_eq!(b.len(), 1, "another layout is another batch");
+        q.done();
+        assert!(q.next_batch(Duration::ZERO).is_empty());
+        assert_eq!((q.bytes(), q.in_flight()), (0, 0));
+    }
+
+    #[test]
+    fn a_batch_stops_at_its_byte_limit() {
+        // Objects of 8 MiB: four per 32 MiB batch.
+        let l = Layout::engine_driven(8, 256, 1024, Dtype::Float32, true).unwrap();
+        assert_eq!(l.object_bytes(), 8 << 20);
+        let q = PushQueue::new(1 << 30);
+        for n in 0..10 {
+            assert!(q.offer(item("a", 0, n, &l)));
+        }
+        let b = q.next_batch(Duration::ZERO);
+        assert_eq!(b.len() as u64 * l.object_bytes(), MAX_PUSH_BATCH_BYTES);
+        q.done();
     }
 }

@@ -168,6 +168,15 @@ impl ClusterConfig {
                 )));
             }
         }
+        // An etcd call that takes its whole deadline must still leave room for a keep-alive
+        // before the lease runs out.
+        if self.etcd_timeout_ms.saturating_mul(2) > self.lease_ttl_secs * 1000 {
+            return Err(Error::invalid(format!(
+                "cluster.etcd_timeout_ms = {} is more than half of cluster.lease_ttl_secs = {} \
+                 (a slow etcd call would let the lease expire)",
+                self.etcd_timeout_ms, self.lease_ttl_secs
+            )));
+        }
         if self.max_fetch_bytes == 0 || self.max_push_queue_bytes == 0 {
             return Err(Error::invalid(
                 "cluster.max_fetch_bytes and cluster.max_push_queue_bytes must be > 0",

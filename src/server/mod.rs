@@ -174,9 +174,10 @@ impl Node {
         threads.extend(crate::l2::loader::spawn(&ctx)?);
         threads.extend(Liveness::spawn(&ctx)?);
         threads.push(maintenance::spawn(&ctx)?);
-        // Once the workers run, before engines are accepted (a failure leaves no membership behind):
-        // the cluster needs the listener (its peers reach this node there; validation made sure
-        // there is one).
+        // Once the workers run, before the native socket accepts engines (the remote listener
+        // runs already; until the node has joined it serves as a lone node). A failure here
+        // leaves no membership behind. The cluster needs the listener (its peers reach this
+        // node there; validation made sure there is one).
         let listen = remote
             .as_ref()
             .map(crate::remote::RemoteService::local_addr);
