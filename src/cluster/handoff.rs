@@ -108,6 +108,7 @@ impl ClusterNode {
                     rank: (k.kv_rank >> 16) & 0xff,
                     layout,
                     key: k,
+                    attempts: 0,
                 };
                 if self.pushes.offer(item) {
                     queued += 1;

@@ -370,6 +370,7 @@ impl ClusterNode {
         c["view_revision"] = view.revision.into();
         c["push_queue_bytes"] = self.pushes.bytes().into();
         c["push_in_flight"] = self.pushes.in_flight().into();
+        c["push_delayed"] = self.pushes.delayed().into();
         c["fetch_bytes_in_flight"] = self.fetch_budget.used().into();
         c["peer_connections"] = self
             .peers

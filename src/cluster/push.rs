@@ -23,6 +23,13 @@ use crate::modules::NodeContext;
 use crate::protocol::ChunkRange;
 use crate::storage::{Layout, StorageKey};
 
+/// Times a failed push is retried (after 1, 2 and 4 s: a link that flaps for a few seconds
+/// loses nothing; a longer partition ends the owner's lease, and its rejoin hands it its share).
+pub const PUSH_RETRIES: u8 = 3;
+
+/// Failed pushes waiting for their retry, at most (beyond: dropped, counted).
+pub const MAX_DELAYED_PUSHES: usize = 65_536;
+
 /// Bytes one push call moves at most (its chunks are copied out of the pool under read locks
 /// into one buffer of this size at most).
 pub const MAX_PUSH_BATCH_BYTES: u64 = 32 << 20;
@@ -46,6 +53,8 @@ pub struct PushItem {
     pub layout: Layout,
     /// The local key.
     pub key: StorageKey,
+    /// Pushes of it that failed so far (retried after 1, 2 and 4 s; then dropped).
+    pub attempts: u8,
 }
 
 impl PushItem {
@@ -63,6 +72,8 @@ impl PushItem {
 /// most `max_bytes`; `inner.2` counts the batches taken and not yet [`PushQueue::done`].
 pub struct PushQueue {
     inner: Mutex<(VecDeque<PushItem>, u64, u64)>,
+    /// Failed pushes and when they are due again (at most [`MAX_DELAYED_PUSHES`]).
+    delayed: Mutex<Vec<(Instant, PushItem)>>,
     ready: Condvar,
     max_bytes: u64,
 }
@@ -72,6 +83,7 @@ impl PushQueue {
     pub fn new(max_bytes: u64) -> PushQueue {
         PushQueue {
             inner: Mutex::new((VecDeque::new(), 0, 0)),
+            delayed: Mutex::new(Vec::new()),
             ready: Condvar::new(),
             max_bytes,
         }
@@ -125,6 +137,44 @@ impl PushQueue {
         q.2 = q.2.saturating_sub(1);
     }
 
+    /// Schedules the retry of `items` whose push failed; returns how many were dropped (out of
+    /// retries, or no room).
+    pub fn delay(&self, items: &[PushItem]) -> usize {
+        let now = Instant::now();
+        let mut d = self.delayed.lock();
+        let mut dropped = 0;
+        for it in items {
+            if it.attempts >= PUSH_RETRIES || d.len() >= MAX_DELAYED_PUSHES {
+                dropped += 1;
+                continue;
+            }
+            let mut again = it.clone();
+            again.attempts += 1;
+            d.push((now + Duration::from_secs(1 << it.attempts), again));
+        }
+        dropped
+    }
+
+    /// Queues the delayed pushes that are due; returns how many did not fit (dropped).
+    pub fn promote_due(&self) -> usize {
+        let now = Instant::now();
+        let due: Vec<PushItem> = {
+            let mut d = self.delayed.lock();
+            if d.iter().all(|(t, _)| *t > now) {
+                return 0;
+            }
+            let (due, wait): (Vec<_>, Vec<_>) = d.drain(..).partition(|(t, _)| *t <= now);
+            *d = wait;
+            due.into_iter().map(|(_, i)| i).collect()
+        };
+        due.into_iter().filter(|i| !self.offer(i.clone())).count()
+    }
+
+    /// Pushes waiting for a retry.
+    pub fn delayed(&self) -> usize {
+        self.delayed.lock().len()
+    }
+
     /// Bytes queued.
     pub fn bytes(&self) -> u64 {
         self.inner.lock().1
@@ -165,6 +215,7 @@ impl ClusterNode {
                 rank: (k.kv_rank >> 16) & 0xff,
                 layout: inst.layout.clone(),
                 key: *k,
+                attempts: 0,
             };
             if self.pushes.offer(item) {
                 self.counters.push_queued.fetch_add(1, Ordering::Relaxed);
@@ -330,6 +381,12 @@ pub fn spawn(node: Weak<ClusterNode>) -> std::io::Result<std::thread::JoinHandle
 /// One turn of the pusher: pushes the next batch, if one comes within 100 ms.
 fn push_turn(n: &Arc<ClusterNode>) {
     {
+        let late = n.pushes.promote_due();
+        if late > 0 {
+            n.counters
+                .push_dropped
+                .fetch_add(late as u64, Ordering::Relaxed);
+        }
         let batch = n.pushes.next_batch(Duration::from_millis(100));
         if batch.is_empty() {
             return;
@@ -351,7 +408,11 @@ fn push_one(n: &Arc<ClusterNode>, ctx: &NodeContext, batch: &[PushItem]) {
             n.counters
                 .push_failed
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            tracing::info!(peer = %batch[0].owner, error = %e, chunks = batch.len(), "push to the owner failed (the chunks stay cached here)");
+            let dropped = n.pushes.delay(batch);
+            n.counters
+                .push_dropped
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+            tracing::info!(peer = %batch[0].owner, error = %e, chunks = batch.len(), retried = batch.len() - dropped, "push to the owner failed (the chunks stay cached here; retried later)");
         }
     }
 }
@@ -376,6 +437,7 @@ mod tests {
                 object_group: 0,
                 namespace: NamespaceId(1),
             },
+            attempts: 0,
         }
     }
 
@@ -412,6 +474,31 @@ mod tests {
         q.done();
         assert!(q.next_batch(Duration::ZERO).is_empty());
         assert_eq!((q.bytes(), q.in_flight()), (0, 0));
+    }
+
+    #[test]
+    fn failed_pushes_come_back_after_their_delay_and_give_up_after_the_last_retry() {
+        let l = Layout::engine_driven(2, 16, 64, Dtype::Float32, false).unwrap();
+        let q = PushQueue::new(1 << 30);
+        let mut it = item("a", 0, 1, &l);
+        assert_eq!(q.delay(std::slice::from_ref(&it)), 0);
+        assert_eq!(q.delayed(), 1);
+        // Not due for a second.
+        assert_eq!(q.promote_due(), 0);
+        assert!(q.next_batch(Duration::ZERO).is_empty());
+        it.attempts = PUSH_RETRIES;
+        assert_eq!(q.delay(&[it]), 1, "out of retries: dropped");
+        // Due items move back to the queue with their attempt counted.
+        {
+            let mut d = q.delayed.lock();
+            d[0].0 = Instant::now();
+        }
+        assert_eq!(q.promote_due(), 0);
+        assert_eq!(q.delayed(), 0);
+        let b = q.next_batch(Duration::ZERO);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].attempts, 1);
+        q.done();
     }
 
     #[test]
