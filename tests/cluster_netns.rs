@@ -1,5 +1,5 @@
-//! A cluster across a real (virtual) link: etcd and one node on this side of a veth pair, one
-//! node in its own network namespace. Chunks stored on one side are hits on the other; when the
+//! A cluster across a real (virtual) link: etcd and one node on this side of a veth pair, two
+//! nodes in their own network namespace (three nodes in all). Chunks stored on one side are hits on the other; when the
 //! link dies the namespaced node keeps serving its own cache, answers misses for the rest within
 //! its peer deadline, and says in status that etcd is lost; when the link returns it rejoins.
 //! Needs root and a real etcd (skips with a message otherwise).
@@ -49,13 +49,15 @@ fn nodes_on_both_sides_of_a_veth_link_share_chunks_and_survive_the_link_dying() 
     };
     let host_flags = flags(format!("tcp://{}:0", ns.host_ip), "host");
     let ns_flags = flags(format!("tcp://{}:0", ns.ns_ip), "inside");
+    let ns2_flags = flags(format!("tcp://{}:0", ns.ns_ip), "inside2");
     let host = NodeProc::start("clns-host", &as_refs(&host_flags));
     let inside = NodeProc::start_in_netns("clns-in", &ns.name, &as_refs(&ns_flags));
-    for n in [&host, &inside] {
-        n.wait_status("2 members", |s| {
+    let inside2 = NodeProc::start_in_netns("clns-in2", &ns.name, &as_refs(&ns2_flags));
+    for n in [&host, &inside, &inside2] {
+        n.wait_status("3 members", |s| {
             s["cluster"]["members"]
                 .as_array()
-                .is_some_and(|m| m.len() == 2)
+                .is_some_and(|m| m.len() == 3)
         });
     }
     let st = inside.status();
@@ -96,6 +98,11 @@ fn nodes_on_both_sides_of_a_veth_link_share_chunks_and_survive_the_link_dying() 
         num(s, &["cluster", "push_queue_bytes"]) == 0 && num(s, &["cluster", "push_in_flight"]) == 0
     });
     assert_eq!(w.retrieve(1, &r2).unwrap().unwrap(), d2);
+    // The third node, beside the second in the namespace, reads both prefixes too.
+    let mut rd2 = inside2.client();
+    rd2.register(&reg(3)).unwrap();
+    assert_eq!(rd2.retrieve(3, &r).unwrap().unwrap(), data);
+    assert_eq!(rd2.retrieve(3, &r2).unwrap().unwrap(), d2);
     // The link dies silently.
     ns.set_link(false);
     let r3 = range(&tokens(53, 12));
@@ -117,19 +124,19 @@ fn nodes_on_both_sides_of_a_veth_link_share_chunks_and_survive_the_link_dying() 
     let mc = rd.memcheck().unwrap();
     assert!(mc.0, "{mc:?}");
     // The partition outlasts the lease: the host drops the node from its view.
-    host.wait_status("the far node left the view", |s| {
+    host.wait_status("the far nodes left the view", |s| {
         s["cluster"]["members"]
             .as_array()
             .is_some_and(|m| m.len() == 1)
     });
     // The link returns: the node rejoins (a new lease) and is a member on both sides again.
     ns.set_link(true);
-    for n in [&host, &inside] {
+    for n in [&host, &inside, &inside2] {
         n.wait_status("rejoined", |s| {
             s["cluster"]["etcd"]["state"] == "connected"
                 && s["cluster"]["members"]
                     .as_array()
-                    .is_some_and(|m| m.len() == 2)
+                    .is_some_and(|m| m.len() == 3)
         });
     }
     // The host hands the returning node the chunks it owns that it missed meanwhile (its
