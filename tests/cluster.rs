@@ -637,3 +637,94 @@ fn cluster_flags_and_an_unreachable_etcd_are_refused_with_clear_errors() {
     assert!(out.failed(), "{}", out.stderr);
     assert!(out.stderr.contains("etcd"), "{}", out.stderr);
 }
+
+/// The owner holds only the first part of what a node asks it for: the node brings in exactly
+/// that part (the pipelined retrieve of the whole batch misses, and each rank then retrieves the
+/// prefix held with locks of its own), and its lookup answers that many chunks.
+#[test]
+fn a_partial_prefix_on_the_owner_is_fetched_up_to_its_gap() {
+    use kvnode::cluster::placement::{node_hash, owner, placement_key, weight_of, Candidate};
+    let Some(etcd) = start_or_skip("clpart") else {
+        return;
+    };
+    let tokens_dir = TestDir::new("clpart-tok");
+    let token_file = new_token(&tokens_dir, "peer.token");
+    // No pushes: chunks stay where they were stored.
+    let start = |tag: &str, id: &str| {
+        NodeProc::start_with_config(
+            tag,
+            "[cluster]\npush = false\n",
+            &[
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--auth-token-file",
+                token_file.to_str().unwrap(),
+                "--etcd",
+                &etcd.url,
+                "--cluster",
+                "clpart",
+                "--node-id",
+                id,
+            ],
+        )
+    };
+    let a = start("clpart0", "pa");
+    let b = start("clpart1", "pb");
+    let st = wait_members(&a, 2);
+    wait_members(&b, 2);
+    let members: Vec<(String, Candidate)> = st["cluster"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let id = m["node_id"].as_str().unwrap().to_owned();
+            let c = Candidate {
+                hash: node_hash(&id),
+                weight: weight_of(m["capacity_bytes"].as_u64().unwrap()),
+            };
+            (id, c)
+        })
+        .collect();
+    let cands: Vec<Candidate> = members.iter().map(|m| m.1).collect();
+    // A prompt whose first 6 chunks all belong to node a.
+    let r = (0..10_000u32)
+        .map(|conv| range(&tokens(1000 + conv, 6)))
+        .find(|r| {
+            r.chunk_hashes.iter().all(|h| {
+                let k = placement_key(&r.model, &r.cache_salt, h);
+                members[owner(k, &cands).unwrap()].0 == "pa"
+            })
+        })
+        .expect("a prompt placed on node a");
+    // Node a holds only its first 3 chunks.
+    let mut w = client(&a, 1);
+    let len = w.object_bytes().unwrap() as usize;
+    let data = payloads(&r, len);
+    let mut head = r.clone();
+    head.chunk_hashes.truncate(3);
+    let refs: Vec<&[u8]> = data[..3].iter().map(Vec::as_slice).collect();
+    w.store(1, &head, &refs).unwrap();
+    // Node b asks for all 6: it gets 3, byte-identical, and nothing is left locked anywhere.
+    let mut rd = client(&b, 2);
+    let mut lookup = r.clone();
+    lookup.worker_id = None;
+    assert_eq!(
+        rd.lookup("q", &lookup, 1).unwrap(),
+        3,
+        "{:#}",
+        b.status()["cluster"]
+    );
+    rd.end_session("q").unwrap();
+    assert_eq!(rd.retrieve(2, &head).unwrap().unwrap(), data[..3].to_vec());
+    let sb = b.status();
+    assert_eq!(
+        num(&sb, &["cluster", "fetched_objects"]),
+        3,
+        "{:#}",
+        sb["cluster"]
+    );
+    assert_eq!(num(&sb, &["cluster", "fetch_misses", "not_held"]), 3);
+    a.wait_status("no lock left on the owner", |s| {
+        num(s, &["objects", "read_locked"]) == 0 && num(s, &["pending_reads"]) == 0
+    });
+}

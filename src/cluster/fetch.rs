@@ -4,24 +4,26 @@
 //!
 //! Per request: the chunks missing locally are grouped by owner (placement); each owner is
 //! asked once, all owners in parallel, for its chunks as one batch: a LOOKUP of the batch (the
-//! owner locks the prefix it holds), then per rank a PREPARE_RETRIEVE of that prefix adopting
-//! those locks and a READ_SLOTS that streams the bytes. The bytes land in slots this node
+//! owner locks the prefix it holds) pipelined with, per rank, a PREPARE_RETRIEVE of the batch
+//! adopting those locks (one round trip), then a READ_SLOTS per rank that streams the bytes; an
+//! owner holding only part of the batch is asked for the prefix it holds. The bytes land in slots this node
 //! reserved for them (reservations of the node's own I/O, which never expire) and are
 //! published only after every byte arrived and the owner's layout matched this node's; any
 //! failure aborts the reservations (nothing half-written is ever published) and drops the
 //! connection (the owner then releases its locks and its instance). A peer that is dead,
 //! unreachable or slower than the peer deadline is a miss, never an error.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::members::View;
 use super::peers::Taken;
 use super::ClusterNode;
+use crate::client::RetrievePrepared;
 use crate::error::{Error, ErrorKind, Result};
 use crate::modules::NodeContext;
-use crate::protocol::ChunkRange;
+use crate::protocol::{ChunkRange, Request, Response};
 use crate::storage::{pack_kv_rank, Grant, Layout, NamespaceId, StorageKey};
 
 /// Why a chunk a node looked for was not brought in (status `cluster.fetch_misses`).
@@ -293,18 +295,73 @@ impl ClusterNode {
             chunk_hashes: hashes,
         };
         bound(t, deadline, self.cfg.peer_timeout())?;
-        let held = t.conn.client.lookup(&session, &sub, 1)? as usize;
-        if held == 0 {
-            return Ok(0);
-        }
-        let held = held.min(sub.chunk_hashes.len());
-        let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
-        let mut published = usize::MAX;
+        let n = sub.chunk_hashes.len();
+        // One write: the LOOKUP and, per rank, a PREPARE_RETRIEVE of the whole batch adopting
+        // its locks; when the owner holds the whole batch (the usual hit) the bytes follow in
+        // the next round trip, one READ_SLOTS per rank.
+        let client = &mut t.conn.client;
+        let lookup_id = client.send(&Request::Lookup {
+            request_id: session.clone(),
+            range: sub.clone(),
+            tp_size: 1,
+            readers: 0,
+        })?;
+        let mut prep_ids = Vec::with_capacity(range.world_size as usize);
         for rank in 0..range.world_size {
-            let n = self.fetch_rank(
-                ctx, t, inst, &session, &sub, held, rank, layout, namespace, deadline,
+            prep_ids.push(client.send(&Request::PrepareRetrieve {
+                instance_id: inst,
+                range: ChunkRange {
+                    worker_id: Some(rank),
+                    ..sub.clone()
+                },
+                lookup_session: Some(session.clone()),
+            })?);
+        }
+        let mut replies: HashMap<u64, Response> = HashMap::with_capacity(prep_ids.len() + 1);
+        for _ in 0..=prep_ids.len() {
+            let (id, resp, _) = client.recv()?;
+            replies.insert(id, resp);
+        }
+        let held = match replies.remove(&lookup_id) {
+            Some(Response::LookupHits { chunks }) => (chunks as usize).min(n),
+            other => return Err(unexpected("LOOKUP", other)),
+        };
+        let mut preps: Vec<Option<RetrievePrepared>> = Vec::with_capacity(prep_ids.len());
+        for id in &prep_ids {
+            preps.push(match replies.remove(id) {
+                Some(Response::RetrievePrepared {
+                    hit: true,
+                    transfer_id,
+                    slots,
+                    layout,
+                }) => Some(RetrievePrepared {
+                    transfer_id,
+                    slots,
+                    layout,
+                }),
+                Some(Response::RetrievePrepared { hit: false, .. }) => None,
+                other => return Err(unexpected("PREPARE_RETRIEVE", other)),
+            });
+        }
+        let namespace = ctx.namespaces.intern(&range.model, &range.cache_salt)?;
+        let whole = held == n && preps.iter().all(Option::is_some);
+        if !whole {
+            // The owner lacks part of the batch (or lost some meanwhile): what was prepared is
+            // released, and so were the lookup's locks (a retrieve that misses releases the
+            // locks it adopted); each rank takes its own on the prefix held.
+            for p in preps.iter_mut().filter_map(Option::take) {
+                client.commit_retrieve(inst, p.transfer_id)?;
+            }
+            if held == 0 {
+                return Ok(0);
+            }
+        }
+        let mut published = usize::MAX;
+        for (rank, prep) in (0..range.world_size).zip(preps) {
+            let got = self.fetch_rank(
+                ctx, t, inst, &sub, held, rank, prep, layout, namespace, deadline,
             )?;
-            published = published.min(n);
+            published = published.min(got);
         }
         Ok(published.min(held))
     }
@@ -312,29 +369,37 @@ impl ClusterNode {
     /// Retrieves rank `rank` of the first `held` chunks of `sub` from the peer into this node's
     /// pool; returns how many of them are accounted for (published, here already, or counted as
     /// no room), 0 when the peer lost them meanwhile; the caller counts the rest `not_held`.
+    /// `prepared` is the rank's retrieve when it was prepared already (the whole batch);
+    /// otherwise it is prepared here, with locks of its own.
     #[allow(clippy::too_many_arguments)]
     fn fetch_rank(
         &self,
         ctx: &NodeContext,
         t: &mut Taken,
         inst: u64,
-        session: &str,
         sub: &ChunkRange,
         held: usize,
         rank: u32,
+        prepared: Option<RetrievePrepared>,
         layout: &Layout,
         namespace: NamespaceId,
         deadline: Instant,
     ) -> Result<usize> {
         let hashes = &sub.chunk_hashes[..held];
         bound(t, deadline, self.cfg.peer_timeout())?;
-        let rr = ChunkRange {
-            worker_id: Some(rank),
-            chunk_hashes: hashes.to_vec(),
-            ..sub.clone()
-        };
-        let Some(prep) = t.conn.client.prepare_retrieve(inst, &rr, Some(session))? else {
-            return Ok(0);
+        let prep = match prepared {
+            Some(p) => p,
+            None => {
+                let rr = ChunkRange {
+                    worker_id: Some(rank),
+                    chunk_hashes: hashes.to_vec(),
+                    ..sub.clone()
+                };
+                match t.conn.client.prepare_retrieve(inst, &rr, None)? {
+                    Some(p) => p,
+                    None => return Ok(0),
+                }
+            }
         };
         let object_bytes = layout.object_bytes();
         let same_layout = prep.layout.shape == layout.shape
@@ -435,6 +500,15 @@ impl ClusterNode {
         // Accounted for: what was published, what was here (or being written) already, and
         // what found no room (counted `local_full` above); not what could not be published.
         Ok(held - (reserved_count - published))
+    }
+}
+
+/// The error for a reply that is not the one a pipelined call expects.
+fn unexpected(what: &str, r: Option<Response>) -> Error {
+    match r {
+        Some(Response::Error { kind, message }) => Error::new(ErrorKind::from_code(kind), message),
+        Some(other) => Error::internal(format!("{what}: unexpected answer {other:?}")),
+        None => Error::internal(format!("{what}: no answer")),
     }
 }
 
