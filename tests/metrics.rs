@@ -442,11 +442,13 @@ fn remote_engines_are_counted_by_the_metrics() {
     c.store(7, &r, &[&data[0], &data[1]]).unwrap();
     assert_eq!(c.retrieve(7, &r).unwrap().expect("a hit"), data);
     // The node counts a retrieve's bytes once the fabric completed the send, which may be
-    // just after the client has read them.
+    // just after the client has read them. A scrape is not one snapshot (the request table is
+    // read before the remote counters): wait until both show the retrieve.
     let deadline = Instant::now() + DEADLINE;
     let after = loop {
         let e = scrape(addr);
-        if e.value("kvnode_remote_bytes_total", &[("dir", "out")]) > 0.0
+        if (e.value("kvnode_remote_bytes_total", &[("dir", "out")]) > 0.0
+            && requests(&e, "kvnode", "read_slots") > 0.0)
             || Instant::now() > deadline
         {
             break e;
