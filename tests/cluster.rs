@@ -728,3 +728,62 @@ fn a_partial_prefix_on_the_owner_is_fetched_up_to_its_gap() {
         num(s, &["objects", "read_locked"]) == 0 && num(s, &["pending_reads"]) == 0
     });
 }
+
+/// Tensor-parallel engines (world size 2): both ranks of every chunk live on the chunk's owner;
+/// a node that lacks them brings in both ranks, and each rank's retrieve is byte-identical.
+#[test]
+fn both_ranks_of_a_tensor_parallel_prefix_are_fetched() {
+    use kvnode::client::ChunkRangeBuilder;
+    let Some(c) = cluster("cltp", 2) else { return };
+    let reg2 = |id: u64| kvnode::protocol::RegisterRequest {
+        world_size: 2,
+        ..reg(id)
+    };
+    let toks = tokens(71, 10);
+    let ranges: Vec<_> = (0..2)
+        .map(|rank| ChunkRangeBuilder::worker(common::MODEL, 2, rank).tokens(&toks, common::CHUNK))
+        .collect();
+    let mut w = c.nodes[0].client();
+    w.register(&reg2(1)).unwrap();
+    w.register(&reg2(2)).unwrap();
+    let len = w.object_bytes().unwrap() as usize;
+    let data: Vec<Vec<Vec<u8>>> = ranges
+        .iter()
+        .enumerate()
+        .map(|(rank, r)| {
+            payloads(r, len)
+                .into_iter()
+                .map(|mut p| {
+                    p[0] ^= rank as u8 + 1; // the ranks' bytes differ
+                    p
+                })
+                .collect()
+        })
+        .collect();
+    for (rank, r) in ranges.iter().enumerate() {
+        let refs: Vec<&[u8]> = data[rank].iter().map(Vec::as_slice).collect();
+        w.store(1 + rank as u64, r, &refs).unwrap();
+    }
+    wait_pushes(&c.nodes[0]);
+    let mut rd = c.nodes[1].client();
+    rd.register(&reg2(11)).unwrap();
+    rd.register(&reg2(12)).unwrap();
+    let mut lookup = ranges[0].clone();
+    lookup.worker_id = None;
+    assert_eq!(
+        rd.lookup("tp", &lookup, 2).unwrap(),
+        10,
+        "{:#}",
+        c.nodes[1].status()["cluster"]
+    );
+    rd.end_session("tp").unwrap();
+    // Node 0's chunks were fetched with both their ranks.
+    let fetched = num(&c.nodes[1].status(), &["cluster", "fetched_objects"]);
+    assert!(fetched > 0 && fetched % 2 == 0, "fetched {fetched} objects");
+    for (rank, r) in ranges.iter().enumerate() {
+        let back = rd.retrieve(11 + rank as u64, r).unwrap().unwrap();
+        assert_eq!(back, data[rank], "rank {rank}");
+    }
+    let mc = rd.memcheck().unwrap();
+    assert!(mc.0, "{mc:?}");
+}
