@@ -779,7 +779,10 @@ fn both_ranks_of_a_tensor_parallel_prefix_are_fetched() {
     rd.end_session("tp").unwrap();
     // Node 0's chunks were fetched with both their ranks.
     let fetched = num(&c.nodes[1].status(), &["cluster", "fetched_objects"]);
-    assert!(fetched > 0 && fetched.is_multiple_of(2), "fetched {fetched} objects");
+    assert!(
+        fetched > 0 && fetched.is_multiple_of(2),
+        "fetched {fetched} objects"
+    );
     for (rank, r) in ranges.iter().enumerate() {
         let back = rd.retrieve(11 + rank as u64, r).unwrap().unwrap();
         assert_eq!(back, data[rank], "rank {rank}");
