@@ -790,3 +790,119 @@ fn both_ranks_of_a_tensor_parallel_prefix_are_fetched() {
     let mc = rd.memcheck().unwrap();
     assert!(mc.0, "{mc:?}");
 }
+
+/// The owner is SIGKILLed while a node is bringing a long prefix in from it (bytes in flight):
+/// the fetch is abandoned cleanly — every lookup answers (no error, no hang), nothing stays
+/// reserved or budgeted on the asking node, and its pool is consistent.
+#[test]
+fn an_owner_killed_mid_fetch_leaves_nothing_reserved_on_the_asking_node() {
+    let Some(etcd) = start_or_skip("clmid") else {
+        return;
+    };
+    let tokens_dir = TestDir::new("clmid-tok");
+    let token_file = new_token(&tokens_dir, "peer.token");
+    let start = |tag: &str, id: &str| {
+        NodeProc::start_with_config(
+            tag,
+            "[cluster]\npush = false\n",
+            &[
+                "--pool-size",
+                "512MiB",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--auth-token-file",
+                token_file.to_str().unwrap(),
+                "--etcd",
+                &etcd.url,
+                "--cluster",
+                "clmid",
+                "--node-id",
+                id,
+            ],
+        )
+    };
+    let mut a = start("clmid0", "ma");
+    let b = start("clmid1", "mb");
+    let st = wait_members(&a, 2);
+    wait_members(&b, 2);
+    // Prompts whose every chunk node a owns: b fetches all of each from a.
+    use kvnode::cluster::placement::{node_hash, owner, placement_key, weight_of, Candidate};
+    let members: Vec<(String, Candidate)> = st["cluster"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let id = m["node_id"].as_str().unwrap().to_owned();
+            let c = Candidate {
+                hash: node_hash(&id),
+                weight: weight_of(m["capacity_bytes"].as_u64().unwrap()),
+            };
+            (id, c)
+        })
+        .collect();
+    let cands: Vec<Candidate> = members.iter().map(|m| m.1).collect();
+    let on_a = |r: &kvnode::protocol::ChunkRange| {
+        r.chunk_hashes.iter().all(|h| {
+            let k = placement_key(&r.model, &r.cache_salt, h);
+            members[owner(k, &cands).unwrap()].0 == "ma"
+        })
+    };
+    // 2 MiB objects: 16 layers x 16 tokens x 1024 hidden x float32 x K/V.
+    let big = |id: u64| kvnode::protocol::RegisterRequest {
+        num_layers: 16,
+        hidden_dim: 1024,
+        ..reg(id)
+    };
+    let mut w = a.client();
+    w.register(&big(1)).unwrap();
+    let len = w.object_bytes().unwrap() as usize;
+    // Prompts stored on a (no pushes), 16 MiB each, all of which b must fetch from a.
+    let prompts: Vec<_> = (0..100_000u32)
+        .map(|p| range(&tokens(5000 + p, 8)))
+        .filter(|r| on_a(r))
+        .take(12)
+        .collect();
+    assert_eq!(prompts.len(), 12);
+    for r in &prompts {
+        let data = payloads(r, len);
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        w.store(1, r, &refs).unwrap();
+    }
+    // A reader on b looks the prompts up (each lookup brings a's chunks in) while a dies.
+    let sock = b.socket.clone();
+    let prompts2 = prompts.clone();
+    let (first_done, first) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut c = kvnode::client::Client::connect(&sock).unwrap();
+        c.register(&big(2)).unwrap();
+        let mut answered = 0;
+        for (i, r) in prompts2.iter().enumerate() {
+            let mut l = r.clone();
+            l.worker_id = None;
+            let hits = c.lookup(&format!("q{i}"), &l, 1).expect("a lookup answers");
+            assert!(hits as usize <= r.chunk_hashes.len());
+            c.end_session(&format!("q{i}")).unwrap();
+            answered += 1;
+            let _ = first_done.send(());
+        }
+        answered
+    });
+    // Killed while the next prompts' bytes are moving.
+    first.recv().unwrap();
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    assert_eq!(reader.join().unwrap(), prompts.len());
+    // Nothing left reserved or budgeted on b, and its pool is consistent.
+    let st = b.wait_status("no fetch in flight", |s| {
+        num(s, &["cluster", "fetch_bytes_in_flight"]) == 0
+    });
+    assert_eq!(num(&st, &["objects", "write_reserved"]), 0, "{st:#}");
+    let mc = b.client().memcheck().unwrap();
+    assert!(mc.0, "{mc:?}");
+    // The death came mid-sequence: some prompts were fetched, later ones failed.
+    let fetched = num(&st, &["cluster", "fetched_objects"]);
+    let failed = num(&st, &["cluster", "fetch_misses", "unreachable"])
+        + num(&st, &["cluster", "fetch_misses", "timeout"]);
+    assert!(fetched >= 8 && failed > 0, "{:#}", st["cluster"]);
+    drop(a);
+}
