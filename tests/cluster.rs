@@ -55,6 +55,48 @@ fn metrics_addr(n: &NodeProc) -> std::net::SocketAddr {
     }
 }
 
+/// A cluster node that pushes nothing (chunks stay where they are stored), plus `extra` flags.
+fn unpushed_node(
+    tag: &str,
+    etcd: &Etcd,
+    cluster: &str,
+    token: &std::path::Path,
+    id: &str,
+    extra: &[&str],
+) -> NodeProc {
+    let mut args = extra.to_vec();
+    args.extend([
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--auth-token-file",
+        token.to_str().unwrap(),
+        "--etcd",
+        &etcd.url,
+        "--cluster",
+        cluster,
+        "--node-id",
+        id,
+    ]);
+    NodeProc::start_with_config(tag, "[cluster]\npush = false\n", &args)
+}
+
+/// Whether placement, over the members in status `st`, puts every chunk of `r` on member `id`.
+fn all_owned_by(st: &serde_json::Value, id: &str, r: &kvnode::protocol::ChunkRange) -> bool {
+    use kvnode::cluster::placement::{node_hash, owner, placement_key, weight_of, Candidate};
+    let members = st["cluster"]["members"].as_array().unwrap();
+    let cands: Vec<Candidate> = members
+        .iter()
+        .map(|m| Candidate {
+            hash: node_hash(m["node_id"].as_str().unwrap()),
+            weight: weight_of(m["capacity_bytes"].as_u64().unwrap()),
+        })
+        .collect();
+    r.chunk_hashes.iter().all(|h| {
+        let k = placement_key(&r.model, &r.cache_salt, h);
+        members[owner(k, &cands).unwrap()]["node_id"] == id
+    })
+}
+
 /// Waits until `n` sees exactly `members` live members.
 fn wait_members(n: &NodeProc, members: usize) -> serde_json::Value {
     n.wait_status(&format!("{members} members"), |s| {
@@ -462,24 +504,7 @@ fn the_cluster_client_routes_to_owners_survives_a_death_and_follows_a_join() {
     let tokens_dir = TestDir::new("clcli-tok");
     let token_file = new_token(&tokens_dir, "peer.token");
     // No pushes or hand-offs: where a chunk is, is where the client put it.
-    let start = |tag: &str, id: &str| {
-        NodeProc::start_with_config(
-            tag,
-            "[cluster]\npush = false\n",
-            &[
-                "--listen",
-                "tcp://127.0.0.1:0",
-                "--auth-token-file",
-                token_file.to_str().unwrap(),
-                "--etcd",
-                &etcd.url,
-                "--cluster",
-                "clcli",
-                "--node-id",
-                id,
-            ],
-        )
-    };
+    let start = |tag: &str, id: &str| unpushed_node(tag, &etcd, "clcli", &token_file, id, &[]);
     let mut nodes: Vec<NodeProc> = (0..3)
         .map(|i| start(&format!("clcli{i}"), &format!("c{i}")))
         .collect();
@@ -643,58 +668,21 @@ fn cluster_flags_and_an_unreachable_etcd_are_refused_with_clear_errors() {
 /// prefix held with locks of its own), and its lookup answers that many chunks.
 #[test]
 fn a_partial_prefix_on_the_owner_is_fetched_up_to_its_gap() {
-    use kvnode::cluster::placement::{node_hash, owner, placement_key, weight_of, Candidate};
     let Some(etcd) = start_or_skip("clpart") else {
         return;
     };
     let tokens_dir = TestDir::new("clpart-tok");
     let token_file = new_token(&tokens_dir, "peer.token");
     // No pushes: chunks stay where they were stored.
-    let start = |tag: &str, id: &str| {
-        NodeProc::start_with_config(
-            tag,
-            "[cluster]\npush = false\n",
-            &[
-                "--listen",
-                "tcp://127.0.0.1:0",
-                "--auth-token-file",
-                token_file.to_str().unwrap(),
-                "--etcd",
-                &etcd.url,
-                "--cluster",
-                "clpart",
-                "--node-id",
-                id,
-            ],
-        )
-    };
+    let start = |tag: &str, id: &str| unpushed_node(tag, &etcd, "clpart", &token_file, id, &[]);
     let a = start("clpart0", "pa");
     let b = start("clpart1", "pb");
     let st = wait_members(&a, 2);
     wait_members(&b, 2);
-    let members: Vec<(String, Candidate)> = st["cluster"]["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let id = m["node_id"].as_str().unwrap().to_owned();
-            let c = Candidate {
-                hash: node_hash(&id),
-                weight: weight_of(m["capacity_bytes"].as_u64().unwrap()),
-            };
-            (id, c)
-        })
-        .collect();
-    let cands: Vec<Candidate> = members.iter().map(|m| m.1).collect();
     // A prompt whose first 6 chunks all belong to node a.
     let r = (0..10_000u32)
         .map(|conv| range(&tokens(1000 + conv, 6)))
-        .find(|r| {
-            r.chunk_hashes.iter().all(|h| {
-                let k = placement_key(&r.model, &r.cache_salt, h);
-                members[owner(k, &cands).unwrap()].0 == "pa"
-            })
-        })
+        .find(|r| all_owned_by(&st, "pa", r))
         .expect("a prompt placed on node a");
     // Node a holds only its first 3 chunks.
     let mut w = client(&a, 1);
@@ -802,23 +790,13 @@ fn an_owner_killed_mid_fetch_leaves_nothing_reserved_on_the_asking_node() {
     let tokens_dir = TestDir::new("clmid-tok");
     let token_file = new_token(&tokens_dir, "peer.token");
     let start = |tag: &str, id: &str| {
-        NodeProc::start_with_config(
+        unpushed_node(
             tag,
-            "[cluster]\npush = false\n",
-            &[
-                "--pool-size",
-                "512MiB",
-                "--listen",
-                "tcp://127.0.0.1:0",
-                "--auth-token-file",
-                token_file.to_str().unwrap(),
-                "--etcd",
-                &etcd.url,
-                "--cluster",
-                "clmid",
-                "--node-id",
-                id,
-            ],
+            &etcd,
+            "clmid",
+            &token_file,
+            id,
+            &["--pool-size", "512MiB"],
         )
     };
     let mut a = start("clmid0", "ma");
@@ -826,27 +804,7 @@ fn an_owner_killed_mid_fetch_leaves_nothing_reserved_on_the_asking_node() {
     let st = wait_members(&a, 2);
     wait_members(&b, 2);
     // Prompts whose every chunk node a owns: b fetches all of each from a.
-    use kvnode::cluster::placement::{node_hash, owner, placement_key, weight_of, Candidate};
-    let members: Vec<(String, Candidate)> = st["cluster"]["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let id = m["node_id"].as_str().unwrap().to_owned();
-            let c = Candidate {
-                hash: node_hash(&id),
-                weight: weight_of(m["capacity_bytes"].as_u64().unwrap()),
-            };
-            (id, c)
-        })
-        .collect();
-    let cands: Vec<Candidate> = members.iter().map(|m| m.1).collect();
-    let on_a = |r: &kvnode::protocol::ChunkRange| {
-        r.chunk_hashes.iter().all(|h| {
-            let k = placement_key(&r.model, &r.cache_salt, h);
-            members[owner(k, &cands).unwrap()].0 == "ma"
-        })
-    };
+    let on_a = |r: &kvnode::protocol::ChunkRange| all_owned_by(&st, "ma", r);
     // 2 MiB objects: 16 layers x 16 tokens x 1024 hidden x float32 x K/V.
     let big = |id: u64| kvnode::protocol::RegisterRequest {
         num_layers: 16,

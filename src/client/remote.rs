@@ -434,6 +434,20 @@ impl Client<TcpTransport> {
         commit: bool,
     ) -> Result<u64> {
         let want: u64 = out.iter().map(|b| b.len() as u64).sum();
+        let bytes = self.read_slots_header(instance_id, transfer_id, want, commit)?;
+        self.stream.read_trailer(&mut self.reader, out)?;
+        Ok(bytes)
+    }
+
+    /// Sends READ_SLOTS and reads its reply up to the trailer, which must announce exactly
+    /// `want` bytes (what the caller reads next). Returns the bytes announced.
+    fn read_slots_header(
+        &mut self,
+        instance_id: u64,
+        transfer_id: u64,
+        want: u64,
+        commit: bool,
+    ) -> Result<u64> {
         let id = self.send(&Request::ReadSlots {
             instance_id,
             transfer_id,
@@ -453,12 +467,9 @@ impl Client<TcpTransport> {
             )));
         }
         match resp {
-            Response::SlotsRead { bytes } if bytes == h.trailer_len && bytes == want => {
-                self.stream.read_trailer(&mut self.reader, out)?;
-                Ok(bytes)
-            }
+            Response::SlotsRead { bytes } if bytes == h.trailer_len && bytes == want => Ok(bytes),
             Response::SlotsRead { bytes } => Err(Error::internal(format!(
-                "the node sends {bytes} bytes ({} announced) for buffers of {want}; the \
+                "the node sends {bytes} bytes ({} announced) for {want} expected; the \
                  connection cannot be used further",
                 h.trailer_len
             ))),
@@ -485,54 +496,20 @@ impl Client<TcpTransport> {
         deadline: Option<Instant>,
         sink: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<u64> {
-        let id = self.send(&Request::ReadSlots {
-            instance_id,
-            transfer_id,
-            data: DataPath::Inline,
-            commit,
-        })?;
-        let (h, _) = self
-            .stream
-            .read_frame(&mut self.reader, &mut self.payload)
-            .map_err(frame_err)?
-            .ok_or_else(|| Error::new(ErrorKind::Io, "node closed the connection"))?;
-        let resp = decode_response(&self.payload).map_err(frame_err)?;
-        if h.request_id != id {
-            return Err(Error::internal(format!(
-                "response id {} for request {id}",
-                h.request_id
-            )));
-        }
-        match resp {
-            Response::SlotsRead { bytes } if bytes == h.trailer_len && bytes == want => {
-                let mut failed = None;
-                self.stream.read_trailer_with(
-                    &mut self.reader,
-                    bytes,
-                    deadline,
-                    &mut |at, b| {
-                        if failed.is_none() {
-                            if let Err(e) = sink(at, b) {
-                                failed = Some(e);
-                            }
-                        }
-                        Ok(())
-                    },
-                )?;
-                match failed {
-                    Some(e) => Err(e),
-                    None => Ok(bytes),
+        let bytes = self.read_slots_header(instance_id, transfer_id, want, commit)?;
+        let mut failed = None;
+        self.stream
+            .read_trailer_with(&mut self.reader, bytes, deadline, &mut |at, b| {
+                if failed.is_none() {
+                    if let Err(e) = sink(at, b) {
+                        failed = Some(e);
+                    }
                 }
-            }
-            Response::SlotsRead { bytes } => Err(Error::internal(format!(
-                "the node sends {bytes} bytes ({} announced) for {want} expected; the \
-                 connection cannot be used further",
-                h.trailer_len
-            ))),
-            Response::Error { kind, message } => {
-                Err(Error::new(ErrorKind::from_code(kind), message))
-            }
-            r => Err(Self::unexpected(r)),
+                Ok(())
+            })?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(bytes),
         }
     }
 

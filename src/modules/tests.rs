@@ -506,3 +506,46 @@ fn recovered_namespaces_are_never_refused() {
     assert!(ns.intern("m", "new").is_err(), "new ones wait for reclaims");
     assert!(ns.intern("m", "s3").is_ok(), "held ones still resolve");
 }
+
+/// An object stored under one layout is a miss for a reader registered under another layout
+/// of the same byte size (same shape, other dtype of the same width): its bytes mean something
+/// else. The reader of the storing layout still hits.
+#[test]
+fn a_retrieve_under_another_layout_of_the_same_size_misses() {
+    let mut h = Harness::new();
+    h.register(1);
+    let other = if world::DTYPE == "float16" {
+        "bfloat16"
+    } else {
+        "float16"
+    };
+    let r = h.call(Request::Register(RegisterRequest {
+        instance_id: 2,
+        model: MODEL.into(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: world::NUM_LAYERS,
+        hidden_dim: world::HIDDEN,
+        dtype: other.into(),
+        use_mla: false,
+        physical_slots: None,
+    }));
+    let Response::Registered(reg2) = r else {
+        panic!("{r:?}")
+    };
+    h.store(1, &[1, 2]);
+    let miss = h.call(Request::PrepareRetrieve {
+        instance_id: 2,
+        range: Harness::range(&[1, 2], Some(0)),
+        lookup_session: None,
+    });
+    assert!(
+        matches!(miss, Response::RetrievePrepared { hit: false, .. }),
+        "layout {:?} read an object of another dtype: {miss:?}",
+        reg2.layout
+    );
+    // No lock left behind by the miss; the storing layout still reads it.
+    assert_eq!(h.object(1).map(|o| o.1), Some(0));
+    let (t, _) = h.prepare_retrieve(1, &[1, 2], None);
+    h.commit_retrieve(1, t);
+}

@@ -345,17 +345,10 @@ fn prepare_retrieve(
     // something else (a cluster peer asking with its own layout relies on this check).
     let object_bytes = inst.layout.object_bytes();
     let fingerprint = inst.layout.fingerprint();
-    let foreign = keys
+    let foreign = results
         .iter()
-        .zip(&results)
-        .filter_map(|(k, r)| r.as_ref().ok().map(|g| (k, g)))
-        .filter(|(k, g)| {
-            g.slot.len != object_bytes
-                || ctx
-                    .storage
-                    .ready_object(k)
-                    .is_some_and(|(_, fp)| fp != 0 && fp != fingerprint)
-        })
+        .flatten()
+        .filter(|g| g.slot.len != object_bytes || (g.layout != 0 && g.layout != fingerprint))
         .count();
     if foreign > 0 {
         tracing::warn!(

@@ -139,6 +139,9 @@ pub struct Grant {
     pub slot: Slot,
     /// The entry's lease when the grant was issued.
     pub lease: u64,
+    /// Fingerprint of the layout the object was committed (or loaded) under, as the entry held
+    /// it when the grant was issued; 0 = unknown (always for a write reservation).
+    pub layout: u64,
 }
 
 /// Result of a consistency check. Invariant: `ok` iff `problems` is empty.

@@ -34,6 +34,7 @@ impl StorageCore {
                 let grant = Grant {
                     slot: e.slot,
                     lease: e.lease,
+                    layout: e.layout,
                 };
                 let after = Tally::of(e);
                 shard.sync_recency(k);
@@ -64,6 +65,7 @@ impl StorageCore {
                 let grant = Grant {
                     slot: e.slot,
                     lease: e.lease,
+                    layout: e.layout,
                 };
                 let after = Tally::of(e);
                 shard.sync_recency(k);
@@ -129,6 +131,7 @@ impl StorageCore {
         Ok(Grant {
             slot: e.slot,
             lease: e.lease,
+            layout: e.layout,
         })
     }
 
@@ -148,6 +151,7 @@ impl StorageCore {
                 Ok(Grant {
                     slot: e.slot,
                     lease: e.lease,
+                    layout: e.layout,
                 })
             })
             .collect()

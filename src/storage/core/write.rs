@@ -116,7 +116,11 @@ impl StorageCore {
             self.tally(si, Tally::ABSENT, Tally::of(&entry));
             shard.map.insert(keys[i], entry);
             self.object_count.fetch_add(1, Ordering::Relaxed);
-            results[i] = Ok(Grant { slot, lease });
+            results[i] = Ok(Grant {
+                slot,
+                lease,
+                layout: 0,
+            });
         }
         results
     }
